@@ -1,0 +1,26 @@
+//! Mixture-of-experts language models in Burn, with Hugging Face `config.json` and safetensors I/O.
+//!
+//! Entry points: [`Qwen3MoeConfig`] (parse and validate a `config.json`, then `init` a fresh model)
+//! and [`Qwen3MoeForCausalLM`] (`from_pretrained`, `forward`, `loss`, `save_pretrained`). The MoE
+//! machinery ([`moe`]) is shared: a router, the [`moe::Experts`] trait that new expert types
+//! implement, the grouped dispatch, and the load-balancing loss.
+//!
+//! **This crate knows nothing about device groups, ranks or transports.** A model is a sequence of
+//! (attention block, expert block) pairs plus embedding and head; partitioning and placement happen
+//! in `disagmoe-train` on that shape. Everything is computed in f32; checkpoints may be f32, bf16 or
+//! f16.
+
+pub mod attention;
+pub mod config;
+pub mod error;
+pub mod moe;
+pub mod nn;
+pub mod qwen3_moe;
+pub mod rope;
+pub mod weights;
+
+pub use config::{Qwen3MoeConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use moe::{Experts, RouterStats, SparseMoeBlock, SwiGluExperts};
+pub use qwen3_moe::{CausalLmOutput, LossParts, Qwen3MoeForCausalLM};
+pub use weights::{CheckpointReader, TensorSink};

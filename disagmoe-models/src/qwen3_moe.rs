@@ -1,0 +1,317 @@
+//! Qwen3-MoE (`Qwen3MoeForCausalLM` in transformers), natively in Burn.
+//!
+//! A model is a sequence of (attention block, expert block) pairs plus embedding and head; it knows
+//! nothing about devices, ranks or transports.
+//!
+//! Checkpoint names: `model.embed_tokens.weight`, `model.layers.{i}.input_layernorm.weight`,
+//! `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `model.layers.{i}.self_attn.{q,k}_norm.weight`,
+//! `model.layers.{i}.post_attention_layernorm.weight`, `model.layers.{i}.mlp.gate.weight`,
+//! `model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight` (sparse layers) or
+//! `model.layers.{i}.mlp.{gate,up,down}_proj.weight` (dense layers), `model.norm.weight`,
+//! `lm_head.weight` (absent when tied).
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::attention::{AttentionShape, GqaAttention};
+use crate::config::Qwen3MoeConfig;
+use crate::error::{ModelError, Result};
+use crate::moe::{check_token_ids, load_balancing_loss, RouterStats, SparseMoeBlock, SwiGluExperts, SwiGluMlp, TopKRouter};
+use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::rope::Rope;
+use crate::weights::{CheckpointReader, TensorSink};
+
+/// The expert block of one layer: routed experts, or a dense MLP where the config asks for one.
+#[derive(Module, Debug)]
+pub struct FeedForward<B: Backend> {
+    /// Present on sparse layers.
+    pub moe: Option<SparseMoeBlock<B, SwiGluExperts<B>>>,
+    /// Present on dense layers (`mlp_only_layers`, or off the `decoder_sparse_step`).
+    pub dense: Option<SwiGluMlp<B>>,
+}
+
+impl<B: Backend> FeedForward<B> {
+    /// # Shapes
+    /// - x: `[B, S, M]` -> `[B, S, M]`, plus router statistics on sparse layers
+    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
+        match (&self.moe, &self.dense) {
+            (Some(moe), _) => {
+                let (y, stats) = moe.forward(x);
+                (y, Some(stats))
+            }
+            (None, Some(mlp)) => (mlp.forward(x), None),
+            (None, None) => unreachable!("a feed-forward block is sparse or dense"),
+        }
+    }
+}
+
+/// One decoder layer: pre-norm attention and pre-norm feed-forward, each with a residual.
+#[derive(Module, Debug)]
+pub struct Qwen3MoeDecoderLayer<B: Backend> {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Attention block.
+    pub self_attn: GqaAttention<B>,
+    /// Norm before the feed-forward.
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// Expert block.
+    pub mlp: FeedForward<B>,
+}
+
+impl<B: Backend> Qwen3MoeDecoderLayer<B> {
+    fn new(config: &Qwen3MoeConfig, layer: usize, device: &B::Device) -> Self {
+        let std = config.initializer_range;
+        let shape = AttentionShape {
+            hidden: config.hidden_size,
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            window: config.layer_window(layer),
+        };
+        let mlp = if config.is_sparse_layer(layer) {
+            FeedForward {
+                moe: Some(SparseMoeBlock {
+                    gate: TopKRouter::new(
+                        config.hidden_size,
+                        config.num_experts,
+                        config.num_experts_per_tok,
+                        config.norm_topk_prob,
+                        std,
+                        device,
+                    ),
+                    experts: SwiGluExperts::new(config.num_experts, config.hidden_size, config.moe_intermediate_size, std, device),
+                }),
+                dense: None,
+            }
+        } else {
+            FeedForward { moe: None, dense: Some(SwiGluMlp::new(config.hidden_size, config.intermediate_size, std, device)) }
+        };
+        Self {
+            input_layernorm: RmsNorm::new(config.hidden_size, config.rms_norm_eps, device),
+            self_attn: GqaAttention::new(shape, config.attention_bias, config.rms_norm_eps, std, device),
+            post_attention_layernorm: RmsNorm::new(config.hidden_size, config.rms_norm_eps, device),
+            mlp,
+        }
+    }
+
+    /// The attention half: `x + attn(norm(x))`.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]` -> `[B, S, M]`
+    pub fn attention_block(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+        x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin)
+    }
+
+    /// The expert half: `x + ffn(norm(x))`.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]` -> `[B, S, M]`
+    pub fn expert_block(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
+        let (y, stats) = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
+        (x + y, stats)
+    }
+
+    fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
+        self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
+        self.self_attn.load(ckpt, &format!("{prefix}.self_attn"), device)?;
+        self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
+        match (&mut self.mlp.moe, &mut self.mlp.dense) {
+            (Some(moe), _) => moe.load(ckpt, &format!("{prefix}.mlp"), device),
+            (None, Some(mlp)) => mlp.load(ckpt, &format!("{prefix}.mlp"), device),
+            (None, None) => Ok(()),
+        }
+    }
+
+    fn save(&self, sink: &mut TensorSink, prefix: &str) {
+        self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
+        self.self_attn.save(sink, &format!("{prefix}.self_attn"));
+        self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
+        if let Some(moe) = &self.mlp.moe {
+            moe.save(sink, &format!("{prefix}.mlp"));
+        }
+        if let Some(mlp) = &self.mlp.dense {
+            mlp.save(sink, &format!("{prefix}.mlp"));
+        }
+    }
+}
+
+/// What a forward pass returns.
+#[derive(Debug, Clone)]
+pub struct CausalLmOutput<B: Backend> {
+    /// `[B, S, V]` next-token logits.
+    pub logits: Tensor<B, 3>,
+    /// One entry per sparse layer, in layer order.
+    pub router_stats: Vec<RouterStats<B>>,
+}
+
+/// The parts of the training loss.
+#[derive(Debug, Clone)]
+pub struct LossParts<B: Backend> {
+    /// Mean next-token cross-entropy, `[1]`.
+    pub lm_loss: Tensor<B, 1>,
+    /// Load-balancing loss (before the coefficient), when the model has MoE layers and it is on.
+    pub aux_loss: Option<Tensor<B, 1>>,
+    /// `lm_loss + router_aux_loss_coef * aux_loss`, `[1]`.
+    pub total: Tensor<B, 1>,
+}
+
+/// Qwen3-MoE causal language model.
+#[derive(Module, Debug)]
+pub struct Qwen3MoeForCausalLM<B: Backend> {
+    /// `model.embed_tokens`
+    pub embed_tokens: Embedding<B>,
+    /// `model.layers`
+    pub layers: Vec<Qwen3MoeDecoderLayer<B>>,
+    /// `model.norm`
+    pub norm: RmsNorm<B>,
+    /// `lm_head` (absent when tied to the embedding).
+    pub lm_head: Option<Linear<B>>,
+    #[module(skip)]
+    config: Qwen3MoeConfig,
+    #[module(skip)]
+    rope: Rope,
+}
+
+impl Qwen3MoeConfig {
+    /// A freshly initialised model (normal(0, `initializer_range`) weights, norms at one), as
+    /// transformers initialises it.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Qwen3MoeForCausalLM<B> {
+        let std = self.initializer_range;
+        Qwen3MoeForCausalLM {
+            embed_tokens: Embedding::new(self.vocab_size, self.hidden_size, std, device),
+            layers: (0..self.num_hidden_layers).map(|l| Qwen3MoeDecoderLayer::new(self, l, device)).collect(),
+            norm: RmsNorm::new(self.hidden_size, self.rms_norm_eps, device),
+            lm_head: (!self.tie_word_embeddings).then(|| Linear::new(self.hidden_size, self.vocab_size, false, std, device)),
+            config: self.clone(),
+            rope: Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling),
+        }
+    }
+}
+
+impl<B: Backend> Qwen3MoeForCausalLM<B> {
+    /// The model's configuration.
+    pub fn config(&self) -> &Qwen3MoeConfig {
+        &self.config
+    }
+
+    /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = Qwen3MoeConfig::from_file(dir.join("config.json"))?;
+        let mut model = config.init::<B>(device);
+        let mut ckpt = CheckpointReader::open(dir)?;
+        model.load_weights(&mut ckpt, device)?;
+        let unused = ckpt.unused();
+        if !unused.is_empty() {
+            tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
+        }
+        Ok(model)
+    }
+
+    /// Replaces every parameter with the checkpoint's tensor of the same Hugging Face name.
+    pub fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+        self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.load(ckpt, &format!("model.layers.{i}"), device)?;
+        }
+        self.norm.load(ckpt, "model.norm", device)?;
+        if let Some(head) = &mut self.lm_head {
+            head.load(ckpt, "lm_head", device)?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter under its Hugging Face name.
+    pub fn state_dict(&self) -> TensorSink {
+        let mut sink = TensorSink::new();
+        self.embed_tokens.save(&mut sink, "model.embed_tokens");
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.save(&mut sink, &format!("model.layers.{i}"));
+        }
+        self.norm.save(&mut sink, "model.norm");
+        if let Some(head) = &self.lm_head {
+            head.save(&mut sink, "lm_head");
+        }
+        sink
+    }
+
+    /// Writes `config.json` and the weights (f32 safetensors, sharded past `max_shard_bytes`) so
+    /// that transformers' `from_pretrained` loads the directory.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
+        let dir = dir.as_ref();
+        self.state_dict().write(dir, max_shard_bytes)?;
+        let path = dir.join("config.json");
+        let text = serde_json::to_vec_pretty(&self.config.to_hf_json()).expect("config serialises");
+        crate::weights::write_atomically(&path, |tmp| std::fs::write(tmp, &text))
+    }
+
+    /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
+    pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
+        let b = rows.len();
+        let s = rows.first().map(Vec::len).unwrap_or(0);
+        if b == 0 || s == 0 {
+            return Err(ModelError::InvalidInput("input ids must be a non-empty list of non-empty lists".into()));
+        }
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != s) {
+            return Err(ModelError::InvalidInput(format!("row {i} has {} ids, row 0 has {s}: rows must have equal length", r.len())));
+        }
+        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+        check_token_ids(&flat, self.config.vocab_size)?;
+        Ok(Tensor::from_data(TensorData::new(flat, [b, s]), device))
+    }
+
+    /// The forward pass.
+    ///
+    /// # Shapes
+    /// - ids: `[B, S]` -> logits `[B, S, V]`
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> CausalLmOutput<B> {
+        let [_, s] = ids.dims();
+        let device = ids.device();
+        // 1. Embed.
+        let mut x = self.embed_tokens.forward(ids); // [B, S, M]
+        let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, D]
+        // 2. (attention block, expert block) pairs.
+        let mut router_stats = Vec::new();
+        for layer in &self.layers {
+            x = layer.attention_block(x, cos.clone(), sin.clone());
+            let (y, stats) = layer.expert_block(x);
+            x = y;
+            router_stats.extend(stats);
+        }
+        // 3. Final norm and head.
+        let x = self.norm.forward(x);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.embed_tokens.weight.val().transpose().unsqueeze::<3>()),
+        };
+        CausalLmOutput { logits, router_stats }
+    }
+
+    /// The training loss of a forward pass over `ids`: next-token cross-entropy (labels = inputs
+    /// shifted by one) plus `router_aux_loss_coef` times the load-balancing loss when `with_aux`.
+    pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
+        let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
+        let aux_loss = if with_aux { load_balancing_loss(&out.router_stats) } else { None };
+        let total = match &aux_loss {
+            Some(aux) => lm_loss.clone() + aux.clone().mul_scalar(self.config.router_aux_loss_coef),
+            None => lm_loss.clone(),
+        };
+        LossParts { lm_loss, aux_loss, total }
+    }
+}
+
+/// Mean cross-entropy of `logits[:, :-1]` against `ids[:, 1:]`.
+///
+/// # Shapes
+/// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
+pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [b, s, v] = logits.dims();
+    let n = b * (s - 1);
+    let logp = log_softmax(logits.narrow(1, 0, s - 1).reshape([n, v]), 1); // [N, V]
+    let labels = ids.narrow(1, 1, s - 1).reshape([n, 1]);
+    logp.gather(1, labels).mean().neg()
+}

@@ -1,0 +1,310 @@
+//! Hugging Face safetensors checkpoints: reading (single file or sharded with
+//! `model.safetensors.index.json`; F32, BF16 or F16) and writing (F32, sharded past a size limit,
+//! written to a temporary name and renamed so that a crash never leaves a half-written file).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata};
+use safetensors::SafeTensors;
+
+use crate::error::{ModelError, Result};
+
+/// File name of a single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// File name of the index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+struct ShardFile {
+    path: PathBuf,
+    map: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+/// Reads tensors by their Hugging Face names from a checkpoint directory, converting to f32.
+///
+/// It remembers which tensors were taken, so a loader can report the ones it did not use.
+pub struct CheckpointReader {
+    dir: PathBuf,
+    files: Vec<ShardFile>,
+    /// tensor name -> index into `files`
+    index: HashMap<String, usize>,
+    taken: HashSet<String>,
+}
+
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ModelError + 'a {
+    move |source| ModelError::Io { action, path: path.to_path_buf(), source }
+}
+
+impl CheckpointReader {
+    /// Opens `dir/model.safetensors.index.json` if present, else `dir/model.safetensors`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let index_path = dir.join(INDEX_FILE);
+        let file_names: Vec<String> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(io_err("cannot read", &index_path))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|source| ModelError::ConfigParse { path: index_path.clone(), source })?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
+                path: index_path.clone(),
+                message: "index has no `weight_map` object".into(),
+            })?;
+            let mut names: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            let single = dir.join(SINGLE_FILE);
+            if !single.exists() {
+                return Err(ModelError::Io {
+                    action: "no checkpoint found (expected model.safetensors or model.safetensors.index.json) in",
+                    path: dir,
+                    source: std::io::Error::from(std::io::ErrorKind::NotFound),
+                });
+            }
+            vec![SINGLE_FILE.to_owned()]
+        };
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for name in file_names {
+            let path = dir.join(&name);
+            let file = std::fs::File::open(&path).map_err(io_err("cannot open", &path))?;
+            // SAFETY: the map is read-only; a checkpoint modified while we read it is a user error
+            // that at worst yields wrong values, which the shape and length checks bound.
+            let map = unsafe { Mmap::map(&file) }.map_err(io_err("cannot map", &path))?;
+            let (header_len, meta) = SafeTensors::read_metadata(&map)
+                .map_err(|e| ModelError::Safetensors { path: path.clone(), message: e.to_string() })?;
+            for tensor_name in meta.tensors().keys() {
+                index.insert(tensor_name.clone(), files.len());
+            }
+            files.push(ShardFile { path, map, header_len, meta });
+        }
+        Ok(Self { dir, files, index, taken: HashSet::new() })
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether the checkpoint has a tensor of this name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Reads a tensor as f32 with its shape, marking it used.
+    pub fn read_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let &fi = self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })?;
+        let file = &self.files[fi];
+        let info = file.meta.info(name).expect("indexed tensor has metadata");
+        let start = 8 + file.header_len + info.data_offsets.0;
+        let end = 8 + file.header_len + info.data_offsets.1;
+        let bytes = file.map.get(start..end).ok_or_else(|| ModelError::Safetensors {
+            path: file.path.clone(),
+            message: format!("data of `{name}` lies past the end of the file (truncated?)"),
+        })?;
+        let n: usize = info.shape.iter().product();
+        let width = match info.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+            other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
+        };
+        if bytes.len() != n * width {
+            return Err(ModelError::Safetensors {
+                path: file.path.clone(),
+                message: format!("`{name}` has {} bytes, its shape {:?} needs {}", bytes.len(), info.shape, n * width),
+            });
+        }
+        let values: Vec<f32> = match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            _ => unreachable!("checked above"),
+        };
+        self.taken.insert(name.to_owned());
+        Ok((info.shape.clone(), values))
+    }
+
+    /// Reads a tensor, checks its shape, and puts it on `device`.
+    pub fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>> {
+        let (found, values) = self.read_f32(name)?;
+        if found.as_slice() != shape.as_slice() {
+            return Err(ModelError::ShapeMismatch { name: name.into(), found, expected: shape.to_vec() });
+        }
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+
+    /// Names present in the checkpoint that no loader has read, sorted.
+    pub fn unused(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.index.keys().filter(|n| !self.taken.contains(*n)).cloned().collect();
+        v.sort();
+        v
+    }
+}
+
+/// Collects named f32 tensors and writes them as a Hugging Face safetensors checkpoint.
+///
+/// It also records the [`ParamId`] behind each name, so gradients and optimizer state (keyed by
+/// parameter id in Burn) can be reported under Hugging Face names. A sink made with
+/// [`TensorSink::names_only`] records only the names, reading no values.
+#[derive(Default)]
+pub struct TensorSink {
+    tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    ids: BTreeMap<String, ParamId>,
+    names_only: bool,
+}
+
+struct F32View<'a> {
+    shape: &'a [usize],
+    bytes: Vec<u8>,
+}
+
+impl safetensors::View for &F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+impl TensorSink {
+    /// An empty sink.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A sink that records names and parameter ids, and no values.
+    pub fn names_only() -> Self {
+        Self { names_only: true, ..Self::default() }
+    }
+
+    /// Adds a parameter under its Hugging Face name.
+    pub fn put_param<B: Backend, const D: usize>(&mut self, name: String, p: &Param<Tensor<B, D>>) {
+        self.ids.insert(name.clone(), p.id);
+        if !self.names_only {
+            self.put(name, p.val());
+        } else {
+            self.tensors.insert(name, (p.val().dims().to_vec(), Vec::new()));
+        }
+    }
+
+    /// Hugging Face name of each parameter id.
+    pub fn names_by_id(&self) -> HashMap<ParamId, String> {
+        self.ids.iter().map(|(n, id)| (*id, n.clone())).collect()
+    }
+
+    /// Adds a tensor (read back from its device as f32).
+    pub fn put<B: Backend, const D: usize>(&mut self, name: String, t: Tensor<B, D>) {
+        let shape = t.dims().to_vec();
+        let values = t.into_data().convert::<f32>().to_vec::<f32>().expect("f32 data");
+        self.tensors.insert(name, (shape, values));
+    }
+
+    /// Adds raw f32 values.
+    pub fn put_raw(&mut self, name: String, shape: Vec<usize>, values: Vec<f32>) {
+        self.tensors.insert(name, (shape, values));
+    }
+
+    /// Names collected so far.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Values of one collected tensor.
+    pub fn get(&self, name: &str) -> Option<(&[usize], &[f32])> {
+        self.tensors.get(name).map(|(s, v)| (s.as_slice(), v.as_slice()))
+    }
+
+    /// Writes `dir/model.safetensors`, or shards of at most `max_shard_bytes` plus
+    /// `model.safetensors.index.json` when the tensors do not fit in one. Each file is written to a
+    /// temporary name, synced, and renamed into place.
+    pub fn write(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<Vec<PathBuf>> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(io_err("cannot create directory", dir))?;
+        // Deal tensors to shards in name order.
+        let mut shards: Vec<Vec<&String>> = vec![vec![]];
+        let mut current = 0usize;
+        for (name, (_, v)) in &self.tensors {
+            let size = v.len() * 4;
+            if current > 0 && current + size > max_shard_bytes {
+                shards.push(vec![]);
+                current = 0;
+            }
+            shards.last_mut().unwrap().push(name);
+            current += size;
+        }
+        let n = shards.len();
+        let mut written = Vec::new();
+        let mut weight_map = serde_json::Map::new();
+        for (i, names) in shards.iter().enumerate() {
+            let file_name =
+                if n == 1 { SINGLE_FILE.to_owned() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+            let views: Vec<(String, F32View)> = names
+                .iter()
+                .map(|name| {
+                    let (shape, values) = &self.tensors[*name];
+                    let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    ((*name).clone(), F32View { shape, bytes })
+                })
+                .collect();
+            let path = dir.join(&file_name);
+            let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+            let refs = views.iter().map(|(n, v)| (n.clone(), v));
+            write_atomically(&path, |tmp| {
+                safetensors::serialize_to_file(refs, Some(meta), tmp)
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+            })?;
+            for name in names {
+                weight_map.insert((*name).clone(), serde_json::Value::String(file_name.clone()));
+            }
+            written.push(path);
+        }
+        let index_path = dir.join(INDEX_FILE);
+        if n > 1 {
+            let total: usize = self.tensors.values().map(|(_, v)| v.len() * 4).sum();
+            let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+            write_atomically(&index_path, |tmp| std::fs::write(tmp, serde_json::to_vec_pretty(&index).unwrap()))?;
+            written.push(index_path);
+            let _ = std::fs::remove_file(dir.join(SINGLE_FILE));
+        } else if index_path.exists() {
+            // A stale index would shadow the single file we just wrote.
+            std::fs::remove_file(&index_path).map_err(io_err("cannot remove stale index", &index_path))?;
+        }
+        Ok(written)
+    }
+}
+
+/// Writes `path` through `write(tmp)` to `path.tmp`, fsyncs it, then renames it over `path`.
+pub fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<()> {
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    let result = write(&tmp).and_then(|_| std::fs::File::open(&tmp)?.sync_all()).and_then(|_| std::fs::rename(&tmp, path));
+    result.map_err(|source| {
+        let _ = std::fs::remove_file(&tmp);
+        ModelError::Io { action: "cannot write", path: path.to_path_buf(), source }
+    })
+}
