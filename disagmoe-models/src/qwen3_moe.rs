@@ -228,15 +228,26 @@ impl<B: Backend> Qwen3MoeForCausalLM<B> {
     /// Every parameter under its Hugging Face name.
     pub fn state_dict(&self) -> TensorSink {
         let mut sink = TensorSink::new();
-        self.embed_tokens.save(&mut sink, "model.embed_tokens");
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.save(&mut sink, &format!("model.layers.{i}"));
-        }
-        self.norm.save(&mut sink, "model.norm");
-        if let Some(head) = &self.lm_head {
-            head.save(&mut sink, "lm_head");
-        }
+        self.save_into(&mut sink);
         sink
+    }
+
+    fn save_into(&self, sink: &mut TensorSink) {
+        self.embed_tokens.save(sink, "model.embed_tokens");
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.save(sink, &format!("model.layers.{i}"));
+        }
+        self.norm.save(sink, "model.norm");
+        if let Some(head) = &self.lm_head {
+            head.save(sink, "lm_head");
+        }
+    }
+
+    /// Hugging Face name of each parameter id (reads no values).
+    pub fn state_dict_names(&self) -> std::collections::HashMap<burn::module::ParamId, String> {
+        let mut sink = TensorSink::names_only();
+        self.save_into(&mut sink);
+        sink.names_by_id()
     }
 
     /// Writes `config.json` and the weights (f32 safetensors, sharded past `max_shard_bytes`) so

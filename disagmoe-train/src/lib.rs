@@ -1,1 +1,18 @@
-//! placeholder
+//! Training for DisagMoE: data, optimizer, single-device trainer, metrics.
+//!
+//! Entry points: [`RunConfig`] (every option of a run, TOML or flags, validated once) and [`train`]
+//! (one device; returns a [`TrainSummary`]). The backend is chosen at build time in [`backend`].
+//!
+//! **Only this crate communicates** (the AF-Pipe runtime, workers and transports will live here);
+//! models come from `disagmoe-models` and know nothing about where they run.
+
+pub mod backend;
+pub mod data;
+pub mod error;
+pub mod metrics;
+pub mod optim;
+pub mod trainer;
+
+pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
+pub use error::{Result, TrainError};
+pub use trainer::{build_model, train, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG};

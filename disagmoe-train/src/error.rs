@@ -1,0 +1,63 @@
+//! Errors of the training crate.
+
+use std::path::PathBuf;
+
+/// What can stop a training run before it starts or while it runs.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A model could not be built or loaded.
+    #[error(transparent)]
+    Model(#[from] disagmoe_models::ModelError),
+    /// A training option has a value outside the allowed set.
+    #[error("training option `{field}`: {message}")]
+    InvalidOption {
+        /// The option's name (as in the TOML run config and the `--flag`).
+        field: String,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+    /// The corpus is unusable.
+    #[error("corpus {path}: {message}")]
+    Corpus {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The tokenizer could not be loaded or used.
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer {
+        /// The `tokenizer.json` file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A file could not be read or written.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What we tried.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The run config TOML is malformed.
+    #[error("run config {path}: {message}")]
+    RunConfig {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (names the key).
+        message: String,
+    },
+}
+
+impl TrainError {
+    /// Shorthand for [`TrainError::InvalidOption`].
+    pub fn option(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidOption { field: field.into(), message: message.into() }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;

@@ -1,0 +1,106 @@
+//! Per-step training metrics and the JSONL file they are appended to.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{Result, TrainError};
+
+/// Expert load of one MoE layer in one step.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ExpertLoad {
+    /// Layer index in the model.
+    pub layer: usize,
+    /// Routed token copies per expert.
+    pub tokens_per_expert: Vec<usize>,
+    /// Busiest expert's load over the mean load (1.0 is perfectly balanced).
+    pub max_mean_ratio: f64,
+    /// Experts that got no token.
+    pub dead_experts: usize,
+}
+
+impl ExpertLoad {
+    /// Load statistics from per-expert counts.
+    pub fn from_counts(layer: usize, counts: &[usize]) -> Self {
+        let total: usize = counts.iter().sum();
+        let mean = total as f64 / counts.len().max(1) as f64;
+        let max = counts.iter().copied().max().unwrap_or(0) as f64;
+        Self {
+            layer,
+            tokens_per_expert: counts.to_vec(),
+            max_mean_ratio: if mean > 0.0 { max / mean } else { 0.0 },
+            dead_experts: counts.iter().filter(|&&c| c == 0).count(),
+        }
+    }
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    /// Step number, from 1.
+    pub step: usize,
+    /// Total loss (LM + coefficient x aux).
+    pub loss: f64,
+    /// Next-token cross-entropy.
+    pub lm_loss: f64,
+    /// Load-balancing loss before its coefficient, when on.
+    pub aux_loss: Option<f64>,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the update was skipped (non-finite gradients).
+    pub skipped: bool,
+    /// Tokens in this step.
+    pub tokens: usize,
+    /// Wall time of this step in seconds.
+    pub step_s: f64,
+    /// Tokens per second of this step.
+    pub tokens_per_s: f64,
+    /// Expert load of each MoE layer.
+    pub expert_load: Vec<ExpertLoad>,
+}
+
+/// Appends JSON lines to a file, flushing after each.
+pub struct JsonlWriter {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl JsonlWriter {
+    /// Opens `path` for appending, creating its directory.
+    pub fn append(path: &Path) -> Result<Self> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| TrainError::Io { action: "cannot create directory", path: dir.into(), source })?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| TrainError::Io { action: "cannot open metrics file", path: path.into(), source })?;
+        Ok(Self { file, path: path.into() })
+    }
+
+    /// Writes one record as a line.
+    pub fn write<T: Serialize>(&mut self, record: &T) -> Result<()> {
+        let mut line = serde_json::to_vec(record).expect("metrics serialise");
+        line.push(b'\n');
+        self.file
+            .write_all(&line)
+            .and_then(|_| self.file.flush())
+            .map_err(|source| TrainError::Io { action: "cannot write metrics to", path: self.path.clone(), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_ratio_and_dead_experts() {
+        let l = ExpertLoad::from_counts(3, &[4, 0, 2, 2]);
+        assert_eq!(l.dead_experts, 1);
+        assert!((l.max_mean_ratio - 2.0).abs() < 1e-12);
+    }
+}

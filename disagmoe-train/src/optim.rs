@@ -1,0 +1,177 @@
+//! AdamW with decoupled weight decay, a warm-up + cosine learning-rate schedule, and clipping by the
+//! global gradient norm (the norm over all parameters together, as Megatron and PyTorch's
+//! `clip_grad_norm_` compute it; Burn's own clipping works per tensor).
+//!
+//! State is kept per parameter id, flattened, on the parameter's device. Weight decay applies to
+//! matrices only (embeddings, projections, experts, router), not to norms and biases.
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+
+/// Peak learning rate at the end of warm-up, then cosine decay to `min_lr` at `total` steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrSchedule {
+    /// Learning rate after warm-up.
+    pub peak: f64,
+    /// Learning rate at the last step.
+    pub min: f64,
+    /// Steps of linear warm-up from `peak / warmup`.
+    pub warmup: usize,
+    /// Steps the schedule spans.
+    pub total: usize,
+}
+
+impl LrSchedule {
+    /// The learning rate of step `step` (1-based).
+    pub fn at(&self, step: usize) -> f64 {
+        if self.warmup > 0 && step <= self.warmup {
+            return self.peak * step as f64 / self.warmup as f64;
+        }
+        let span = self.total.saturating_sub(self.warmup).max(1) as f64;
+        let progress = ((step.saturating_sub(self.warmup)) as f64 / span).clamp(0.0, 1.0);
+        self.min + 0.5 * (self.peak - self.min) * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+/// AdamW hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWSettings {
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay (matrices only).
+    pub weight_decay: f64,
+}
+
+struct Moments<B: Backend> {
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+}
+
+/// AdamW over any Burn module.
+pub struct AdamW<B: AutodiffBackend> {
+    settings: AdamWSettings,
+    step: u64,
+    state: HashMap<ParamId, Moments<B::InnerBackend>>,
+}
+
+/// Norm of the gradients of one step.
+#[derive(Debug, Clone)]
+pub struct GradNorms {
+    /// Global L2 norm over all parameters.
+    pub total: f64,
+    /// L2 norm per parameter (only filled in on the fault path: when `total` is not finite).
+    pub per_param: Vec<(ParamId, f64)>,
+}
+
+struct SquaresVisitor<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    squares: Vec<(ParamId, Tensor<B::InnerBackend, 1>)>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaresVisitor<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.squares.push((param.id, g.square().sum()));
+        }
+    }
+}
+
+/// The global L2 norm of `grads` over the parameters of `model` (one host read).
+pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> GradNorms {
+    let mut v = SquaresVisitor::<B> { grads, squares: Vec::new() };
+    model.visit(&mut v);
+    if v.squares.is_empty() {
+        return GradNorms { total: 0.0, per_param: Vec::new() };
+    }
+    let ids: Vec<ParamId> = v.squares.iter().map(|(id, _)| *id).collect();
+    let all = Tensor::cat(v.squares.into_iter().map(|(_, t)| t).collect(), 0);
+    let host: Vec<f32> = all.into_data().convert::<f32>().to_vec().expect("f32 norms");
+    let total = host.iter().map(|&x| x as f64).sum::<f64>().sqrt();
+    let per_param = if total.is_finite() { Vec::new() } else { ids.into_iter().zip(host.iter().map(|&x| (x as f64).sqrt())).collect() };
+    GradNorms { total, per_param }
+}
+
+struct StepMapper<'a, B: AutodiffBackend> {
+    opt: &'a mut AdamW<B>,
+    grads: &'a mut GradientsParams,
+    lr: f64,
+    grad_scale: f64,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;
+        let require_grad = tensor.is_require_grad();
+        let shape = tensor.dims();
+        let n: usize = shape.iter().product();
+        let mut p = tensor.inner().reshape([n]); // [n]
+        let g = if self.grad_scale != 1.0 { grad.reshape([n]).mul_scalar(self.grad_scale) } else { grad.reshape([n]) };
+        if D >= 2 && weight_decay > 0.0 {
+            p = p.mul_scalar(1.0 - self.lr * weight_decay);
+        }
+        let Moments { m, v } = self.opt.state.remove(&id).unwrap_or_else(|| Moments {
+            m: Tensor::zeros([n], &g.device()),
+            v: Tensor::zeros([n], &g.device()),
+        });
+        let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
+        let v = v.mul_scalar(beta2) + g.square().mul_scalar(1.0 - beta2);
+        let t = self.opt.step as i32;
+        let bc1 = 1.0 - beta1.powi(t);
+        let bc2 = 1.0 - beta2.powi(t);
+        let update = m.clone().div_scalar(bc1) / v.clone().div_scalar(bc2).sqrt().add_scalar(eps);
+        let p = p - update.mul_scalar(self.lr);
+        self.opt.state.insert(id, Moments { m, v });
+        let mut out = Tensor::from_inner(p.reshape(shape));
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+impl<B: AutodiffBackend> AdamW<B> {
+    /// A fresh optimizer.
+    pub fn new(settings: AdamWSettings) -> Self {
+        Self { settings, step: 0, state: HashMap::new() }
+    }
+
+    /// Steps taken so far.
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// One update of every parameter that has a gradient, with the gradients multiplied by
+    /// `grad_scale` first (the clipping factor).
+    pub fn step<M: AutodiffModule<B>>(&mut self, model: M, grads: &mut GradientsParams, lr: f64, grad_scale: f64) -> M {
+        self.step += 1;
+        let mut mapper = StepMapper { opt: self, grads, lr, grad_scale };
+        model.map(&mut mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_min() {
+        let s = LrSchedule { peak: 1e-3, min: 1e-4, warmup: 10, total: 110 };
+        assert!((s.at(1) - 1e-4).abs() < 1e-12);
+        assert!((s.at(10) - 1e-3).abs() < 1e-12);
+        assert!((s.at(60) - 5.5e-4).abs() < 1e-9);
+        assert!((s.at(110) - 1e-4).abs() < 1e-12);
+        assert!(s.at(30) > s.at(31));
+    }
+}

@@ -1,0 +1,328 @@
+//! Single-device training: the run configuration, the loop, progress, metrics and the summary.
+//!
+//! One step: next batch -> forward -> loss (LM + aux) -> backward -> global grad norm -> (skip if not
+//! finite) -> clip -> AdamW with the scheduled learning rate -> metrics line.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+use disagmoe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+
+use crate::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, BUNDLED_CORPUS, BUNDLED_CORPUS_NAME};
+use crate::error::{Result, TrainError};
+use crate::metrics::{ExpertLoad, JsonlWriter, StepMetrics};
+use crate::optim::{grad_norm, AdamW, AdamWSettings, LrSchedule};
+
+/// The embedded default model: a small Qwen3-MoE over bytes (`configs/tiny-qwen3-moe.json`).
+pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/tiny-qwen3-moe.json");
+
+/// Everything a training run needs to know, as a TOML file (`--run-config`) or from flags.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// A Hugging Face style `config.json`: train a freshly initialised model of that shape.
+    pub model_config: Option<PathBuf>,
+    /// A checkpoint directory (`config.json` + safetensors): continue from its weights.
+    pub model_dir: Option<PathBuf>,
+    /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
+    pub data: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json`. Default: the checkpoint's own if it has one, else bytes.
+    pub tokenizer: Option<PathBuf>,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    /// Warm-up steps (default: 10% of `steps`, at most 100).
+    pub warmup_steps: Option<usize>,
+    /// Decoupled weight decay on matrices.
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Clip the global gradient norm to this (0 turns clipping off).
+    pub grad_clip: f64,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Add the load-balancing loss (default: as the model config's `output_router_logits` says,
+    /// which is what transformers does).
+    pub aux_loss: Option<bool>,
+    /// Output directory: `metrics.jsonl` and the final checkpoint in `final/`.
+    pub out: Option<PathBuf>,
+    /// Print a log line every this many steps when there is no terminal for the progress bar.
+    pub log_every: usize,
+    /// Show the progress bar (when stderr is a terminal).
+    pub progress: bool,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            model_config: None,
+            model_dir: None,
+            data: None,
+            tokenizer: None,
+            steps: 300,
+            batch: 8,
+            seq: 128,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            seed: 42,
+            aux_loss: None,
+            out: None,
+            log_every: 10,
+            progress: true,
+        }
+    }
+}
+
+impl RunConfig {
+    /// Reads a TOML run config; unknown keys are errors.
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| TrainError::Io { action: "cannot read run config", path: path.into(), source })?;
+        toml::from_str(&text).map_err(|e| TrainError::RunConfig { path: path.into(), message: e.to_string() })
+    }
+
+    /// Checks every option once; the error names the option and the allowed values.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |field: &str, v: usize| {
+            if v == 0 {
+                Err(TrainError::option(field, "must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        positive("steps", self.steps)?;
+        positive("batch", self.batch)?;
+        positive("log_every", self.log_every)?;
+        if self.seq < 2 {
+            return Err(TrainError::option("seq", format!("must be at least 2 tokens, got {}", self.seq)));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(TrainError::option("lr", format!("must be a finite number > 0, got {}", self.lr)));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return Err(TrainError::option("min_lr", format!("must be between 0 and lr ({}), got {}", self.lr, self.min_lr)));
+        }
+        if let Some(w) = self.warmup_steps {
+            if w > self.steps {
+                return Err(TrainError::option("warmup_steps", format!("must be at most steps ({}), got {w}", self.steps)));
+            }
+        }
+        for (field, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(TrainError::option(field, format!("must be in [0, 1), got {v}")));
+            }
+        }
+        if !(self.eps > 0.0) {
+            return Err(TrainError::option("eps", format!("must be > 0, got {}", self.eps)));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(TrainError::option("weight_decay", format!("must be >= 0, got {}", self.weight_decay)));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return Err(TrainError::option("grad_clip", format!("must be >= 0 (0 turns clipping off), got {}", self.grad_clip)));
+        }
+        if self.model_config.is_some() && self.model_dir.is_some() {
+            return Err(TrainError::option("model_config", "give either model_config or model_dir, not both"));
+        }
+        Ok(())
+    }
+
+    /// The learning-rate schedule of this run.
+    pub fn schedule(&self) -> LrSchedule {
+        let warmup = self.warmup_steps.unwrap_or_else(|| (self.steps / 10).min(100));
+        LrSchedule { peak: self.lr, min: self.min_lr, warmup, total: self.steps }
+    }
+}
+
+/// The last line a run prints: what a user or a script wants to know.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSummary {
+    /// Loss of the first step.
+    pub first_loss: f64,
+    /// Loss of the last step.
+    pub last_loss: f64,
+    /// Loss of every step.
+    pub losses: Vec<f64>,
+    /// Tokens per second over the whole run.
+    pub tokens_per_s: f64,
+    /// Steps run.
+    pub steps: usize,
+    /// Steps whose update was skipped for non-finite gradients.
+    pub skipped_steps: usize,
+    /// Backend the run used.
+    pub backend: String,
+    /// Parameters of the model.
+    pub params: usize,
+    /// Wall time of the training loop in seconds.
+    pub train_s: f64,
+}
+
+/// Builds the model a run config asks for: from a checkpoint, from a `config.json`, or the default.
+pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<Qwen3MoeForCausalLM<B>> {
+    B::seed(device, cfg.seed);
+    Ok(match (&cfg.model_dir, &cfg.model_config) {
+        (Some(dir), _) => Qwen3MoeForCausalLM::from_pretrained(dir, device)?,
+        (None, Some(path)) => Qwen3MoeConfig::from_file(path)?.init(device),
+        (None, None) => Qwen3MoeConfig::from_json_str(DEFAULT_MODEL_CONFIG)?.init(device),
+    })
+}
+
+fn build_data(cfg: &RunConfig, model_vocab: usize) -> Result<PackedDataset> {
+    let tokenizer: Box<dyn Tokenizer> = match (&cfg.tokenizer, &cfg.model_dir) {
+        (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
+        (None, Some(dir)) if dir.join("tokenizer.json").exists() => Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?),
+        _ => Box::new(ByteTokenizer),
+    };
+    match &cfg.data {
+        Some(path) => PackedDataset::from_file(path, tokenizer.as_ref(), cfg.seq, cfg.seed, model_vocab, cfg.batch),
+        None => PackedDataset::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), cfg.seq, cfg.seed, model_vocab, cfg.batch),
+    }
+}
+
+/// Number of scalar parameters of a module.
+pub fn count_params<B: burn::tensor::backend::Backend, M: Module<B>>(model: &M) -> usize {
+    model.num_params()
+}
+
+/// Runs a training job on one device and returns its summary (and the trained model).
+pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<(TrainSummary, Qwen3MoeForCausalLM<B>)> {
+    cfg.validate()?;
+    let mut model = build_model::<B>(cfg, device)?;
+    let mconf = model.config().clone();
+    let mut data = build_data(cfg, mconf.vocab_size)?;
+    let with_aux = cfg.aux_loss.unwrap_or(mconf.output_router_logits) && mconf.num_experts > 0;
+    let schedule = cfg.schedule();
+    let mut opt = AdamW::<B>::new(AdamWSettings { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay });
+    let mut metrics = match &cfg.out {
+        Some(dir) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
+        None => None,
+    };
+    let params = count_params(&model);
+    let sparse_layers: Vec<usize> = (0..mconf.num_hidden_layers).filter(|&l| mconf.is_sparse_layer(l)).collect();
+    let names = model.state_dict_names();
+    tracing::info!(
+        backend = crate::BACKEND_NAME,
+        params,
+        corpus = data.source(),
+        corpus_tokens = data.num_tokens(),
+        windows = data.windows(),
+        "training"
+    );
+
+    let interactive = cfg.progress && std::io::stderr().is_terminal();
+    let bar = ProgressBar::with_draw_target(
+        Some(cfg.steps as u64),
+        if interactive { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+    );
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+
+    let mut losses = Vec::with_capacity(cfg.steps);
+    let mut skipped = 0usize;
+    let tokens_per_step = cfg.batch * cfg.seq;
+    let start = Instant::now();
+    for step in 1..=cfg.steps {
+        let t0 = Instant::now();
+        let rows = data.next_batch(cfg.batch);
+        let ids = model.input_ids(&rows, device)?;
+        let out = model.forward(ids.clone());
+        let loss = model.loss(&out, ids, with_aux);
+        let scalars = burn::tensor::Tensor::cat(
+            [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()].into_iter().flatten().collect(),
+            0,
+        )
+        .into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .expect("f64 scalars");
+        let (total, lm, aux) = (scalars[0], scalars[1], scalars.get(2).copied());
+        let expert_load: Vec<ExpertLoad> =
+            out.router_stats.iter().zip(&sparse_layers).map(|(s, &l)| ExpertLoad::from_counts(l, &s.counts)).collect();
+        let grads = loss.total.backward();
+        let mut grads = GradientsParams::from_grads(grads, &model);
+        let norms = grad_norm::<B, _>(&model, &grads);
+        let lr = schedule.at(step);
+        let finite = total.is_finite() && norms.total.is_finite();
+        if finite {
+            let scale = if cfg.grad_clip > 0.0 && norms.total > cfg.grad_clip { cfg.grad_clip / (norms.total + 1e-6) } else { 1.0 };
+            model = opt.step(model, &mut grads, lr, scale);
+        } else {
+            skipped += 1;
+            let worst = norms
+                .per_param
+                .iter()
+                .find(|(_, n)| !n.is_finite())
+                .map(|(id, _)| names.get(id).cloned().unwrap_or_else(|| format!("{id}")))
+                .unwrap_or_else(|| "the loss".into());
+            tracing::warn!(step, loss = total, tensor = %worst, "non-finite loss or gradient: update skipped");
+        }
+        let step_s = t0.elapsed().as_secs_f64();
+        losses.push(total);
+        let record = StepMetrics {
+            step,
+            loss: total,
+            lm_loss: lm,
+            aux_loss: aux,
+            lr,
+            grad_norm: norms.total,
+            skipped: !finite,
+            tokens: tokens_per_step,
+            step_s,
+            tokens_per_s: tokens_per_step as f64 / step_s,
+            expert_load,
+        };
+        if let Some(w) = &mut metrics {
+            w.write(&record)?;
+        }
+        let rate = (step * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
+        bar.set_message(format!("loss {total:.4} | lr {lr:.2e} | {rate:.0} tok/s"));
+        bar.inc(1);
+        if !interactive && cfg.progress && (step % cfg.log_every == 0 || step == 1 || step == cfg.steps) {
+            eprintln!("step {step:>5}/{} loss {total:.4} lm {lm:.4} lr {lr:.2e} grad_norm {:.3} {rate:.0} tok/s", cfg.steps, norms.total);
+        }
+    }
+    bar.finish_and_clear();
+    let train_s = start.elapsed().as_secs_f64();
+    if let Some(dir) = &cfg.out {
+        model.valid().save_pretrained(dir.join("final"), 2 << 30)?;
+    }
+    let summary = TrainSummary {
+        first_loss: losses[0],
+        last_loss: *losses.last().expect("at least one step"),
+        tokens_per_s: (cfg.steps * tokens_per_step) as f64 / train_s,
+        steps: cfg.steps,
+        skipped_steps: skipped,
+        backend: crate::BACKEND_NAME.into(),
+        params,
+        train_s,
+        losses,
+    };
+    Ok((summary, model))
+}

@@ -1,0 +1,189 @@
+//! Command-line front end shared by the `disagmoe` binary and the examples.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use disagmoe_models::weights::{write_atomically, TensorSink};
+use disagmoe_models::Qwen3MoeForCausalLM;
+use disagmoe_train::{DefaultBackend, RunConfig, TrainBackend, TrainSummary};
+
+/// On or off.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Switch {
+    /// Turned on.
+    On,
+    /// Turned off.
+    Off,
+}
+
+/// `disagmoe train`: options override the `--run-config` TOML file, which overrides the defaults.
+#[derive(Debug, Clone, Args, Default)]
+pub struct TrainArgs {
+    /// A TOML file with any of the options below (snake_case keys, e.g. `warmup_steps = 20`).
+    #[arg(long, value_name = "RUN.toml")]
+    pub run_config: Option<PathBuf>,
+    /// Train a fresh model of the shape in this Hugging Face style config.json.
+    #[arg(long, value_name = "CONFIG.json", conflicts_with = "model_dir")]
+    pub model_config: Option<PathBuf>,
+    /// Continue from a checkpoint directory (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Hugging Face tokenizer.json. Default: the checkpoint's own, else byte-level.
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
+    /// Optimizer steps [default: 300].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Sequences per step [default: 8].
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence [default: 128].
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Peak learning rate [default: 3e-3].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay [default: 3e-4].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Warm-up steps [default: 10% of steps, at most 100].
+    #[arg(long)]
+    pub warmup_steps: Option<usize>,
+    /// Decoupled weight decay on matrices [default: 0.1].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm (0: off) [default: 1.0].
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    /// Seed of initialisation and data order [default: 42].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Load-balancing loss [default: as the model config's output_router_logits].
+    #[arg(long, value_enum)]
+    pub aux_loss: Option<Switch>,
+    /// Output directory: metrics.jsonl and the final checkpoint in final/.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Print a log line every N steps when stderr is not a terminal [default: 10].
+    #[arg(long)]
+    pub log_every: Option<usize>,
+    /// No progress bar or log lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl TrainArgs {
+    /// The run configuration: defaults, then the TOML file, then the flags.
+    pub fn run_config(&self) -> anyhow::Result<RunConfig> {
+        let mut cfg = match &self.run_config {
+            Some(path) => RunConfig::from_toml_file(path)?,
+            None => RunConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = &self.$field { cfg.$field = v.clone().into(); } )* };
+        }
+        set!(steps, batch, seq, lr, min_lr, weight_decay, grad_clip, seed, log_every);
+        if self.model_config.is_some() || self.model_dir.is_some() {
+            cfg.model_config = self.model_config.clone();
+            cfg.model_dir = self.model_dir.clone();
+        }
+        if self.data.is_some() {
+            cfg.data = self.data.clone();
+        }
+        if self.tokenizer.is_some() {
+            cfg.tokenizer = self.tokenizer.clone();
+        }
+        if self.out.is_some() {
+            cfg.out = self.out.clone();
+        }
+        if self.warmup_steps.is_some() {
+            cfg.warmup_steps = self.warmup_steps;
+        }
+        if let Some(a) = self.aux_loss {
+            cfg.aux_loss = Some(a == Switch::On);
+        }
+        if self.quiet {
+            cfg.progress = false;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// Runs `train` on the compiled-in backend and prints the summary as one JSON line on stdout.
+pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
+    let cfg = args.run_config()?;
+    let device = Default::default();
+    let (summary, _model) = disagmoe_train::train::<TrainBackend>(&cfg, &device)?;
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(summary)
+}
+
+/// `disagmoe forward`.
+#[derive(Debug, Clone, Args)]
+pub struct ForwardArgs {
+    /// Checkpoint directory (config.json + model.safetensors or a sharded index).
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: PathBuf,
+    /// JSON list of equal-length lists of token ids.
+    #[arg(long, value_name = "IDS.json")]
+    pub input_ids: PathBuf,
+    /// Where to write tensor `logits` (f32, [batch, seq, vocab]).
+    #[arg(long, value_name = "LOGITS.safetensors")]
+    pub out: PathBuf,
+}
+
+fn read_ids(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read input ids {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!("{}: expected a JSON list of equal-length lists of integer token ids, e.g. [[1, 2, 3]]", path.display())
+    })
+}
+
+/// Runs the model on the ids, writes the logits, and prints `{"loss": ...}` (mean next-token
+/// cross-entropy) as the last line.
+pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
+    let device = Default::default();
+    let rows = read_ids(&args.input_ids)?;
+    let model = Qwen3MoeForCausalLM::<DefaultBackend>::from_pretrained(&args.model_dir, &device)?;
+    let ids = model.input_ids(&rows, &device).with_context(|| args.input_ids.display().to_string())?;
+    let [_, s] = ids.dims();
+    if s < 2 {
+        bail!("{}: sequences need at least 2 tokens for a next-token loss, got {s}", args.input_ids.display());
+    }
+    let out = model.forward(ids.clone());
+    let loss = disagmoe_models::qwen3_moe::next_token_cross_entropy(out.logits.clone(), ids).into_scalar() as f64;
+    let mut sink = TensorSink::new();
+    sink.put("logits".into(), out.logits);
+    let (shape, values) = sink.get("logits").map(|(s, v)| (s.to_vec(), v.to_vec())).expect("just put");
+    let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)?;
+    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    write_atomically(&args.out, |tmp| {
+        safetensors::serialize_to_file([("logits", view)], None, tmp).map_err(|e| std::io::Error::other(e.to_string()))
+    })?;
+    println!("{}", serde_json::json!({ "loss": loss }));
+    Ok(loss)
+}
+
+/// Sets up logging to stderr (`RUST_LOG` overrides).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,disagmoe=info,disagmoe_train=info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+}
+
+/// Prints an error chain the way a user wants to read it and returns the exit code.
+pub fn report(err: &anyhow::Error) -> i32 {
+    eprintln!("error: {err:#}");
+    2
+}
