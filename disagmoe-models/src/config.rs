@@ -179,7 +179,7 @@ impl Qwen3MoeConfig {
             source,
         })?;
         Self::parse(&text).map_err(|e| match e {
-            ModelError::ConfigParse { source, .. } => ModelError::ConfigParse { path: path.to_path_buf(), source },
+            ModelError::ConfigParse { field, source, .. } => ModelError::ConfigParse { path: path.to_path_buf(), field, source },
             other => other,
         })
     }
@@ -190,8 +190,12 @@ impl Qwen3MoeConfig {
     }
 
     fn parse(text: &str) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text)
-            .map_err(|source| ModelError::ConfigParse { path: "<config.json>".into(), source })?;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| ModelError::ConfigParse {
+            path: "config.json".into(),
+            field: e.path().to_string(),
+            source: e.into_inner(),
+        })?;
         Self::from_raw(raw)
     }
 

@@ -14,12 +14,14 @@ pub enum ModelError {
         /// What is wrong and what is allowed.
         message: String,
     },
-    /// `config.json` could not be parsed.
-    #[error("cannot parse model config {path}: {source}")]
+    /// `config.json` (or another JSON file) could not be parsed.
+    #[error("cannot parse {path}: {}{source}", if field.is_empty() || field == "." { String::new() } else { format!("field `{field}`: ") })]
     ConfigParse {
         /// The file.
         path: PathBuf,
-        /// The parser's message (it names the field and line).
+        /// Path of the offending field (`.` or empty when the file as a whole is malformed).
+        field: String,
+        /// The parser's message (with line and column).
         source: serde_json::Error,
     },
     /// A file could not be read or written.

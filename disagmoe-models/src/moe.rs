@@ -337,6 +337,33 @@ impl<B: Backend, X: Module<B> + Experts<B>> SparseMoeBlock<B, X> {
         (out.reshape([b, s, m]), stats)
     }
 
+    /// The simple path beside [`SparseMoeBlock::forward`]: token by token, chosen expert by chosen
+    /// expert, no sorting and no scatter. Slow; tests hold the two equal, gradients included.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]` -> `[B, S, M]`
+    pub fn forward_per_token(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, s, m] = x.dims();
+        let flat = x.reshape([b * s, m]);
+        let routed = self.gate.route(flat.clone());
+        let (k, e) = (self.gate.top_k, self.experts.num_experts());
+        let rows: Vec<Tensor<B, 2>> = (0..b * s)
+            .map(|t| {
+                let xt = flat.clone().narrow(0, t, 1); // [1, M]
+                (0..k)
+                    .map(|j| {
+                        let mut counts = vec![0; e];
+                        counts[routed.ids[t * k + j]] = 1;
+                        let w = routed.weights.clone().narrow(0, t, 1).narrow(1, j, 1); // [1, 1]
+                        self.experts.forward_grouped(xt.clone(), &counts) * w
+                    })
+                    .reduce(|a, c| a + c)
+                    .expect("k >= 1")
+            })
+            .collect();
+        Tensor::cat(rows, 0).reshape([b, s, m])
+    }
+
     /// Loads `{prefix}.gate.weight` and the experts under `{prefix}.experts`.
     pub fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         let [e, m] = self.gate.weight.dims();

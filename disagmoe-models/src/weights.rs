@@ -49,7 +49,7 @@ impl CheckpointReader {
         let file_names: Vec<String> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(io_err("cannot read", &index_path))?;
             let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|source| ModelError::ConfigParse { path: index_path.clone(), source })?;
+                .map_err(|source| ModelError::ConfigParse { path: index_path.clone(), field: String::new(), source })?;
             let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
                 path: index_path.clone(),
                 message: "index has no `weight_map` object".into(),

@@ -1,0 +1,156 @@
+//! The grouped MoE path against the per-token reference, a user-defined expert type, dispatch
+//! edge cases, and config parsing.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use disagmoe_models::moe::{map_groups, top_k_rows, Dispatch, Experts, SparseMoeBlock, SwiGluExperts, TopKRouter};
+use disagmoe_models::weights::{CheckpointReader, TensorSink};
+use disagmoe_models::{Qwen3MoeConfig, Result};
+
+type B = Autodiff<Flex>;
+
+fn values<const D: usize>(t: Tensor<impl Backend, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+}
+
+fn block(experts: usize, k: usize, norm: bool) -> SparseMoeBlock<B, SwiGluExperts<B>> {
+    let device = Default::default();
+    <B as Backend>::seed(&device, 3);
+    SparseMoeBlock {
+        gate: TopKRouter::new(16, experts, k, norm, 0.5, &device),
+        experts: SwiGluExperts::new(experts, 16, 12, 0.3, &device),
+    }
+}
+
+#[test]
+fn grouped_experts_equal_the_per_token_reference_with_gradients() {
+    for (experts, k, norm) in [(8, 2, true), (5, 3, false), (4, 1, false), (3, 3, true)] {
+        let moe = block(experts, k, norm);
+        let x = Tensor::<B, 3>::random([2, 7, 16], Distribution::Normal(0.0, 1.0), &Default::default()).require_grad();
+        let (fast, _) = moe.forward(x.clone());
+        let slow = moe.forward_per_token(x.clone());
+        assert!(close(&values(fast.clone()), &values(slow.clone()), 1e-5), "outputs, E={experts} k={k}");
+        let probe = Tensor::<B, 3>::random([2, 7, 16], Distribution::Normal(0.0, 1.0), &Default::default());
+        let g_fast = (fast * probe.clone()).sum().backward();
+        let g_slow = (slow * probe).sum().backward();
+        assert!(close(&values(x.grad(&g_fast).unwrap()), &values(x.grad(&g_slow).unwrap()), 1e-4), "input grads");
+        let w_fast = moe.gate.weight.val().grad(&g_fast).unwrap();
+        let w_slow = moe.gate.weight.val().grad(&g_slow).unwrap();
+        assert!(close(&values(w_fast), &values(w_slow), 1e-4), "router grads");
+        for e in 0..experts {
+            let a = moe.experts.experts[e].down_proj.weight.val().grad(&g_fast);
+            let b = moe.experts.experts[e].down_proj.weight.val().grad(&g_slow);
+            match (a, b) {
+                (Some(a), Some(b)) => assert!(close(&values(a), &values(b), 1e-4), "expert {e} grads"),
+                (None, None) => {}
+                _ => panic!("expert {e}: one path has a gradient and the other none"),
+            }
+        }
+    }
+}
+
+#[test]
+fn dispatch_is_a_stable_counting_sort() {
+    // 3 tokens, k = 2, 4 experts; expert 3 gets nothing, expert 1 gets three copies.
+    let ids = [1, 0, 2, 1, 1, 0];
+    let d = Dispatch::new(&ids, 4, 2);
+    assert_eq!(d.counts, vec![2, 3, 1, 0]);
+    assert_eq!(d.slots, vec![1, 5, 0, 3, 4, 2]);
+    let tokens: Vec<usize> = d.slots.iter().map(|s| s / 2).collect();
+    assert_eq!(tokens, vec![0, 2, 0, 1, 2, 1]);
+}
+
+#[test]
+fn one_expert_takes_every_token() {
+    let d = Dispatch::new(&[2, 2, 2, 2], 3, 1);
+    assert_eq!(d.counts, vec![0, 0, 4]);
+    let xs = Tensor::<Flex, 2>::ones([4, 3], &Default::default());
+    let out = map_groups(xs, &d.counts, |e, x| x.mul_scalar(e as f64));
+    assert_eq!(values(out), vec![2.0; 12]);
+}
+
+#[test]
+fn top_k_prefers_larger_then_lower_index() {
+    let v = [0.1, 0.4, 0.4, 0.1, 0.7, 0.2, 0.05, 0.05];
+    assert_eq!(top_k_rows(&v, 2, 4, 2), vec![1, 2, 0, 1]);
+}
+
+/// A user-defined expert type: a two-layer ReLU MLP per expert, plugged into the same block.
+#[derive(Module, Debug)]
+struct ReluExperts<B: Backend> {
+    up: Vec<Param<Tensor<B, 2>>>,
+    down: Vec<Param<Tensor<B, 2>>>,
+}
+
+impl<B: Backend> Experts<B> for ReluExperts<B> {
+    fn num_experts(&self) -> usize {
+        self.up.len()
+    }
+    fn forward_grouped(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
+        map_groups(xs, counts, |e, x| burn::tensor::activation::relu(x.matmul(self.up[e].val())).matmul(self.down[e].val()))
+    }
+    fn load(&mut self, _: &mut CheckpointReader, _: &str, _: &B::Device) -> Result<()> {
+        Ok(())
+    }
+    fn save(&self, _: &mut TensorSink, _: &str) {}
+}
+
+#[test]
+fn a_new_expert_type_plugs_in_without_touching_router_or_layer() {
+    let device = Default::default();
+    let init = |r, c| Param::from_tensor(Tensor::<B, 2>::random([r, c], Distribution::Normal(0.0, 0.3), &device));
+    let moe = SparseMoeBlock {
+        gate: TopKRouter::new(8, 4, 2, true, 0.5, &device),
+        experts: ReluExperts { up: (0..4).map(|_| init(8, 6)).collect(), down: (0..4).map(|_| init(6, 8)).collect() },
+    };
+    let x = Tensor::<B, 3>::random([1, 9, 8], Distribution::Normal(0.0, 1.0), &device);
+    let (fast, stats) = moe.forward(x.clone());
+    assert_eq!(stats.counts.iter().sum::<usize>(), 18);
+    assert!(close(&values(fast), &values(moe.forward_per_token(x)), 1e-5));
+}
+
+#[test]
+fn config_accepts_both_hub_and_current_spellings() {
+    let hub = r#"{"model_type":"qwen3_moe","vocab_size":100,"hidden_size":32,"num_hidden_layers":2,
+        "num_attention_heads":4,"num_key_value_heads":2,"num_experts":8,"num_experts_per_tok":2,
+        "rope_theta":500000.0,"rope_scaling":null,"torch_dtype":"bfloat16","moe_intermediate_size":16,"intermediate_size":64}"#;
+    let current = r#"{"model_type":"qwen3_moe","vocab_size":100,"hidden_size":32,"num_hidden_layers":2,
+        "num_attention_heads":4,"num_key_value_heads":2,"num_local_experts":8,"num_experts_per_tok":2,
+        "rope_parameters":{"rope_type":"default","rope_theta":500000.0},"dtype":"bfloat16","moe_intermediate_size":16,"intermediate_size":64}"#;
+    let a = Qwen3MoeConfig::from_json_str(hub).unwrap();
+    let b = Qwen3MoeConfig::from_json_str(current).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.num_experts, 8);
+    assert_eq!(a.rope_theta, 500000.0);
+    assert_eq!(a.head_dim, 8);
+    // What we write reads back the same.
+    let again = Qwen3MoeConfig::from_json_str(&a.to_hf_json().to_string()).unwrap();
+    assert_eq!(again.num_experts, a.num_experts);
+    assert_eq!(again.rope_theta, a.rope_theta);
+}
+
+#[test]
+fn config_errors_name_the_field_and_the_allowed_values() {
+    let base = r#"{"vocab_size":100,"hidden_size":32,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"num_experts":8,"num_experts_per_tok":2}"#;
+    let cases = [
+        (r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":9"#, "num_experts_per_tok"),
+        (r#""num_key_value_heads":2"#, r#""num_key_value_heads":3"#, "must divide num_attention_heads"),
+        (r#""hidden_size":32"#, r#""hidden_size":-1"#, "hidden_size"),
+        (r#""vocab_size":100"#, r#""vocab_size":"many""#, "vocab_size"),
+        (r#""num_experts":8"#, r#""num_experts":8,"model_type":"llama""#, "allowed: \"qwen3_moe\""),
+        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"yarn","factor":4}"#, "allowed: \"default\", \"linear\""),
+        (r#""num_experts":8"#, r#""num_experts":8,"mlp_only_layers":[5]"#, "mlp_only_layers[0]"),
+        (r#""num_experts":8"#, r#""num_experts":8,"hidden_act":"gelu""#, "allowed: \"silu\""),
+    ];
+    for (from, to, needle) in cases {
+        let text = base.replace(from, to);
+        let err = Qwen3MoeConfig::from_json_str(&text).unwrap_err().to_string();
+        assert!(err.contains(needle), "{to}: {err}");
+    }
+}

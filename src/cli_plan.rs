@@ -1,0 +1,196 @@
+//! `disagmoe plan`, `disagmoe simulate` and `disagmoe reproduce-paper`: the planning commands.
+//! They only parse arguments and print; the work is in `disagmoe-core`.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use disagmoe_core::cost::{CostModel, Workload};
+use disagmoe_core::hardware::Cluster;
+use disagmoe_core::model_shape::ModelShape;
+use disagmoe_core::plan::{plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
+use std::path::PathBuf;
+
+/// Model, cluster and step shape shared by `plan` and `simulate`.
+#[derive(Debug, Clone, Args)]
+pub struct JobArgs {
+    /// Model preset (qwen3-235b-a22b, qwen3-30b-a3b, gpt-oss-120b, gpt-oss-20b, deepseek-v3,
+    /// deepseek-moe-16b) or a path to an HF config.json.
+    #[arg(long)]
+    pub model: String,
+    /// Cluster preset `<gpu>x<nodes>` (gpu: h800, h100, h200, a100), or a .toml/.json cluster file.
+    #[arg(long)]
+    pub cluster: String,
+    /// Sequence length in tokens.
+    #[arg(long)]
+    pub seq: usize,
+    /// Sequences per pipeline micro-batch.
+    #[arg(long = "micro-batch", default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Sequences per optimizer step (default: 2 x GPUs x micro-batch).
+    #[arg(long = "global-batch")]
+    pub global_batch: Option<usize>,
+}
+
+impl JobArgs {
+    /// Loads and validates the model, cluster and workload.
+    pub fn cost_model(&self) -> Result<CostModel> {
+        let model = ModelShape::from_preset_or_file(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
+        let cluster = Cluster::from_preset_or_file(&self.cluster).with_context(|| format!("loading cluster `{}`", self.cluster))?;
+        let global_batch = self.global_batch.unwrap_or(2 * cluster.total_gpus() * self.micro_batch);
+        let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
+        Ok(CostModel::new(model, cluster, workload)?)
+    }
+}
+
+/// `disagmoe plan`: choose GPUs and NICs per attention/expert group.
+#[derive(Debug, Clone, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Also list every allocation considered with its predicted step time.
+    #[arg(long)]
+    pub explain: bool,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Simulator evaluations the local search may spend.
+    #[arg(long = "search-evals", default_value_t = DEFAULT_SEARCH_EVALS)]
+    pub search_evals: usize,
+    /// Write an SVG of both rooflines for the chosen allocation here.
+    #[arg(long = "roofline-svg")]
+    pub roofline_svg: Option<PathBuf>,
+}
+
+/// `disagmoe simulate`: simulate AF-Pipe and the baselines.
+#[derive(Debug, Clone, Args)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Comma-separated schedules: afpipe, 1f1b-interleaved, tutel, comet, dualpipe.
+    #[arg(long, value_delimiter = ',', default_value = "afpipe,1f1b-interleaved,tutel,comet,dualpipe")]
+    pub schedules: Vec<String>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write `<schedule>.svg` (timeline) and `<schedule>.trace.json` (Chrome/Perfetto) here.
+    #[arg(long = "timeline-dir")]
+    pub timeline_dir: Option<PathBuf>,
+}
+
+/// `disagmoe reproduce-paper`: regenerate docs/paper-reproduction.md by simulation.
+#[derive(Debug, Clone, Args)]
+pub struct ReproduceArgs {
+    /// Markdown file to write.
+    #[arg(long, default_value = "docs/paper-reproduction.md")]
+    pub out: PathBuf,
+    /// Directory for the SVG figures (linked relative to the markdown file).
+    #[arg(long = "img-dir", default_value = "docs/img")]
+    pub img_dir: PathBuf,
+    /// Cluster preset of the paper's setting.
+    #[arg(long, default_value = "h800x16")]
+    pub cluster: String,
+}
+
+/// Runs `disagmoe plan`.
+pub fn run_plan(args: &PlanArgs) -> Result<()> {
+    let cost = args.job.cost_model()?;
+    let report = plan(&cost, args.explain, args.search_evals)?;
+    if let Some(path) = &args.roofline_svg {
+        let a = &report.allocation;
+        disagmoe_core::roofline::plot_rooflines_svg(
+            path,
+            &cost,
+            (a.attention_gpus_per_group, a.attention_nics_per_group),
+            (a.ffn_gpus_per_group, a.ffn_nics_per_group),
+            &[4096, 8192, 16384, 32768],
+        )?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("{} on {} at {} tokens x {} sequences per micro-batch", report.model, report.cluster, report.seq, report.micro_batch);
+    println!(
+        "  params {:.1}B total, {:.1}B active; {:.2} TFLOP per token (training)",
+        report.params_total / 1e9,
+        report.params_active / 1e9,
+        report.flops_per_token / 1e12
+    );
+    println!(
+        "  {} group pairs: attention {} GPUs / {} NICs, experts {} GPUs / {} NICs",
+        report.groups, report.attention_gpus, report.attention_nics, report.ffn_gpus, report.ffn_nics
+    );
+    println!(
+        "  predicted step {:.3} s (roofline bottleneck {:.3} s), {} micro-batches in flight{}",
+        report.predicted_step_s,
+        report.milp_bottleneck_s,
+        report.in_flight,
+        if report.recompute { ", recomputing activations" } else { "" }
+    );
+    println!("  solved in {:.3} s (MILP {:.3} s)", report.solve_s, report.milp_s);
+    for c in report.candidates.iter().flatten() {
+        let a = &c.allocation;
+        println!(
+            "    candidate p={} A {}x{}GPU/{}NIC F {}x{}GPU/{}NIC: step {:.3} s (roofline {:.3} s)",
+            a.groups,
+            a.groups,
+            a.attention_gpus_per_group,
+            a.attention_nics_per_group,
+            a.groups,
+            a.ffn_gpus_per_group,
+            a.ffn_nics_per_group,
+            c.predicted_step_s,
+            c.roofline_s
+        );
+    }
+    Ok(())
+}
+
+/// Runs `disagmoe simulate`.
+pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
+    let cost = args.job.cost_model()?;
+    let names: Vec<String> = args.schedules.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if names.is_empty() {
+        anyhow::bail!("--schedules is empty; choose from {}", SCHEDULE_NAMES.join(", "));
+    }
+    let (report, sims) = simulate_schedules(&cost, &names, None)?;
+    if let Some(dir) = &args.timeline_dir {
+        for s in &sims {
+            disagmoe_core::report::write_timeline_svg(&dir.join(format!("{}.svg", s.schedule.name)), &s.schedule, &s.trace, None)?;
+            disagmoe_core::report::write_chrome_trace(&dir.join(format!("{}.trace.json", s.schedule.name)), &s.schedule, &s.trace)?;
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("{} on {} at {} tokens", report.model, report.cluster, report.seq);
+    for r in &report.schedules {
+        let vs = match r.afpipe_speedup {
+            Some(x) => format!("  AF-Pipe {x:.2}x faster"),
+            None => String::new(),
+        };
+        println!(
+            "  {:<17} step {:>9.3} s  exposed comm {:>8.3} s  bubble {:>8.3} s  util {:>5.1}%{vs}\n  {:<17} {}",
+            r.schedule,
+            r.step_s,
+            r.exposed_comm_s,
+            r.bubble_s,
+            100.0 * r.compute_utilisation,
+            "",
+            r.layout
+        );
+    }
+    for f in &report.failures {
+        println!("  {:<17} not run: {}", f.schedule, f.error);
+    }
+    Ok(())
+}
+
+/// Runs `disagmoe reproduce-paper`.
+pub fn run_reproduce(args: &ReproduceArgs) -> Result<()> {
+    let options = ReproduceOptions { out: args.out.clone(), img_dir: args.img_dir.clone(), cluster: args.cluster.clone() };
+    let summary = reproduce_paper(&options)?;
+    println!("wrote {} ({} settings simulated)", args.out.display(), summary);
+    Ok(())
+}

@@ -1,0 +1,171 @@
+//! End-to-end tests of the `disagmoe` command: forward against transformers' logits, a short
+//! training run, run-config files, and clear errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_disagmoe"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen3_moe").join(name)
+}
+
+fn stdout_last_json(out: &Output) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
+}
+
+fn read_f32(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    (t.shape().to_vec(), t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+}
+
+fn reference_ids(dir: &Path) -> Vec<Vec<i64>> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("input_ids").unwrap();
+    let s = t.shape()[1];
+    let v: Vec<i64> = t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    v.chunks(s).map(<[i64]>::to_vec).collect()
+}
+
+fn fails_with(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "expected exit 2; stderr: {err}");
+    assert!(err.contains(needle), "stderr should mention {needle:?}: {err}");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "no panic: {err}");
+}
+
+#[test]
+fn forward_matches_transformers_logits_and_loss() {
+    for name in ["gqa2_norm_topk", "gqa4_no_norm_tied_window"] {
+        let dir = fixture(name);
+        let tmp = tempfile::tempdir().unwrap();
+        let ids = tmp.path().join("ids.json");
+        std::fs::write(&ids, serde_json::to_string(&reference_ids(&dir)).unwrap()).unwrap();
+        let logits = tmp.path().join("out/logits.safetensors");
+        let out = bin()
+            .args(["forward", "--model-dir"])
+            .arg(&dir)
+            .arg("--input-ids")
+            .arg(&ids)
+            .arg("--out")
+            .arg(&logits)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let (shape, ours) = read_f32(&logits, "logits");
+        let (ref_shape, reference) = read_f32(&dir.join("reference.safetensors"), "logits");
+        assert_eq!(shape, ref_shape);
+        let num: f64 = ours.iter().zip(&reference).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let den: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+        assert!((num / den).sqrt() <= 1e-4, "{name}: logits relative error {}", (num / den).sqrt());
+        let loss = stdout_last_json(&out)["loss"].as_f64().unwrap();
+        let (_, lm) = read_f32(&dir.join("reference.safetensors"), "lm_loss");
+        assert!((loss - lm[0] as f64).abs() < 1e-4, "{name}: loss {loss} vs transformers' {}", lm[0]);
+    }
+}
+
+#[test]
+fn train_runs_writes_metrics_and_a_loadable_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run.toml");
+    std::fs::write(&run, "steps = 3\nbatch = 2\nseq = 32\nlr = 0.002\nwarmup_steps = 1\n").unwrap();
+    let out = bin()
+        .args(["train", "--quiet", "--run-config"])
+        .arg(&run)
+        .args(["--steps", "4", "--out"])
+        .arg(tmp.path().join("out"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary = stdout_last_json(&out);
+    assert_eq!(summary["steps"], 4, "the flag overrides the file");
+    assert_eq!(summary["losses"].as_array().unwrap().len(), 4);
+    for key in ["first_loss", "last_loss", "tokens_per_s"] {
+        assert!(summary[key].as_f64().unwrap() > 0.0, "{key}");
+    }
+    let metrics = std::fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 4);
+    assert_eq!(lines[0]["tokens"], 64);
+    assert_eq!(lines[0]["expert_load"].as_array().unwrap().len(), 4, "one load record per MoE layer");
+    // The final checkpoint loads again and continues training.
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "1", "--batch", "1", "--seq", "16", "--model-dir"])
+        .arg(tmp.path().join("out/final"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn same_seed_same_losses() {
+    let run = || {
+        let out = bin().args(["train", "--quiet", "--steps", "3", "--batch", "2", "--seq", "24", "--seed", "5"]).output().unwrap();
+        assert!(out.status.success());
+        stdout_last_json(&out)["losses"].clone()
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn bad_input_gets_one_clear_message() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+
+    // Missing checkpoint directory.
+    let out = bin().args(["forward", "--model-dir", "/nonexistent/ckpt", "--input-ids", "x.json", "--out", "y"]).output().unwrap();
+    fails_with(&out, "x.json");
+
+    // Ids that are not a list of lists, ragged rows, ids past the vocabulary.
+    let dir = fixture("mha_top1");
+    for (text, needle) in [
+        ("{\"ids\": 3}", "expected a JSON list of equal-length lists"),
+        ("[[1, 2, 3], [4, 5]]", "rows must have equal length"),
+        ("[[1, 2, 80]]", "outside the vocabulary 0..80"),
+    ] {
+        let ids = p.join("ids.json");
+        std::fs::write(&ids, text).unwrap();
+        let out = bin().args(["forward", "--model-dir"]).arg(&dir).arg("--input-ids").arg(&ids).arg("--out").arg(p.join("l.st")).output().unwrap();
+        fails_with(&out, needle);
+        assert!(!p.join("l.st").exists(), "no output file on failure");
+    }
+
+    // Inconsistent model configs name the field.
+    for (patch, needle) in [
+        (r#""num_experts_per_tok": 9"#, "num_experts_per_tok"),
+        (r#""num_key_value_heads": 3"#, "num_key_value_heads"),
+        (r#""hidden_size": -4"#, "hidden_size"),
+        (r#""hidden_size": "wide""#, "hidden_size"),
+    ] {
+        let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
+        let key = patch.split(':').next().unwrap();
+        let line = base.lines().find(|l| l.trim_start().starts_with(key)).unwrap();
+        let comma = if line.trim_end().ends_with(',') { "," } else { "" };
+        let cfg = p.join("bad.json");
+        std::fs::write(&cfg, base.replace(line, &format!("  {patch}{comma}"))).unwrap();
+        let out = bin().args(["train", "--quiet", "--steps", "1", "--model-config"]).arg(&cfg).output().unwrap();
+        fails_with(&out, needle);
+    }
+
+    // Bad options and run configs.
+    let out = bin().args(["train", "--quiet", "--lr=-1"]).output().unwrap();
+    fails_with(&out, "lr");
+    let run = p.join("run.toml");
+    std::fs::write(&run, "stepz = 3\n").unwrap();
+    let out = bin().args(["train", "--quiet", "--run-config"]).arg(&run).output().unwrap();
+    fails_with(&out, "stepz");
+
+    // Empty corpus.
+    let empty = p.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let out = bin().args(["train", "--quiet", "--steps", "1", "--data"]).arg(&empty).output().unwrap();
+    fails_with(&out, "is empty");
+}
