@@ -169,3 +169,52 @@ fn bad_input_gets_one_clear_message() {
     let out = bin().args(["train", "--quiet", "--steps", "1", "--data"]).arg(&empty).output().unwrap();
     fails_with(&out, "is empty");
 }
+
+#[test]
+fn hf_tokenizer_json_is_used_when_given() {
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizer/tokenizer.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
+    let cfg = tmp.path().join("config.json");
+    std::fs::write(&cfg, base.replace("\"vocab_size\": 256", "\"vocab_size\": 384")).unwrap();
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "2", "--batch", "2", "--seq", "16", "--model-config"])
+        .arg(&cfg)
+        .arg("--tokenizer")
+        .arg(&tok)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let first = stdout_last_json(&out)["first_loss"].as_f64().unwrap();
+    assert!((first - (384f64).ln()).abs() < 0.3, "a fresh model starts near ln(384): {first}");
+    // The default model's 256 ids cannot hold this tokenizer's 384.
+    let out = bin().args(["train", "--quiet", "--steps", "1", "--tokenizer"]).arg(&tok).output().unwrap();
+    fails_with(&out, "outside the model's vocabulary 0..256");
+}
+
+#[test]
+fn damaged_checkpoints_are_clear_errors() {
+    let src = fixture("mha_top1");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let ids = tmp.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
+    let forward = || bin().args(["forward", "--model-dir"]).arg(&dir).arg("--input-ids").arg(&ids).arg("--out").arg(tmp.path().join("o")).output().unwrap();
+    // Truncated file.
+    std::fs::write(dir.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    fails_with(&forward(), "model.safetensors");
+    // Garbage header.
+    std::fs::write(dir.join("model.safetensors"), b"not a safetensors file at all").unwrap();
+    fails_with(&forward(), "malformed safetensors file");
+    // No weights at all.
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    fails_with(&forward(), "no checkpoint found");
+    // A config that does not match the weights: a misshapen tensor is named.
+    std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap().replace("\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 17");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    fails_with(&forward(), "has shape [16, 40], expected [17, 40]");
+}

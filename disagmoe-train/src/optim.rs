@@ -164,6 +164,44 @@ impl<B: AutodiffBackend> AdamW<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::TrainBackend as TB;
+    use burn::module::Module;
+    use burn::tensor::TensorData;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        w: Param<Tensor<B, 2>>,
+        b: Param<Tensor<B, 1>>,
+    }
+
+    #[test]
+    fn adamw_first_step_matches_the_closed_form() {
+        // At step 1, m_hat = g and v_hat = g^2, so the update is lr * g / (|g| + eps) ~ lr * sign(g);
+        // decay multiplies matrices (not vectors) by (1 - lr * wd) first.
+        let device = Default::default();
+        let w0 = [[1.0f32, -2.0], [0.5, 3.0]];
+        let m = Two::<TB> {
+            w: Param::from_tensor(Tensor::from_data(TensorData::from(w0), &device)),
+            b: Param::from_tensor(Tensor::from_data(TensorData::from([1.0f32, 1.0]), &device)),
+        };
+        let coef = Tensor::<TB, 2>::from_data(TensorData::from([[1.0f32, -1.0], [2.0, -0.5]]), &device);
+        let loss = (m.w.val() * coef).sum() + m.b.val().sum().mul_scalar(-3.0);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+        let norms = grad_norm::<TB, _>(&m, &grads);
+        let expected_norm = (1.0f64 + 1.0 + 4.0 + 0.25 + 9.0 + 9.0).sqrt();
+        assert!((norms.total - expected_norm).abs() < 1e-5);
+        let (lr, wd) = (0.1, 0.5);
+        let mut opt = AdamW::<TB>::new(AdamWSettings { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd });
+        let m = opt.step(m, &mut grads, lr, 1.0);
+        let w: Vec<f32> = m.w.val().into_data().to_vec().unwrap();
+        let signs = [1.0f32, -1.0, 1.0, -1.0];
+        for (i, (&got, &w0)) in w.iter().zip(w0.iter().flatten()).enumerate() {
+            let want = w0 * (1.0 - (lr * wd) as f32) - lr as f32 * signs[i];
+            assert!((got - want).abs() < 1e-5, "w[{i}] = {got}, want {want}");
+        }
+        let b: Vec<f32> = m.b.val().into_data().to_vec().unwrap();
+        assert!(b.iter().all(|&x| (x - 1.1).abs() < 1e-5), "no decay on vectors: {b:?}");
+    }
 
     #[test]
     fn schedule_warms_up_then_decays_to_min() {
