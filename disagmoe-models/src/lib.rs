@@ -21,6 +21,6 @@ pub mod weights;
 
 pub use config::{Qwen3MoeConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use moe::{Experts, RouterStats, SparseMoeBlock, SwiGluExperts};
+pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use qwen3_moe::{CausalLmOutput, LossParts, Qwen3MoeForCausalLM};
 pub use weights::{CheckpointReader, TensorSink};

@@ -163,6 +163,25 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
     }
 }
 
+/// Chooses `k` experts per token and their gate weights.
+///
+/// Implement this to add a routing rule; [`SparseMoeBlock`] is generic over it. Routers load and save
+/// themselves relative to the MoE block's prefix (e.g. `model.layers.3.mlp`), since families name
+/// them differently (`gate`, `router`).
+pub trait Router<B: Backend> {
+    /// Step 1 of the layer: scores, selection, gate weights.
+    ///
+    /// # Shapes
+    /// - x: `[T, M]`
+    fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B>;
+    /// Experts per token `k`.
+    fn top_k(&self) -> usize;
+    /// Loads the router's weights under the MoE block's prefix.
+    fn load(&mut self, ckpt: &mut CheckpointReader, block_prefix: &str, device: &B::Device) -> Result<()>;
+    /// Saves them under the names [`Router::load`] reads.
+    fn save(&self, sink: &mut TensorSink, block_prefix: &str);
+}
+
 /// Linear router with softmax-then-top-k selection (Qwen3-MoE, Mixtral).
 #[derive(Module, Debug)]
 pub struct TopKRouter<B: Backend> {
@@ -177,7 +196,8 @@ pub struct TopKRouter<B: Backend> {
 /// What the router decided for a micro-batch.
 #[derive(Debug, Clone)]
 pub struct RouterOutput<B: Backend> {
-    /// `[T, E]` full softmax probabilities (f32), used by the aux loss.
+    /// `[T, E]` full router probabilities (softmax over all experts), what the load-balancing loss
+    /// averages.
     pub probs: Tensor<B, 2>,
     /// `[T, k]` gate weights of the chosen experts (renormalised when configured).
     pub weights: Tensor<B, 2>,
@@ -191,11 +211,10 @@ impl<B: Backend> TopKRouter<B> {
         Self { weight: Param::from_tensor(normal_init([experts, hidden], std, device)), top_k, norm_topk_prob }
     }
 
-    /// Step 1: scores, softmax, top-k.
-    ///
-    /// # Shapes
-    /// - x: `[T, M]`
-    pub fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
+}
+
+impl<B: Backend> Router<B> for TopKRouter<B> {
+    fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
         let [t, _] = x.dims();
         let [e, _] = self.weight.dims();
         let k = self.top_k;
@@ -212,6 +231,20 @@ impl<B: Backend> TopKRouter<B> {
             weights = weights.clone() / weights.sum_dim(1);
         }
         RouterOutput { probs, weights, ids }
+    }
+
+    fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    fn load(&mut self, ckpt: &mut CheckpointReader, block_prefix: &str, device: &B::Device) -> Result<()> {
+        let [e, m] = self.weight.dims();
+        self.weight = Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{block_prefix}.gate.weight"), [e, m], device)?);
+        Ok(())
+    }
+
+    fn save(&self, sink: &mut TensorSink, block_prefix: &str) {
+        sink.put_param(format!("{block_prefix}.gate.weight"), &self.weight);
     }
 }
 
@@ -308,16 +341,24 @@ pub struct RouterStats<B: Backend> {
     pub tokens: usize,
 }
 
-/// A sparse MoE block: a top-k router and `E` experts of any [`Experts`] type.
+/// A sparse MoE block: a router of any [`Router`] type, `E` experts of any [`Experts`] type, and
+/// optional always-on shared experts (DeepSeek).
 #[derive(Module, Debug)]
-pub struct SparseMoeBlock<B: Backend, X: Module<B>> {
-    /// The router (`mlp.gate`).
-    pub gate: TopKRouter<B>,
-    /// The experts (`mlp.experts`).
+pub struct SparseMoeBlock<B: Backend, R: Module<B>, X: Module<B>> {
+    /// The router.
+    pub gate: R,
+    /// The routed experts (`mlp.experts`).
     pub experts: X,
+    /// Shared experts every token goes through (`mlp.shared_experts`).
+    pub shared_experts: Option<SwiGluMlp<B>>,
 }
 
-impl<B: Backend, X: Module<B> + Experts<B>> SparseMoeBlock<B, X> {
+impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeBlock<B, R, X> {
+    /// A block without shared experts.
+    pub fn new(gate: R, experts: X) -> Self {
+        Self { gate, experts, shared_experts: None }
+    }
+
     /// # Shapes
     /// - x: `[B, S, M]` -> `[B, S, M]`
     pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, RouterStats<B>) {
@@ -326,13 +367,16 @@ impl<B: Backend, X: Module<B> + Experts<B>> SparseMoeBlock<B, X> {
         // 1. route
         let routed = self.gate.route(flat.clone());
         // 2. dispatch
-        let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k);
+        let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k());
         let tokens = dispatch.token_index::<B>(&flat.device());
-        let xs = dispatch.permute(flat, tokens.clone()); // [N, M]
+        let xs = dispatch.permute(flat.clone(), tokens.clone()); // [N, M]
         // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
         // 4. combine
-        let out = dispatch.combine(ys, routed.weights, tokens); // [T, M]
+        let mut out = dispatch.combine(ys, routed.weights, tokens); // [T, M]
+        if let Some(shared) = &self.shared_experts {
+            out = out + shared.forward(flat);
+        }
         let stats = RouterStats { prob_sum: routed.probs.sum_dim(0).reshape([dispatch.counts.len()]), counts: dispatch.counts, tokens: b * s };
         (out.reshape([b, s, m]), stats)
     }
@@ -346,7 +390,7 @@ impl<B: Backend, X: Module<B> + Experts<B>> SparseMoeBlock<B, X> {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]);
         let routed = self.gate.route(flat.clone());
-        let (k, e) = (self.gate.top_k, self.experts.num_experts());
+        let (k, e) = (self.gate.top_k(), self.experts.num_experts());
         let rows: Vec<Tensor<B, 2>> = (0..b * s)
             .map(|t| {
                 let xt = flat.clone().narrow(0, t, 1); // [1, M]
@@ -361,20 +405,31 @@ impl<B: Backend, X: Module<B> + Experts<B>> SparseMoeBlock<B, X> {
                     .expect("k >= 1")
             })
             .collect();
-        Tensor::cat(rows, 0).reshape([b, s, m])
+        let mut out = Tensor::cat(rows, 0);
+        if let Some(shared) = &self.shared_experts {
+            out = out + shared.forward(flat);
+        }
+        out.reshape([b, s, m])
     }
 
-    /// Loads `{prefix}.gate.weight` and the experts under `{prefix}.experts`.
+    /// Loads the router, the experts under `{prefix}.experts` and the shared experts under
+    /// `{prefix}.shared_experts`.
     pub fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
-        let [e, m] = self.gate.weight.dims();
-        self.gate.weight = Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{prefix}.gate.weight"), [e, m], device)?);
-        self.experts.load(ckpt, &format!("{prefix}.experts"), device)
+        self.gate.load(ckpt, prefix, device)?;
+        self.experts.load(ckpt, &format!("{prefix}.experts"), device)?;
+        if let Some(shared) = &mut self.shared_experts {
+            shared.load(ckpt, &format!("{prefix}.shared_experts"), device)?;
+        }
+        Ok(())
     }
 
     /// Saves under the names [`SparseMoeBlock::load`] reads.
     pub fn save(&self, sink: &mut TensorSink, prefix: &str) {
-        sink.put_param(format!("{prefix}.gate.weight"), &self.gate.weight);
+        self.gate.save(sink, prefix);
         self.experts.save(sink, &format!("{prefix}.experts"));
+        if let Some(shared) = &self.shared_experts {
+            shared.save(sink, &format!("{prefix}.shared_experts"));
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use crate::weights::{CheckpointReader, TensorSink};
 #[derive(Module, Debug)]
 pub struct FeedForward<B: Backend> {
     /// Present on sparse layers.
-    pub moe: Option<SparseMoeBlock<B, SwiGluExperts<B>>>,
+    pub moe: Option<SparseMoeBlock<B, TopKRouter<B>, SwiGluExperts<B>>>,
     /// Present on dense layers (`mlp_only_layers`, or off the `decoder_sparse_step`).
     pub dense: Option<SwiGluMlp<B>>,
 }
@@ -74,8 +74,8 @@ impl<B: Backend> Qwen3MoeDecoderLayer<B> {
         };
         let mlp = if config.is_sparse_layer(layer) {
             FeedForward {
-                moe: Some(SparseMoeBlock {
-                    gate: TopKRouter::new(
+                moe: Some(SparseMoeBlock::new(
+                    TopKRouter::new(
                         config.hidden_size,
                         config.num_experts,
                         config.num_experts_per_tok,
@@ -83,8 +83,8 @@ impl<B: Backend> Qwen3MoeDecoderLayer<B> {
                         std,
                         device,
                     ),
-                    experts: SwiGluExperts::new(config.num_experts, config.hidden_size, config.moe_intermediate_size, std, device),
-                }),
+                    SwiGluExperts::new(config.num_experts, config.hidden_size, config.moe_intermediate_size, std, device),
+                )),
                 dense: None,
             }
         } else {

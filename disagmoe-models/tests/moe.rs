@@ -19,13 +19,10 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
 }
 
-fn block(experts: usize, k: usize, norm: bool) -> SparseMoeBlock<B, SwiGluExperts<B>> {
+fn block(experts: usize, k: usize, norm: bool) -> SparseMoeBlock<B, TopKRouter<B>, SwiGluExperts<B>> {
     let device = Default::default();
     <B as Backend>::seed(&device, 3);
-    SparseMoeBlock {
-        gate: TopKRouter::new(16, experts, k, norm, 0.5, &device),
-        experts: SwiGluExperts::new(experts, 16, 12, 0.3, &device),
-    }
+    SparseMoeBlock::new(TopKRouter::new(16, experts, k, norm, 0.5, &device), SwiGluExperts::new(experts, 16, 12, 0.3, &device))
 }
 
 #[test]
@@ -105,10 +102,10 @@ impl<B: Backend> Experts<B> for ReluExperts<B> {
 fn a_new_expert_type_plugs_in_without_touching_router_or_layer() {
     let device = Default::default();
     let init = |r, c| Param::from_tensor(Tensor::<B, 2>::random([r, c], Distribution::Normal(0.0, 0.3), &device));
-    let moe = SparseMoeBlock {
-        gate: TopKRouter::new(8, 4, 2, true, 0.5, &device),
-        experts: ReluExperts { up: (0..4).map(|_| init(8, 6)).collect(), down: (0..4).map(|_| init(6, 8)).collect() },
-    };
+    let moe = SparseMoeBlock::new(
+        TopKRouter::new(8, 4, 2, true, 0.5, &device),
+        ReluExperts { up: (0..4).map(|_| init(8, 6)).collect(), down: (0..4).map(|_| init(6, 8)).collect() },
+    );
     let x = Tensor::<B, 3>::random([1, 9, 8], Distribution::Normal(0.0, 1.0), &device);
     let (fast, stats) = moe.forward(x.clone());
     assert_eq!(stats.counts.iter().sum::<usize>(), 18);
