@@ -15,18 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::{ModelError, Result};
-
-/// How rotary position embeddings are scaled.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RopeScaling {
-    /// Plain RoPE (`rope_type: "default"` or no scaling).
-    Default,
-    /// Position interpolation: positions divided by `factor` (`rope_type: "linear"`).
-    Linear {
-        /// Interpolation factor (> 0).
-        factor: f64,
-    },
-}
+pub use crate::rope::RopeScaling;
 
 /// A validated Qwen3-MoE configuration, field names as in transformers' `Qwen3MoeConfig`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -136,39 +125,6 @@ fn non_negative(field: &str, v: Option<i64>, default: i64) -> Result<usize> {
     }
 }
 
-fn rope_from_value(field: &str, v: &Value) -> Result<(Option<f64>, RopeScaling)> {
-    let obj = match v {
-        Value::Null => return Ok((None, RopeScaling::Default)),
-        Value::Object(o) => o,
-        other => return Err(ModelError::config(field, format!("must be an object or null, got {other}"))),
-    };
-    let theta = obj.get("rope_theta").and_then(Value::as_f64);
-    let kind = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let scaling = match kind {
-        "default" => RopeScaling::Default,
-        "linear" => {
-            let factor = obj.get("factor").and_then(Value::as_f64).ok_or_else(|| {
-                ModelError::config(format!("{field}.factor"), "is required for rope_type \"linear\" (a number > 0)")
-            })?;
-            if !(factor > 0.0) {
-                return Err(ModelError::config(format!("{field}.factor"), format!("must be > 0, got {factor}")));
-            }
-            RopeScaling::Linear { factor }
-        }
-        other => {
-            return Err(ModelError::config(
-                format!("{field}.rope_type"),
-                format!("`{other}` is not supported for qwen3_moe; allowed: \"default\", \"linear\""),
-            ))
-        }
-    };
-    Ok((theta, scaling))
-}
-
 impl Qwen3MoeConfig {
     /// Reads and validates `config.json` from a file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
@@ -244,8 +200,8 @@ impl Qwen3MoeConfig {
         }
         // rope: `rope_parameters` (current) carries theta inside; `rope_theta`/`rope_scaling` (4.x).
         let (theta_in_params, rope_scaling) = match (&raw.rope_parameters, &raw.rope_scaling) {
-            (Some(p), _) if !p.is_null() => rope_from_value("rope_parameters", p)?,
-            (_, Some(s)) => rope_from_value("rope_scaling", s)?,
+            (Some(p), _) if !p.is_null() => RopeScaling::from_hf("rope_parameters", p)?,
+            (_, Some(s)) => RopeScaling::from_hf("rope_scaling", s)?,
             _ => (None, RopeScaling::Default),
         };
         let rope_theta = theta_in_params.or(raw.rope_theta).unwrap_or(10000.0);
@@ -322,10 +278,7 @@ impl Qwen3MoeConfig {
 
     /// The configuration as a transformers `config.json` (4.x spelling, read by every version).
     pub fn to_hf_json(&self) -> Value {
-        let rope_scaling = match &self.rope_scaling {
-            RopeScaling::Default => Value::Null,
-            RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
-        };
+        let rope_scaling = self.rope_scaling.to_hf();
         json!({
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",

@@ -141,7 +141,8 @@ fn config_errors_name_the_field_and_the_allowed_values() {
         (r#""hidden_size":32"#, r#""hidden_size":-1"#, "hidden_size"),
         (r#""vocab_size":100"#, r#""vocab_size":"many""#, "vocab_size"),
         (r#""num_experts":8"#, r#""num_experts":8,"model_type":"llama""#, "allowed: \"qwen3_moe\""),
-        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"yarn","factor":4}"#, "allowed: \"default\", \"linear\""),
+        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"dynamic","factor":4}"#, "allowed: \"default\", \"linear\", \"yarn\""),
+        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"yarn","factor":4}"#, "original_max_position_embeddings"),
         (r#""num_experts":8"#, r#""num_experts":8,"mlp_only_layers":[5]"#, "mlp_only_layers[0]"),
         (r#""num_experts":8"#, r#""num_experts":8,"hidden_act":"gelu""#, "allowed: \"silu\""),
     ];
