@@ -1,9 +1,11 @@
-//! Causal grouped-query self-attention with per-head RMSNorm on q and k (Qwen3).
+//! Causal grouped-query self-attention, with the variants the families need: per-head RMSNorm on q
+//! and k before RoPE (Qwen3), projection biases and learned per-head attention sinks (GPT-OSS), and a
+//! sliding window per layer.
 //!
 //! Notation: B batch, S sequence, H query heads, G key/value heads (H % G == 0), D head dim,
 //! M model width.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Tensor, TensorData};
@@ -28,7 +30,19 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
-/// Qwen3 attention: q/k/v/o projections, RMSNorm over D of every q and k head, RoPE, causal softmax.
+/// Which variant of attention a layer uses.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionOptions {
+    /// q/k/v/o projections have biases.
+    pub bias: bool,
+    /// RMSNorm (with this epsilon) over each q and k head before RoPE (Qwen3).
+    pub qk_norm_eps: Option<f64>,
+    /// A learned logit per head joins every softmax and is dropped after it (GPT-OSS sinks).
+    pub sinks: bool,
+}
+
+/// Grouped-query attention: q/k/v/o projections, optional q/k head norms, RoPE, causal (optionally
+/// windowed) softmax with optional sinks.
 #[derive(Module, Debug)]
 pub struct GqaAttention<B: Backend> {
     /// `[H*D, M]`
@@ -39,10 +53,12 @@ pub struct GqaAttention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[M, H*D]`
     pub o_proj: Linear<B>,
-    /// RMSNorm over D, applied to each query head.
-    pub q_norm: RmsNorm<B>,
-    /// RMSNorm over D, applied to each key head.
-    pub k_norm: RmsNorm<B>,
+    /// RMSNorm over D, applied to each query head (Qwen3).
+    pub q_norm: Option<RmsNorm<B>>,
+    /// RMSNorm over D, applied to each key head (Qwen3).
+    pub k_norm: Option<RmsNorm<B>>,
+    /// `[H]` learned sink logits (GPT-OSS).
+    pub sinks: Option<Param<Tensor<B, 1>>>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -51,15 +67,17 @@ pub struct GqaAttention<B: Backend> {
 
 impl<B: Backend> GqaAttention<B> {
     /// A freshly initialised layer.
-    pub fn new(shape: AttentionShape, bias: bool, eps: f64, std: f64, device: &B::Device) -> Self {
+    pub fn new(shape: AttentionShape, options: AttentionOptions, std: f64, device: &B::Device) -> Self {
         let AttentionShape { hidden, heads, kv_heads, head_dim, window } = shape;
+        let bias = options.bias;
         Self {
             q_proj: Linear::new(hidden, heads * head_dim, bias, std, device),
             k_proj: Linear::new(hidden, kv_heads * head_dim, bias, std, device),
             v_proj: Linear::new(hidden, kv_heads * head_dim, bias, std, device),
             o_proj: Linear::new(heads * head_dim, hidden, bias, std, device),
-            q_norm: RmsNorm::new(head_dim, eps, device),
-            k_norm: RmsNorm::new(head_dim, eps, device),
+            q_norm: options.qk_norm_eps.map(|eps| RmsNorm::new(head_dim, eps, device)),
+            k_norm: options.qk_norm_eps.map(|eps| RmsNorm::new(head_dim, eps, device)),
+            sinks: options.sinks.then(|| Param::from_tensor(crate::nn::normal_init([heads], std, device))),
             heads,
             kv_heads,
             head_dim,
@@ -73,9 +91,14 @@ impl<B: Backend> GqaAttention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, g, d) = (self.heads, self.kv_heads, self.head_dim);
-        // 1. Project and split heads; normalise q and k per head.
-        let q = self.q_norm.forward(self.q_proj.forward(x.clone()).reshape([b, s, h, d])).swap_dims(1, 2); // [B, H, S, D]
-        let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([b, s, g, d])).swap_dims(1, 2); // [B, G, S, D]
+        // 1. Project and split heads; normalise q and k per head where the family does.
+        let mut q = self.q_proj.forward(x.clone()).reshape([b, s, h, d]); // [B, S, H, D]
+        let mut k = self.k_proj.forward(x.clone()).reshape([b, s, g, d]); // [B, S, G, D]
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(q);
+            k = kn.forward(k);
+        }
+        let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2)); // [B, H, S, D], [B, G, S, D]
         let v = self.v_proj.forward(x).reshape([b, s, g, d]).swap_dims(1, 2); // [B, G, S, D]
         // 2. Rotary embedding on q and k.
         let q = apply_rotary(q, cos.clone(), sin.clone());
@@ -87,7 +110,14 @@ impl<B: Backend> GqaAttention<B> {
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((d as f64).powf(-0.5)); // [B, H, S, S]
         let mask = causal_mask::<B>(s, self.window, &scores.device()); // [S, S], true = hidden
         let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
-        let probs = softmax(scores, 3);
+        let probs = match &self.sinks {
+            // The sink is one more logit per head and query; its probability mass is dropped.
+            Some(sinks) => {
+                let sink = sinks.val().reshape([1, h, 1, 1]).expand([b, h, s, 1]);
+                softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s) // [B, H, S, S]
+            }
+            None => softmax(scores, 3),
+        };
         // 5. Weighted values, merge heads, output projection.
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * d]); // [B, S, H*D]
         self.o_proj.forward(out)
@@ -99,8 +129,14 @@ impl<B: Backend> GqaAttention<B> {
         self.k_proj.load(ckpt, &format!("{prefix}.k_proj"), device)?;
         self.v_proj.load(ckpt, &format!("{prefix}.v_proj"), device)?;
         self.o_proj.load(ckpt, &format!("{prefix}.o_proj"), device)?;
-        self.q_norm.load(ckpt, &format!("{prefix}.q_norm"), device)?;
-        self.k_norm.load(ckpt, &format!("{prefix}.k_norm"), device)
+        if let (Some(qn), Some(kn)) = (&mut self.q_norm, &mut self.k_norm) {
+            qn.load(ckpt, &format!("{prefix}.q_norm"), device)?;
+            kn.load(ckpt, &format!("{prefix}.k_norm"), device)?;
+        }
+        if let Some(sinks) = &mut self.sinks {
+            *sinks = Param::from_tensor(ckpt.tensor::<B, 1>(&format!("{prefix}.sinks"), [self.heads], device)?);
+        }
+        Ok(())
     }
 
     /// Saves under the names [`GqaAttention::load`] reads.
@@ -109,8 +145,13 @@ impl<B: Backend> GqaAttention<B> {
         self.k_proj.save(sink, &format!("{prefix}.k_proj"));
         self.v_proj.save(sink, &format!("{prefix}.v_proj"));
         self.o_proj.save(sink, &format!("{prefix}.o_proj"));
-        self.q_norm.save(sink, &format!("{prefix}.q_norm"));
-        self.k_norm.save(sink, &format!("{prefix}.k_norm"));
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            qn.save(sink, &format!("{prefix}.q_norm"));
+            kn.save(sink, &format!("{prefix}.k_norm"));
+        }
+        if let Some(sinks) = &self.sinks {
+            sink.put_param(format!("{prefix}.sinks"), sinks);
+        }
     }
 }
 

@@ -11,8 +11,11 @@
 //! f16.
 
 pub mod attention;
+pub mod causal_lm;
 pub mod config;
 pub mod error;
+pub mod family;
+pub mod gpt_oss;
 pub mod moe;
 pub mod nn;
 pub mod qwen3_moe;
@@ -21,6 +24,8 @@ pub mod weights;
 
 pub use config::{Qwen3MoeConfig, RopeScaling};
 pub use error::{ModelError, Result};
+pub use family::{ModelConfig, MoeCausalLm, SUPPORTED_MODEL_TYPES};
+pub use gpt_oss::{GptOssConfig, GptOssForCausalLM};
 pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use qwen3_moe::{CausalLmOutput, LossParts, Qwen3MoeForCausalLM};
 pub use weights::{CheckpointReader, TensorSink};

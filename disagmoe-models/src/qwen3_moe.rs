@@ -13,14 +13,15 @@
 use std::path::Path;
 
 use burn::module::Module;
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 
-use crate::attention::{AttentionShape, GqaAttention};
+use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
 use crate::config::Qwen3MoeConfig;
-use crate::error::{ModelError, Result};
-use crate::moe::{check_token_ids, load_balancing_loss, RouterStats, SparseMoeBlock, SwiGluExperts, SwiGluMlp, TopKRouter};
+use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, write_pretrained};
+pub use crate::causal_lm::{next_token_cross_entropy, CausalLmOutput, LossParts};
+use crate::error::Result;
+use crate::moe::{RouterStats, SparseMoeBlock, SwiGluExperts, SwiGluMlp, TopKRouter};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -92,7 +93,12 @@ impl<B: Backend> Qwen3MoeDecoderLayer<B> {
         };
         Self {
             input_layernorm: RmsNorm::new(config.hidden_size, config.rms_norm_eps, device),
-            self_attn: GqaAttention::new(shape, config.attention_bias, config.rms_norm_eps, std, device),
+            self_attn: GqaAttention::new(
+                shape,
+                AttentionOptions { bias: config.attention_bias, qk_norm_eps: Some(config.rms_norm_eps), sinks: false },
+                std,
+                device,
+            ),
             post_attention_layernorm: RmsNorm::new(config.hidden_size, config.rms_norm_eps, device),
             mlp,
         }
@@ -137,26 +143,6 @@ impl<B: Backend> Qwen3MoeDecoderLayer<B> {
             mlp.save(sink, &format!("{prefix}.mlp"));
         }
     }
-}
-
-/// What a forward pass returns.
-#[derive(Debug, Clone)]
-pub struct CausalLmOutput<B: Backend> {
-    /// `[B, S, V]` next-token logits.
-    pub logits: Tensor<B, 3>,
-    /// One entry per sparse layer, in layer order.
-    pub router_stats: Vec<RouterStats<B>>,
-}
-
-/// The parts of the training loss.
-#[derive(Debug, Clone)]
-pub struct LossParts<B: Backend> {
-    /// Mean next-token cross-entropy, `[1]`.
-    pub lm_loss: Tensor<B, 1>,
-    /// Load-balancing loss (before the coefficient), when the model has MoE layers and it is on.
-    pub aux_loss: Option<Tensor<B, 1>>,
-    /// `lm_loss + router_aux_loss_coef * aux_loss`, `[1]`.
-    pub total: Tensor<B, 1>,
 }
 
 /// Qwen3-MoE causal language model.
@@ -253,26 +239,12 @@ impl<B: Backend> Qwen3MoeForCausalLM<B> {
     /// Writes `config.json` and the weights (f32 safetensors, sharded past `max_shard_bytes`) so
     /// that transformers' `from_pretrained` loads the directory.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
-        let dir = dir.as_ref();
-        self.state_dict().write(dir, max_shard_bytes)?;
-        let path = dir.join("config.json");
-        let text = serde_json::to_vec_pretty(&self.config.to_hf_json()).expect("config serialises");
-        crate::weights::write_atomically(&path, |tmp| std::fs::write(tmp, &text))
+        write_pretrained(dir.as_ref(), &self.state_dict(), &self.config.to_hf_json(), max_shard_bytes)
     }
 
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
     pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
-        let b = rows.len();
-        let s = rows.first().map(Vec::len).unwrap_or(0);
-        if b == 0 || s == 0 {
-            return Err(ModelError::InvalidInput("input ids must be a non-empty list of non-empty lists".into()));
-        }
-        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != s) {
-            return Err(ModelError::InvalidInput(format!("row {i} has {} ids, row 0 has {s}: rows must have equal length", r.len())));
-        }
-        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
-        check_token_ids(&flat, self.config.vocab_size)?;
-        Ok(Tensor::from_data(TensorData::new(flat, [b, s]), device))
+        input_ids(rows, self.config.vocab_size, device)
     }
 
     /// The forward pass.
@@ -295,34 +267,13 @@ impl<B: Backend> Qwen3MoeForCausalLM<B> {
         }
         // 3. Final norm and head.
         let x = self.norm.forward(x);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.embed_tokens.weight.val().transpose().unsqueeze::<3>()),
-        };
+        let logits = lm_logits(x, self.lm_head.as_ref(), &self.embed_tokens);
         CausalLmOutput { logits, router_stats }
     }
 
     /// The training loss of a forward pass over `ids`: next-token cross-entropy (labels = inputs
     /// shifted by one) plus `router_aux_loss_coef` times the load-balancing loss when `with_aux`.
     pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
-        let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
-        let aux_loss = if with_aux { load_balancing_loss(&out.router_stats) } else { None };
-        let total = match &aux_loss {
-            Some(aux) => lm_loss.clone() + aux.clone().mul_scalar(self.config.router_aux_loss_coef),
-            None => lm_loss.clone(),
-        };
-        LossParts { lm_loss, aux_loss, total }
+        causal_lm_loss(out, ids, with_aux, self.config.router_aux_loss_coef)
     }
-}
-
-/// Mean cross-entropy of `logits[:, :-1]` against `ids[:, 1:]`.
-///
-/// # Shapes
-/// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
-pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-    let [b, s, v] = logits.dims();
-    let n = b * (s - 1);
-    let logp = log_softmax(logits.narrow(1, 0, s - 1).reshape([n, v]), 1); // [N, V]
-    let labels = ids.narrow(1, 1, s - 1).reshape([n, 1]);
-    logp.gather(1, labels).mean().neg()
 }

@@ -133,6 +133,27 @@ impl CheckpointReader {
         Ok((info.shape.clone(), values))
     }
 
+    /// Reads a `U8` tensor (e.g. MXFP4 blocks and scales) as raw bytes with its shape.
+    pub fn read_u8(&mut self, name: &str) -> Result<(Vec<usize>, Vec<u8>)> {
+        let &fi = self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })?;
+        let file = &self.files[fi];
+        let info = file.meta.info(name).expect("indexed tensor has metadata");
+        if info.dtype != Dtype::U8 {
+            return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{:?} (expected U8)", info.dtype) });
+        }
+        let (start, end) = (8 + file.header_len + info.data_offsets.0, 8 + file.header_len + info.data_offsets.1);
+        let n: usize = info.shape.iter().product();
+        let bytes = file.map.get(start..end).filter(|b| b.len() == n).ok_or_else(|| ModelError::Safetensors {
+            path: file.path.clone(),
+            message: format!("data of `{name}` does not match its shape {:?} (truncated?)", info.shape),
+        })?;
+        self.taken.insert(name.to_owned());
+        Ok((info.shape.clone(), bytes.to_vec()))
+    }
+
     /// Reads a tensor, checks its shape, and puts it on `device`.
     pub fn tensor<B: Backend, const D: usize>(
         &mut self,

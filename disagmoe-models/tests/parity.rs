@@ -11,13 +11,17 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
-use disagmoe_models::Qwen3MoeForCausalLM;
+use disagmoe_models::MoeCausalLm;
 use safetensors::SafeTensors;
 
 type B = Autodiff<Flex>;
 
 fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe");
+    family_fixtures("qwen3_moe")
+}
+
+fn family_fixtures(family: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(family);
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .expect("fixtures/qwen3_moe exists")
         .map(|e| e.unwrap().path())
@@ -78,7 +82,7 @@ impl burn::module::ModuleVisitor<B> for GradCollector<'_> {
 fn check_fixture(dir: &Path) {
     let name = dir.file_name().unwrap().to_string_lossy().to_string();
     let device = Default::default();
-    let model = Qwen3MoeForCausalLM::<B>::from_pretrained(dir, &device).expect("fixture loads");
+    let model = MoeCausalLm::<B>::from_pretrained(dir, &device).expect("fixture loads");
     let r = reference(dir);
     let ids: Tensor<B, 2, Int> = model.input_ids(&r.ids, &device).unwrap();
 
@@ -120,8 +124,19 @@ fn check_fixture(dir: &Path) {
 }
 
 #[test]
-fn logits_loss_and_gradients_match_transformers() {
+fn qwen3_moe_logits_loss_and_gradients_match_transformers() {
     for dir in fixtures() {
+        check_fixture(&dir);
+    }
+}
+
+#[test]
+fn gpt_oss_logits_loss_and_gradients_match_transformers() {
+    // Includes `mxfp4`: expert weights stored as MXFP4 blocks and scales, dequantised on load; the
+    // reference used transformers' own dequantisation.
+    let dirs = family_fixtures("gpt_oss");
+    assert!(dirs.iter().any(|d| d.ends_with("mxfp4")));
+    for dir in dirs {
         check_fixture(&dir);
     }
 }
@@ -130,11 +145,11 @@ fn logits_loss_and_gradients_match_transformers() {
 fn saved_checkpoint_reloads_bit_exact() {
     let dir = &fixtures()[0];
     let device = Default::default();
-    let model = Qwen3MoeForCausalLM::<Flex>::from_pretrained(dir, &device).unwrap();
+    let model = MoeCausalLm::<Flex>::from_pretrained(dir, &device).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     model.save_pretrained(tmp.path(), 64 * 1024).unwrap(); // small shards: exercises the index
     assert!(tmp.path().join("model.safetensors.index.json").exists());
-    let again = Qwen3MoeForCausalLM::<Flex>::from_pretrained(tmp.path(), &device).unwrap();
+    let again = MoeCausalLm::<Flex>::from_pretrained(tmp.path(), &device).unwrap();
     let r = reference(dir);
     let ids = model.input_ids(&r.ids, &device).unwrap();
     let a = values(model.forward(ids.clone()).logits);
@@ -147,7 +162,7 @@ fn bf16_and_f16_checkpoints_load() {
     use safetensors::tensor::{Dtype, TensorView};
     let dir = &fixtures()[0];
     let device = Default::default();
-    let model = Qwen3MoeForCausalLM::<Flex>::from_pretrained(dir, &device).unwrap();
+    let model = MoeCausalLm::<Flex>::from_pretrained(dir, &device).unwrap();
     let sink = model.state_dict();
     for (dtype, tol) in [(Dtype::BF16, 2e-2), (Dtype::F16, 2e-3)] {
         let tmp = tempfile::tempdir().unwrap();
@@ -169,7 +184,7 @@ fn bf16_and_f16_checkpoints_load() {
         let views: Vec<(String, TensorView)> =
             encoded.iter().map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap())).collect();
         safetensors::serialize_to_file(views, None, &tmp.path().join("model.safetensors")).unwrap();
-        let low = Qwen3MoeForCausalLM::<Flex>::from_pretrained(tmp.path(), &device).unwrap();
+        let low = MoeCausalLm::<Flex>::from_pretrained(tmp.path(), &device).unwrap();
         let r = reference(dir);
         let ids = model.input_ids(&r.ids, &device).unwrap();
         let err = rel_err(&values(low.forward(ids).logits), &r.tensors["logits"].1);

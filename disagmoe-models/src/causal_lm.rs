@@ -1,0 +1,94 @@
+//! What every causal LM family shares: input checking, the tied or untied head, the loss with its
+//! load-balancing term, and writing a Hugging Face checkpoint directory.
+
+use std::path::Path;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::error::{ModelError, Result};
+use crate::moe::{check_token_ids, load_balancing_loss, RouterStats};
+use crate::nn::{Embedding, Linear};
+use crate::weights::{write_atomically, TensorSink};
+
+/// What a forward pass returns.
+#[derive(Debug, Clone)]
+pub struct CausalLmOutput<B: Backend> {
+    /// `[B, S, V]` next-token logits.
+    pub logits: Tensor<B, 3>,
+    /// One entry per sparse layer, in layer order.
+    pub router_stats: Vec<RouterStats<B>>,
+}
+
+/// The parts of the training loss.
+#[derive(Debug, Clone)]
+pub struct LossParts<B: Backend> {
+    /// Mean next-token cross-entropy, `[1]`.
+    pub lm_loss: Tensor<B, 1>,
+    /// Load-balancing loss (before the coefficient), when the model has MoE layers and it is on.
+    pub aux_loss: Option<Tensor<B, 1>>,
+    /// `lm_loss + coefficient * aux_loss`, `[1]`.
+    pub total: Tensor<B, 1>,
+}
+
+/// Token ids as a `[batch, seq]` tensor, checked: non-empty, rectangular, inside `0..vocab`.
+pub fn input_ids<B: Backend>(rows: &[Vec<i64>], vocab: usize, device: &B::Device) -> Result<Tensor<B, 2, Int>> {
+    let b = rows.len();
+    let s = rows.first().map(Vec::len).unwrap_or(0);
+    if b == 0 || s == 0 {
+        return Err(ModelError::InvalidInput("input ids must be a non-empty list of non-empty lists".into()));
+    }
+    if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != s) {
+        return Err(ModelError::InvalidInput(format!(
+            "row {i} has {} ids, row 0 has {s}: rows must have equal length",
+            r.len()
+        )));
+    }
+    let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+    check_token_ids(&flat, vocab)?;
+    Ok(Tensor::from_data(TensorData::new(flat, [b, s]), device))
+}
+
+/// Logits from final hidden states: the LM head, or the embedding matrix when tied.
+///
+/// # Shapes
+/// - x: `[B, S, M]` -> `[B, S, V]`
+pub fn lm_logits<B: Backend>(x: Tensor<B, 3>, head: Option<&Linear<B>>, embed: &Embedding<B>) -> Tensor<B, 3> {
+    match head {
+        Some(head) => head.forward(x),
+        None => x.matmul(embed.weight.val().transpose().unsqueeze::<3>()),
+    }
+}
+
+/// Mean cross-entropy of `logits[:, :-1]` against `ids[:, 1:]`.
+///
+/// # Shapes
+/// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
+pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [b, s, v] = logits.dims();
+    let n = b * (s - 1);
+    let logp = log_softmax(logits.narrow(1, 0, s - 1).reshape([n, v]), 1); // [N, V]
+    let labels = ids.narrow(1, 1, s - 1).reshape([n, 1]);
+    logp.gather(1, labels).mean().neg()
+}
+
+/// Cross-entropy plus `aux_coef` times the load-balancing loss (when `with_aux` and there are MoE
+/// layers), as transformers' `*ForCausalLM.forward` adds them.
+pub fn causal_lm_loss<B: Backend>(out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool, aux_coef: f64) -> LossParts<B> {
+    let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
+    let aux_loss = if with_aux { load_balancing_loss(&out.router_stats) } else { None };
+    let total = match &aux_loss {
+        Some(aux) => lm_loss.clone() + aux.clone().mul_scalar(aux_coef),
+        None => lm_loss.clone(),
+    };
+    LossParts { lm_loss, aux_loss, total }
+}
+
+/// Writes a Hugging Face checkpoint directory: the weights (sharded past `max_shard_bytes`) and
+/// `config.json`, each file atomically.
+pub fn write_pretrained(dir: &Path, weights: &TensorSink, config: &serde_json::Value, max_shard_bytes: usize) -> Result<()> {
+    weights.write(dir, max_shard_bytes)?;
+    let text = serde_json::to_vec_pretty(config).expect("config serialises");
+    write_atomically(&dir.join("config.json"), |tmp| std::fs::write(tmp, &text))
+}
