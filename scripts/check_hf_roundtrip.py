@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 def rel(a, b):
@@ -36,7 +36,7 @@ def ours_forward(binary, model_dir, ids, work):
 
 
 def hf_logits(model_dir, ids):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
@@ -45,33 +45,50 @@ def hf_logits(model_dir, ids):
     return logits, float(lm)
 
 
-def check_hf_to_ours(binary, work):
-    config = Qwen3MoeConfig(vocab_size=151, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
-                            num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[2],
-                            rope_theta=1e6, initializer_range=0.08, tie_word_embeddings=False)
+def random_models():
     torch.manual_seed(7)
-    model = Qwen3MoeForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (2, 24))
+    yield "qwen3_moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=151, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[2], rope_theta=1e6, initializer_range=0.08, tie_word_embeddings=False))
+    cfg = GptOssConfig(vocab_size=151, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                       initializer_range=0.08)
+    cfg._attn_implementation = "eager"
+    yield "gpt_oss", GptOssForCausalLM(cfg)
+
+
+def check_hf_to_ours(binary, work):
+    for family, model in random_models():
+        check_one(binary, work, family, model)
+
+
+def check_one(binary, work, family, model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
     for dtype in (torch.float32, torch.bfloat16):
-        d = os.path.join(work, f"hf_{str(dtype).split('.')[-1]}")
+        d = os.path.join(work, f"hf_{family}_{str(dtype).split('.')[-1]}")
         model.to(dtype).save_pretrained(d, max_shard_size="100KB")
         ref, ref_loss = hf_logits(d, ids)
         ours, loss = ours_forward(binary, d, ids, work)
-        print(f"transformers -> disagmoe ({dtype}, {len([f for f in os.listdir(d) if f.endswith('.safetensors')])} shards): "
+        print(f"transformers -> disagmoe ({family}, {dtype}, {len([f for f in os.listdir(d) if f.endswith('.safetensors')])} shards): "
               f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
         assert rel(ours, ref) <= 1e-4
 
 
 def check_ours_to_hf(binary, work):
-    out = os.path.join(work, "run")
-    subprocess.run([binary, "train", "--steps", "3", "--batch", "2", "--seq", "32", "--out", out, "--quiet"],
-                   check=True, capture_output=True)
+    for preset in ("tiny-qwen3-moe", "tiny-gpt-oss"):
+        check_ours_one(binary, work, preset)
+
+
+def check_ours_one(binary, work, preset):
+    out = os.path.join(work, "run_" + preset)
+    subprocess.run([binary, "train", "--model-preset", preset, "--steps", "3", "--batch", "2", "--seq", "32",
+                    "--out", out, "--quiet"], check=True, capture_output=True)
     d = os.path.join(out, "final")
     ids = torch.randint(0, 256, (2, 20))
     ref, ref_loss = hf_logits(d, ids)
     ours, loss = ours_forward(binary, d, ids, work)
-    print(f"disagmoe -> transformers: from_pretrained ok, logits rel err {rel(ours, ref):.2e}, "
+    print(f"disagmoe -> transformers ({preset}): from_pretrained ok, logits rel err {rel(ours, ref):.2e}, "
           f"loss {loss:.6f} vs {ref_loss:.6f}")
     assert rel(ours, ref) <= 1e-4
 

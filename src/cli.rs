@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use disagmoe_models::weights::{write_atomically, TensorSink};
-use disagmoe_models::Qwen3MoeForCausalLM;
+use disagmoe_models::MoeCausalLm;
 use disagmoe_train::{DefaultBackend, RunConfig, TrainBackend, TrainSummary};
 
 /// On or off.
@@ -29,6 +29,10 @@ pub struct TrainArgs {
     /// Continue from a checkpoint directory (config.json + safetensors).
     #[arg(long, value_name = "DIR")]
     pub model_dir: Option<PathBuf>,
+    /// An embedded model when neither --model-config nor --model-dir is given: tiny-qwen3-moe
+    /// (default), tiny-gpt-oss.
+    #[arg(long, value_name = "NAME")]
+    pub model_preset: Option<String>,
     /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
@@ -91,6 +95,9 @@ impl TrainArgs {
             cfg.model_config = self.model_config.clone();
             cfg.model_dir = self.model_dir.clone();
         }
+        if self.model_preset.is_some() {
+            cfg.model_preset = self.model_preset.clone();
+        }
         if self.data.is_some() {
             cfg.data = self.data.clone();
         }
@@ -149,14 +156,14 @@ fn read_ids(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
 pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
     let device = Default::default();
     let rows = read_ids(&args.input_ids)?;
-    let model = Qwen3MoeForCausalLM::<DefaultBackend>::from_pretrained(&args.model_dir, &device)?;
+    let model = MoeCausalLm::<DefaultBackend>::from_pretrained(&args.model_dir, &device)?;
     let ids = model.input_ids(&rows, &device).with_context(|| args.input_ids.display().to_string())?;
     let [_, s] = ids.dims();
     if s < 2 {
         bail!("{}: sequences need at least 2 tokens for a next-token loss, got {s}", args.input_ids.display());
     }
     let out = model.forward(ids.clone());
-    let loss = disagmoe_models::qwen3_moe::next_token_cross_entropy(out.logits.clone(), ids).into_scalar() as f64;
+    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(out.logits.clone(), ids).into_scalar() as f64;
     let mut sink = TensorSink::new();
     sink.put("logits".into(), out.logits);
     let (shape, values) = sink.get("logits").map(|(s, v)| (s.to_vec(), v.to_vec())).expect("just put");
@@ -186,4 +193,23 @@ pub fn init_logging() {
 pub fn report(err: &anyhow::Error) -> i32 {
     eprintln!("error: {err:#}");
     2
+}
+
+/// What the `train_*` examples do: train `preset` unless the arguments name a model, print the
+/// JSON summary, and a one-line human summary on stderr.
+pub fn run_example(mut args: TrainArgs, preset: &str) -> anyhow::Result<TrainSummary> {
+    if args.model_config.is_none() && args.model_dir.is_none() && args.model_preset.is_none() {
+        args.model_preset = Some(preset.to_owned());
+    }
+    let summary = run_train(&args)?;
+    eprintln!(
+        "loss {:.3} -> {:.3} ({:.0}% of the first) in {} steps, {:.0} tokens/s on {}",
+        summary.first_loss,
+        summary.last_loss,
+        100.0 * summary.last_loss / summary.first_loss,
+        summary.steps,
+        summary.tokens_per_s,
+        summary.backend
+    );
+    Ok(summary)
 }

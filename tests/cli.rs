@@ -44,8 +44,9 @@ fn fails_with(out: &Output, needle: &str) {
 
 #[test]
 fn forward_matches_transformers_logits_and_loss() {
-    for name in ["gqa2_norm_topk", "gqa4_no_norm_tied_window"] {
-        let dir = fixture(name);
+    let gpt_oss = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/gpt_oss");
+    for dir in [fixture("gqa2_norm_topk"), fixture("gqa4_no_norm_tied_window"), gpt_oss.join("gqa2_window_yarn_clamp"), gpt_oss.join("mxfp4")] {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let tmp = tempfile::tempdir().unwrap();
         let ids = tmp.path().join("ids.json");
         std::fs::write(&ids, serde_json::to_string(&reference_ids(&dir)).unwrap()).unwrap();
@@ -217,4 +218,20 @@ fn damaged_checkpoints_are_clear_errors() {
     let cfg = std::fs::read_to_string(src.join("config.json")).unwrap().replace("\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 17");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     fails_with(&forward(), "has shape [16, 40], expected [17, 40]");
+}
+
+#[test]
+fn every_preset_learns_within_60_steps() {
+    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {
+        let out = bin()
+            .args(["train", "--quiet", "--model-preset", preset, "--steps", "60", "--batch", "4", "--seq", "64"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{preset}: {}", String::from_utf8_lossy(&out.stderr));
+        let s = stdout_last_json(&out);
+        let (first, last) = (s["first_loss"].as_f64().unwrap(), s["last_loss"].as_f64().unwrap());
+        assert!(last < 0.85 * first, "{preset}: loss {first} -> {last} did not fall below 85%");
+    }
+    let out = bin().args(["train", "--quiet", "--model-preset", "huge"]).output().unwrap();
+    fails_with(&out, "allowed: [\"tiny-qwen3-moe\"");
 }

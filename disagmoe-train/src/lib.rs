@@ -15,4 +15,4 @@ pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
 pub use error::{Result, TrainError};
-pub use trainer::{build_model, train, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG};
+pub use trainer::{build_model, model_preset, train, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS};

@@ -13,7 +13,7 @@ use burn::tensor::backend::AutodiffBackend;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use disagmoe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use disagmoe_models::{ModelConfig, MoeCausalLm};
 
 use crate::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, BUNDLED_CORPUS, BUNDLED_CORPUS_NAME};
 use crate::error::{Result, TrainError};
@@ -23,6 +23,20 @@ use crate::optim::{grad_norm, AdamW, AdamWSettings, LrSchedule};
 /// The embedded default model: a small Qwen3-MoE over bytes (`configs/tiny-qwen3-moe.json`).
 pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/tiny-qwen3-moe.json");
 
+/// Embedded model configurations, by name (`--model-preset`); all over bytes (vocabulary 256).
+pub const MODEL_PRESETS: &[(&str, &str)] = &[
+    ("tiny-qwen3-moe", DEFAULT_MODEL_CONFIG),
+    ("tiny-gpt-oss", include_str!("../../configs/tiny-gpt-oss.json")),
+];
+
+/// The `config.json` text of an embedded preset, or an error listing the presets.
+pub fn model_preset(name: &str) -> Result<&'static str> {
+    MODEL_PRESETS.iter().find(|(n, _)| *n == name).map(|(_, c)| *c).ok_or_else(|| {
+        let names: Vec<&str> = MODEL_PRESETS.iter().map(|(n, _)| *n).collect();
+        TrainError::option("model_preset", format!("`{name}` is not a preset; allowed: {names:?}"))
+    })
+}
+
 /// Everything a training run needs to know, as a TOML file (`--run-config`) or from flags.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -31,6 +45,9 @@ pub struct RunConfig {
     pub model_config: Option<PathBuf>,
     /// A checkpoint directory (`config.json` + safetensors): continue from its weights.
     pub model_dir: Option<PathBuf>,
+    /// An embedded model configuration (see [`MODEL_PRESETS`]); used when neither `model_config` nor
+    /// `model_dir` is given. Default: `tiny-qwen3-moe`.
+    pub model_preset: Option<String>,
     /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
     pub data: Option<PathBuf>,
     /// A Hugging Face `tokenizer.json`. Default: the checkpoint's own if it has one, else bytes.
@@ -75,6 +92,7 @@ impl Default for RunConfig {
         Self {
             model_config: None,
             model_dir: None,
+            model_preset: None,
             data: None,
             tokenizer: None,
             steps: 300,
@@ -148,6 +166,9 @@ impl RunConfig {
         if self.model_config.is_some() && self.model_dir.is_some() {
             return Err(TrainError::option("model_config", "give either model_config or model_dir, not both"));
         }
+        if let Some(p) = &self.model_preset {
+            model_preset(p)?;
+        }
         Ok(())
     }
 
@@ -182,12 +203,14 @@ pub struct TrainSummary {
 }
 
 /// Builds the model a run config asks for: from a checkpoint, from a `config.json`, or the default.
-pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<Qwen3MoeForCausalLM<B>> {
+pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<MoeCausalLm<B>> {
     B::seed(device, cfg.seed);
     Ok(match (&cfg.model_dir, &cfg.model_config) {
-        (Some(dir), _) => Qwen3MoeForCausalLM::from_pretrained(dir, device)?,
-        (None, Some(path)) => Qwen3MoeConfig::from_file(path)?.init(device),
-        (None, None) => Qwen3MoeConfig::from_json_str(DEFAULT_MODEL_CONFIG)?.init(device),
+        (Some(dir), _) => MoeCausalLm::from_pretrained(dir, device)?,
+        (None, Some(path)) => ModelConfig::from_file(path)?.init(device),
+        (None, None) => {
+            ModelConfig::from_json_str(model_preset(cfg.model_preset.as_deref().unwrap_or("tiny-qwen3-moe"))?)?.init(device)
+        }
     })
 }
 
@@ -209,12 +232,13 @@ pub fn count_params<B: burn::tensor::backend::Backend, M: Module<B>>(model: &M) 
 }
 
 /// Runs a training job on one device and returns its summary (and the trained model).
-pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<(TrainSummary, Qwen3MoeForCausalLM<B>)> {
+pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<(TrainSummary, MoeCausalLm<B>)> {
     cfg.validate()?;
     let mut model = build_model::<B>(cfg, device)?;
-    let mconf = model.config().clone();
-    let mut data = build_data(cfg, mconf.vocab_size)?;
-    let with_aux = cfg.aux_loss.unwrap_or(mconf.output_router_logits) && mconf.num_experts > 0;
+    let mconf = model.config();
+    let mut data = build_data(cfg, mconf.vocab_size())?;
+    let sparse_layers = mconf.sparse_layers();
+    let with_aux = cfg.aux_loss.unwrap_or(mconf.output_router_logits()) && !sparse_layers.is_empty();
     let schedule = cfg.schedule();
     let mut opt = AdamW::<B>::new(AdamWSettings { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay });
     let mut metrics = match &cfg.out {
@@ -222,9 +246,9 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
         None => None,
     };
     let params = count_params(&model);
-    let sparse_layers: Vec<usize> = (0..mconf.num_hidden_layers).filter(|&l| mconf.is_sparse_layer(l)).collect();
     let names = model.state_dict_names();
     tracing::info!(
+        model = mconf.model_type(),
         backend = crate::BACKEND_NAME,
         params,
         corpus = data.source(),
