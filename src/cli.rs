@@ -6,7 +6,9 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use disagmoe_models::weights::{write_atomically, TensorSink};
 use disagmoe_models::MoeCausalLm;
-use disagmoe_train::{DefaultBackend, RunConfig, TrainBackend, TrainSummary};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use disagmoe_train::{DefaultBackend, NonFinitePolicy, RunConfig, TrainBackend, TrainSummary};
 
 /// On or off.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -78,6 +80,33 @@ pub struct TrainArgs {
     /// No progress bar or log lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Directory of training checkpoints (default: the --resume directory).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every K steps (0: only at the end and when stopped early) [default: 0].
+    #[arg(long, value_name = "K")]
+    pub checkpoint_every: Option<usize>,
+    /// Keep the newest N checkpoints [default: 3].
+    #[arg(long, value_name = "N")]
+    pub keep_checkpoints: Option<usize>,
+    /// Continue from the newest complete checkpoint in DIR.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// End after step N with a checkpoint (the schedule still spans --steps).
+    #[arg(long, value_name = "N")]
+    pub stop_after: Option<usize>,
+    /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
+    #[arg(long, value_enum)]
+    pub on_nonfinite: Option<NonFinite>,
+}
+
+/// `--on-nonfinite` values.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum NonFinite {
+    /// Skip the update, warn and count it.
+    Skip,
+    /// Stop with an error naming the step and tensor.
+    Abort,
 }
 
 impl TrainArgs {
@@ -107,6 +136,22 @@ impl TrainArgs {
         if self.out.is_some() {
             cfg.out = self.out.clone();
         }
+        if self.checkpoint_dir.is_some() {
+            cfg.checkpoint_dir = self.checkpoint_dir.clone();
+        }
+        if self.resume.is_some() {
+            cfg.resume = self.resume.clone();
+        }
+        if self.stop_after.is_some() {
+            cfg.stop_after = self.stop_after;
+        }
+        set!(checkpoint_every, keep_checkpoints);
+        if let Some(p) = self.on_nonfinite {
+            cfg.on_nonfinite = match p {
+                NonFinite::Skip => NonFinitePolicy::Skip,
+                NonFinite::Abort => NonFinitePolicy::Abort,
+            };
+        }
         if self.warmup_steps.is_some() {
             cfg.warmup_steps = self.warmup_steps;
         }
@@ -121,11 +166,21 @@ impl TrainArgs {
     }
 }
 
+static STOP: AtomicBool = AtomicBool::new(false);
+
 /// Runs `train` on the compiled-in backend and prints the summary as one JSON line on stdout.
+/// SIGINT/SIGTERM finish the current step, write a checkpoint (when a checkpoint directory is set)
+/// and end the run normally.
 pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     let cfg = args.run_config()?;
     let device = Default::default();
-    let (summary, _model) = disagmoe_train::train::<TrainBackend>(&cfg, &device)?;
+    // A second signal while the step finishes exits at once.
+    let _ = ctrlc::set_handler(|| {
+        if STOP.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+    });
+    let (summary, _model) = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?;
     println!("{}", serde_json::to_string(&summary)?);
     Ok(summary)
 }

@@ -69,6 +69,18 @@ impl CheckpointReader {
             }
             vec![SINGLE_FILE.to_owned()]
         };
+        Self::from_files(dir, file_names)
+    }
+
+    /// Opens one safetensors file (any name).
+    pub fn open_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
+        Self::from_files(dir, vec![name])
+    }
+
+    fn from_files(dir: PathBuf, file_names: Vec<String>) -> Result<Self> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for name in file_names {

@@ -42,6 +42,24 @@ pub enum TrainError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A training checkpoint is unusable.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A loss or gradient is not finite and the policy is `abort`.
+    #[error("non-finite {what} at step {step}{}; set on_nonfinite = \"skip\" to skip such steps", if tensor.is_empty() { String::new() } else { format!(" in `{tensor}`") })]
+    NonFinite {
+        /// The step.
+        step: usize,
+        /// `loss` or `gradient`.
+        what: &'static str,
+        /// The parameter whose gradient is not finite (Hugging Face name), if it is a gradient.
+        tensor: String,
+    },
     /// The run config TOML is malformed.
     #[error("run config {path}: {message}")]
     RunConfig {

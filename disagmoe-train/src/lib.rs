@@ -7,6 +7,7 @@
 //! models come from `disagmoe-models` and know nothing about where they run.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod metrics;
@@ -15,4 +16,4 @@ pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
 pub use error::{Result, TrainError};
-pub use trainer::{build_model, model_preset, train, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS};
+pub use trainer::{build_model, model_preset, train, train_until, FaultInjection, NonFinitePolicy, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS};

@@ -152,6 +152,49 @@ impl<B: AutodiffBackend> AdamW<B> {
         self.step
     }
 
+    /// Resumes the step counter (after loading moments with [`AdamW::import_moments`]).
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
+    /// The moments under `exp_avg.<name>` and `exp_avg_sq.<name>` (flattened, f32), for a
+    /// checkpoint; `names` maps parameter ids to Hugging Face names.
+    pub fn export_moments(&self, names: &HashMap<ParamId, String>, sink: &mut disagmoe_models::TensorSink) {
+        for (id, Moments { m, v }) in &self.state {
+            if let Some(name) = names.get(id) {
+                sink.put(format!("exp_avg.{name}"), m.clone());
+                sink.put(format!("exp_avg_sq.{name}"), v.clone());
+            }
+        }
+    }
+
+    /// Loads moments written by [`AdamW::export_moments`] for the parameters of a (re)loaded model.
+    pub fn import_moments(
+        &mut self,
+        ckpt: &mut disagmoe_models::CheckpointReader,
+        names: &HashMap<ParamId, String>,
+        device: &burn::tensor::Device<B::InnerBackend>,
+    ) -> disagmoe_models::Result<()> {
+        use burn::tensor::TensorData;
+        for (id, name) in names {
+            let (m_name, v_name) = (format!("exp_avg.{name}"), format!("exp_avg_sq.{name}"));
+            if !ckpt.contains(&m_name) {
+                continue; // a parameter that never had a gradient
+            }
+            let (_, m) = ckpt.read_f32(&m_name)?;
+            let (_, v) = ckpt.read_f32(&v_name)?;
+            let (nm, nv) = (m.len(), v.len());
+            self.state.insert(
+                *id,
+                Moments {
+                    m: Tensor::from_data(TensorData::new(m, [nm]), device),
+                    v: Tensor::from_data(TensorData::new(v, [nv]), device),
+                },
+            );
+        }
+        Ok(())
+    }
+
     /// One update of every parameter that has a gradient, with the gradients multiplied by
     /// `grad_scale` first (the clipping factor).
     pub fn step<M: AutodiffModule<B>>(&mut self, model: M, grads: &mut GradientsParams, lr: f64, grad_scale: f64) -> M {

@@ -5,16 +5,19 @@
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use disagmoe_models::{ModelConfig, MoeCausalLm};
 
+use crate::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainState};
 use crate::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, BUNDLED_CORPUS, BUNDLED_CORPUS_NAME};
 use crate::error::{Result, TrainError};
 use crate::metrics::{ExpertLoad, JsonlWriter, StepMetrics};
@@ -35,6 +38,27 @@ pub fn model_preset(name: &str) -> Result<&'static str> {
         let names: Vec<&str> = MODEL_PRESETS.iter().map(|(n, _)| *n).collect();
         TrainError::option("model_preset", format!("`{name}` is not a preset; allowed: {names:?}"))
     })
+}
+
+/// What to do when a loss or gradient is NaN or infinite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NonFinitePolicy {
+    /// Skip the update with a warning and count it (`skipped_steps`).
+    #[default]
+    Skip,
+    /// Stop the run with an error naming the step and the tensor.
+    Abort,
+}
+
+/// Fault injection for tests: multiply one parameter's gradient by NaN at one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultInjection {
+    /// Step (1-based) at which to inject.
+    pub step: usize,
+    /// Hugging Face name of the parameter whose gradient becomes NaN.
+    pub tensor: String,
 }
 
 /// Everything a training run needs to know, as a TOML file (`--run-config`) or from flags.
@@ -85,6 +109,22 @@ pub struct RunConfig {
     pub log_every: usize,
     /// Show the progress bar (when stderr is a terminal).
     pub progress: bool,
+    /// Directory of training checkpoints (`step-<n>` subdirectories). Default: the `resume`
+    /// directory when resuming, else none.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every this many steps (0: only at the end and when stopped early).
+    pub checkpoint_every: usize,
+    /// Checkpoints kept (the newest).
+    pub keep_checkpoints: usize,
+    /// Continue from the newest complete checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+    /// End the run after this step with a checkpoint, as a job cut off by its scheduler (the
+    /// learning-rate schedule still spans `steps`).
+    pub stop_after: Option<usize>,
+    /// Policy for non-finite losses and gradients.
+    pub on_nonfinite: NonFinitePolicy,
+    /// Testing only: make one gradient NaN at one step.
+    pub inject_nonfinite: Option<FaultInjection>,
 }
 
 impl Default for RunConfig {
@@ -111,6 +151,13 @@ impl Default for RunConfig {
             out: None,
             log_every: 10,
             progress: true,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            keep_checkpoints: 3,
+            resume: None,
+            stop_after: None,
+            on_nonfinite: NonFinitePolicy::Skip,
+            inject_nonfinite: None,
         }
     }
 }
@@ -169,6 +216,12 @@ impl RunConfig {
         if let Some(p) = &self.model_preset {
             model_preset(p)?;
         }
+        if let Some(n) = self.stop_after {
+            if n == 0 || n > self.steps {
+                return Err(TrainError::option("stop_after", format!("must be between 1 and steps ({}), got {n}", self.steps)));
+            }
+        }
+        positive("keep_checkpoints", self.keep_checkpoints)?;
         Ok(())
     }
 
@@ -200,6 +253,50 @@ pub struct TrainSummary {
     pub params: usize,
     /// Wall time of the training loop in seconds.
     pub train_s: f64,
+    /// Sum of squares of all parameters after the last step (compares runs and resumes).
+    pub param_checksum: f64,
+    /// Step of the checkpoint the run resumed from.
+    pub resumed_from_step: Option<usize>,
+    /// The run ended before `steps` (`stop_after` or a signal); a checkpoint holds its state.
+    pub stopped_early: bool,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+}
+
+struct SquareSum<'a, B: Backend> {
+    parts: &'a mut Vec<Tensor<B, 1>>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for SquareSum<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.parts.push(param.val().square().sum());
+    }
+}
+
+/// Sum of squares of all parameters of a module (one host read).
+pub fn param_checksum<B: Backend, M: Module<B>>(model: &M) -> f64 {
+    let mut parts = Vec::new();
+    model.visit(&mut SquareSum { parts: &mut parts });
+    if parts.is_empty() {
+        return 0.0;
+    }
+    let host: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64");
+    host.iter().sum()
+}
+
+struct Poison<'a> {
+    target: ParamId,
+    grads: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Poison<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if param.id == self.target {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register::<B::InnerBackend, D>(param.id, g.mul_scalar(f64::NAN));
+            }
+        }
+    }
 }
 
 /// Builds the model a run config asks for: from a checkpoint, from a `config.json`, or the default.
@@ -233,20 +330,72 @@ pub fn count_params<B: burn::tensor::backend::Backend, M: Module<B>>(model: &M) 
 
 /// Runs a training job on one device and returns its summary (and the trained model).
 pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<(TrainSummary, MoeCausalLm<B>)> {
+    train_until(cfg, device, &AtomicBool::new(false))
+}
+
+/// [`train`], finishing the current step and checkpointing when `stop` becomes true (the CLI sets
+/// it on SIGINT/SIGTERM).
+pub fn train_until<B: AutodiffBackend>(
+    cfg: &RunConfig,
+    device: &B::Device,
+    stop: &AtomicBool,
+) -> Result<(TrainSummary, MoeCausalLm<B>)> {
     cfg.validate()?;
-    let mut model = build_model::<B>(cfg, device)?;
+    let settings = AdamWSettings { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
+    let mut opt = AdamW::<B>::new(settings);
+    let checkpoint_dir = cfg.checkpoint_dir.clone().or_else(|| cfg.resume.clone());
+    let (mut model, resumed) = match &cfg.resume {
+        Some(dir) => {
+            let path = latest_checkpoint(dir)?.ok_or_else(|| TrainError::Checkpoint {
+                path: dir.clone(),
+                message: "holds no complete checkpoint to resume from (expected step-<n> directories with a manifest)".into(),
+            })?;
+            let (model, state) = load_checkpoint::<B>(&path, &mut opt, device)?;
+            if state.step >= cfg.steps {
+                return Err(TrainError::option("steps", format!("the checkpoint {} is at step {}; steps must be larger to continue, got {}", path.display(), state.step, cfg.steps)));
+            }
+            tracing::info!(checkpoint = %path.display(), step = state.step, "resuming");
+            (model, Some(state))
+        }
+        None => {
+            if let Some(dir) = &checkpoint_dir {
+                if let Some(existing) = latest_checkpoint(dir)? {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.clone(),
+                        message: format!(
+                            "already holds checkpoints of a run (newest: {}); pass --resume {} to continue it, or choose another --checkpoint-dir",
+                            existing.display(),
+                            dir.display()
+                        ),
+                    });
+                }
+            }
+            (build_model::<B>(cfg, device)?, None)
+        }
+    };
     let mconf = model.config();
     let mut data = build_data(cfg, mconf.vocab_size())?;
+    if let Some(state) = &resumed {
+        data.seek(state.data);
+    }
     let sparse_layers = mconf.sparse_layers();
     let with_aux = cfg.aux_loss.unwrap_or(mconf.output_router_logits()) && !sparse_layers.is_empty();
     let schedule = cfg.schedule();
-    let mut opt = AdamW::<B>::new(AdamWSettings { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay });
     let mut metrics = match &cfg.out {
         Some(dir) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
         None => None,
     };
     let params = count_params(&model);
     let names = model.state_dict_names();
+    let poison = match &cfg.inject_nonfinite {
+        Some(inj) => Some((
+            inj.step,
+            *names.iter().find(|(_, n)| **n == inj.tensor).map(|(id, _)| id).ok_or_else(|| {
+                TrainError::option("inject_nonfinite.tensor", format!("`{}` is not a parameter of the model", inj.tensor))
+            })?,
+        )),
+        None => None,
+    };
     tracing::info!(
         model = mconf.model_type(),
         backend = crate::BACKEND_NAME,
@@ -268,11 +417,33 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
             .progress_chars("=> "),
     );
 
-    let mut losses = Vec::with_capacity(cfg.steps);
-    let mut skipped = 0usize;
+    let mut losses = resumed.as_ref().map(|s| s.losses.clone()).unwrap_or_default();
+    let mut skipped = resumed.as_ref().map(|s| s.skipped_steps).unwrap_or(0);
+    let first_step = resumed.as_ref().map(|s| s.step + 1).unwrap_or(1);
+    let last_step = cfg.stop_after.unwrap_or(cfg.steps);
+    bar.set_position(first_step as u64 - 1);
     let tokens_per_step = cfg.batch * cfg.seq;
     let start = Instant::now();
-    for step in 1..=cfg.steps {
+    let mut last_checkpoint = None;
+    let mut done = first_step - 1;
+    let save = |model: &MoeCausalLm<B>, opt: &AdamW<B>, step: usize, data: &PackedDataset, losses: &[f64], skipped: usize| -> Result<Option<PathBuf>> {
+        match &checkpoint_dir {
+            Some(dir) => {
+                let state = TrainState {
+                    step,
+                    optimizer_steps: opt.steps_taken(),
+                    data: data.position(),
+                    losses: losses.to_vec(),
+                    skipped_steps: skipped,
+                    seed: cfg.seed,
+                    total_steps: cfg.steps,
+                };
+                Ok(Some(save_checkpoint(dir, model, opt, &state, cfg.keep_checkpoints)?))
+            }
+            None => Ok(None),
+        }
+    };
+    for step in first_step..=last_step {
         let t0 = Instant::now();
         let rows = data.next_batch(cfg.batch);
         let ids = model.input_ids(&rows, device)?;
@@ -291,9 +462,20 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
             out.router_stats.iter().zip(&sparse_layers).map(|(s, &l)| ExpertLoad::from_counts(l, &s.counts)).collect();
         let grads = loss.total.backward();
         let mut grads = GradientsParams::from_grads(grads, &model);
+        if let Some((_, target)) = poison.filter(|(s, _)| *s == step) {
+            model.visit(&mut Poison { target, grads: &mut grads });
+        }
         let norms = grad_norm::<B, _>(&model, &grads);
         let lr = schedule.at(step);
         let finite = total.is_finite() && norms.total.is_finite();
+        if !finite && cfg.on_nonfinite == NonFinitePolicy::Abort {
+            let tensor = norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| names.get(id).cloned());
+            return Err(TrainError::NonFinite {
+                step,
+                what: if total.is_finite() { "gradient" } else { "loss" },
+                tensor: tensor.unwrap_or_default(),
+            });
+        }
         if finite {
             let scale = if cfg.grad_clip > 0.0 && norms.total > cfg.grad_clip { cfg.grad_clip / (norms.total + 1e-6) } else { 1.0 };
             model = opt.step(model, &mut grads, lr, scale);
@@ -325,11 +507,25 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
         if let Some(w) = &mut metrics {
             w.write(&record)?;
         }
-        let rate = (step * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
+        let rate = ((step + 1 - first_step) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {total:.4} | lr {lr:.2e} | {rate:.0} tok/s"));
         bar.inc(1);
         if !interactive && cfg.progress && (step % cfg.log_every == 0 || step == 1 || step == cfg.steps) {
-            eprintln!("step {step:>5}/{} loss {total:.4} lm {lm:.4} lr {lr:.2e} grad_norm {:.3} {rate:.0} tok/s", cfg.steps, norms.total);
+            let worst = record.expert_load.iter().map(|l| l.max_mean_ratio).fold(0.0, f64::max);
+            let dead: usize = record.expert_load.iter().map(|l| l.dead_experts).sum();
+            eprintln!(
+                "step {step:>5}/{} loss {total:.4} lm {lm:.4} lr {lr:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s",
+                cfg.steps, norms.total
+            );
+        }
+        done = step;
+        let interrupted = stop.load(Ordering::SeqCst);
+        if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) || step == last_step || interrupted {
+            last_checkpoint = save(&model, &opt, step, &data, &losses, skipped)?.or(last_checkpoint);
+        }
+        if interrupted {
+            tracing::warn!(step, "stopped by signal after finishing the step");
+            break;
         }
     }
     bar.finish_and_clear();
@@ -337,15 +533,20 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
     if let Some(dir) = &cfg.out {
         model.valid().save_pretrained(dir.join("final"), 2 << 30)?;
     }
+    let steps_run = done + 1 - first_step;
     let summary = TrainSummary {
-        first_loss: losses[0],
+        first_loss: *losses.first().expect("at least one step"),
         last_loss: *losses.last().expect("at least one step"),
-        tokens_per_s: (cfg.steps * tokens_per_step) as f64 / train_s,
-        steps: cfg.steps,
+        tokens_per_s: (steps_run * tokens_per_step) as f64 / train_s.max(1e-9),
+        steps: done,
         skipped_steps: skipped,
         backend: crate::BACKEND_NAME.into(),
         params,
         train_s,
+        param_checksum: param_checksum(&model),
+        resumed_from_step: resumed.as_ref().map(|s| s.step),
+        stopped_early: done < cfg.steps,
+        checkpoint: last_checkpoint,
         losses,
     };
     Ok((summary, model))
