@@ -34,8 +34,10 @@ pub struct JobArgs {
 impl JobArgs {
     /// Loads and validates the model, cluster and workload.
     pub fn cost_model(&self) -> Result<CostModel> {
-        let model = ModelShape::from_preset_or_file(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
-        let cluster = Cluster::from_preset_or_file(&self.cluster).with_context(|| format!("loading cluster `{}`", self.cluster))?;
+        let model =
+            ModelShape::from_preset_or_file(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
+        let cluster = Cluster::from_preset_or_file(&self.cluster)
+            .with_context(|| format!("loading cluster `{}`", self.cluster))?;
         let global_batch = self.global_batch.unwrap_or(2 * cluster.total_gpus() * self.micro_batch);
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
         Ok(CostModel::new(model, cluster, workload)?)
@@ -45,6 +47,7 @@ impl JobArgs {
 /// `disagmoe plan`: choose GPUs and NICs per attention/expert group.
 #[derive(Debug, Clone, Args)]
 pub struct PlanArgs {
+    /// Model, cluster and step shape.
     #[command(flatten)]
     pub job: JobArgs,
     /// Also list every allocation considered with its predicted step time.
@@ -64,6 +67,7 @@ pub struct PlanArgs {
 /// `disagmoe simulate`: simulate AF-Pipe and the baselines.
 #[derive(Debug, Clone, Args)]
 pub struct SimulateArgs {
+    /// Model, cluster and step shape.
     #[command(flatten)]
     pub job: JobArgs,
     /// Comma-separated schedules: afpipe, 1f1b-interleaved, tutel, comet, dualpipe.
@@ -109,7 +113,10 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("{} on {} at {} tokens x {} sequences per micro-batch", report.model, report.cluster, report.seq, report.micro_batch);
+    println!(
+        "{} on {} at {} tokens x {} sequences per micro-batch",
+        report.model, report.cluster, report.seq, report.micro_batch
+    );
     println!(
         "  params {:.1}B total, {:.1}B active; {:.2} TFLOP per token (training)",
         report.params_total / 1e9,
@@ -156,8 +163,17 @@ pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
     let (report, sims) = simulate_schedules(&cost, &names, None)?;
     if let Some(dir) = &args.timeline_dir {
         for s in &sims {
-            disagmoe_core::report::write_timeline_svg(&dir.join(format!("{}.svg", s.schedule.name)), &s.schedule, &s.trace, None)?;
-            disagmoe_core::report::write_chrome_trace(&dir.join(format!("{}.trace.json", s.schedule.name)), &s.schedule, &s.trace)?;
+            disagmoe_core::report::write_timeline_svg(
+                &dir.join(format!("{}.svg", s.schedule.name)),
+                &s.schedule,
+                &s.trace,
+                None,
+            )?;
+            disagmoe_core::report::write_chrome_trace(
+                &dir.join(format!("{}.trace.json", s.schedule.name)),
+                &s.schedule,
+                &s.trace,
+            )?;
         }
     }
     if args.json {
@@ -189,7 +205,8 @@ pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
 
 /// Runs `disagmoe reproduce-paper`.
 pub fn run_reproduce(args: &ReproduceArgs) -> Result<()> {
-    let options = ReproduceOptions { out: args.out.clone(), img_dir: args.img_dir.clone(), cluster: args.cluster.clone() };
+    let options =
+        ReproduceOptions { out: args.out.clone(), img_dir: args.img_dir.clone(), cluster: args.cluster.clone() };
     let summary = reproduce_paper(&options)?;
     println!("wrote {} ({} settings simulated)", args.out.display(), summary);
     Ok(())

@@ -18,3 +18,5 @@ pub use disagmoe_models as models;
 pub use disagmoe_train as train;
 
 pub mod cli;
+/// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
+pub mod cli_plan;

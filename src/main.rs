@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use disagmoe::cli::{init_logging, report, run_forward, run_train, ForwardArgs, TrainArgs};
+use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
 
 /// DisagMoE: disaggregated attention/expert training for Mixture-of-Experts models.
 #[derive(Debug, Parser)]
@@ -17,6 +18,12 @@ enum Command {
     Forward(ForwardArgs),
     /// Train a model (the embedded default with no model option) and print a JSON summary.
     Train(TrainArgs),
+    /// Choose GPUs and NICs per attention/expert group (roofline MILP + simulated local search).
+    Plan(PlanArgs),
+    /// Simulate AF-Pipe and the baselines (1f1b-interleaved, tutel, comet, dualpipe).
+    Simulate(SimulateArgs),
+    /// Regenerate docs/paper-reproduction.md by simulation.
+    ReproducePaper(ReproduceArgs),
 }
 
 fn main() {
@@ -25,6 +32,9 @@ fn main() {
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
         Command::Train(args) => run_train(args).map(|_| ()),
+        Command::Plan(args) => run_plan(args),
+        Command::Simulate(args) => run_simulate(args),
+        Command::ReproducePaper(args) => run_reproduce(args),
     };
     if let Err(e) = result {
         std::process::exit(report(&e));

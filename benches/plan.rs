@@ -1,0 +1,48 @@
+//! How long `disagmoe plan` takes on the paper's 128-GPU cluster and on 1024 GPUs.
+//!
+//! `plan_milp/*`: building the options and solving the allocation MILP (the `solve` of the
+//! issue's "plan for 128 GPUs in under 1 s, 1024 GPUs in under 10 s").
+//! `plan_full/128`: the whole `plan`, with the simulator-driven local search.
+//!
+//! Run: `cargo bench -p disagmoe-core --bench plan` (or `cargo bench --bench plan` from the root).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use disagmoe_core::allocator::milp::solve_milp;
+use disagmoe_core::allocator::AllocationProblem;
+use disagmoe_core::cost::{CostModel, Workload};
+use disagmoe_core::hardware::Cluster;
+use disagmoe_core::model_shape::ModelShape;
+use disagmoe_core::plan::plan;
+use std::hint::black_box;
+
+fn cost(model: &str, cluster: &str, seq: usize) -> CostModel {
+    let cluster = Cluster::preset(cluster).expect("preset");
+    let mb = (65_536 / seq).max(1);
+    let workload = Workload { seq, micro_batch: mb, global_batch: 2 * cluster.total_gpus() * mb };
+    CostModel::new(ModelShape::preset(model).expect("preset"), cluster, workload).expect("valid")
+}
+
+fn bench_plan(c: &mut Criterion) {
+    let mut group = c.benchmark_group("plan_milp");
+    group.sample_size(10);
+    for (gpus, cluster) in [(128, "h800x16"), (1024, "h800x128")] {
+        let cm = cost("qwen3-235b-a22b", cluster, 8192);
+        group.bench_with_input(BenchmarkId::from_parameter(gpus), &cm, |b, cm| {
+            b.iter(|| {
+                let problem = AllocationProblem::new(black_box(cm), None).expect("feasible");
+                solve_milp(&problem).expect("solves")
+            })
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("plan_full");
+    group.sample_size(10);
+    let cm = cost("gpt-oss-120b", "h800x16", 8192);
+    group.bench_with_input(BenchmarkId::from_parameter(128), &cm, |b, cm| {
+        b.iter(|| plan(black_box(cm), false, 24).expect("plans"))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_plan);
+criterion_main!(benches);

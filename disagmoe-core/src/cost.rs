@@ -1,0 +1,437 @@
+//! The cost model: FLOPs, memory traffic, communication volume and memory footprint of each
+//! component (attention side, expert side) per micro-batch, and the time each takes on a GPU.
+//!
+//! # Notation
+//! - `S` sequence length, `B` sequences per pipeline micro-batch, `T = B * S` tokens per micro-batch.
+//! - `H` hidden size, `E` routed experts, `k` top-k, `I` expert intermediate size.
+//! - `a` / `f`: GPUs of one attention / expert (FFN) group; `p`: number of group pairs; layer `l`
+//!   lives on pair `l mod p`.
+//!
+//! Forward FLOPs of a linear layer are `2 * params * tokens`; backward costs twice the forward.
+//! Attention scores add `2 * heads * (d_qk + d_v) * context` per token, with the causal (and,
+//! for windowed layers, windowed) mean context of [`ModelShape::mean_context`].
+//! A GPU's time for a piece of work is the roofline `max(flops / sustained FLOP/s,
+//! bytes / sustained HBM bandwidth)`; weights are read once per visit, so small micro-batches are
+//! memory-bound.
+
+use crate::error::{check_nonzero, invalid, Result};
+use crate::hardware::Cluster;
+use crate::model_shape::{AttentionShape, ModelShape};
+use serde::{Deserialize, Serialize};
+
+/// The shape of one training step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Workload {
+    /// Sequence length `S` (tokens).
+    pub seq: usize,
+    /// Sequences per pipeline micro-batch `B` (split over the GPUs of an attention group).
+    pub micro_batch: usize,
+    /// Sequences per optimizer step (a multiple of `micro_batch`).
+    pub global_batch: usize,
+}
+
+impl Workload {
+    /// Checks the fields; `global_batch` must be a positive multiple of `micro_batch`.
+    pub fn validate(&self) -> Result<()> {
+        check_nonzero("workload.seq", self.seq)?;
+        check_nonzero("workload.micro_batch", self.micro_batch)?;
+        if self.global_batch == 0 || !self.global_batch.is_multiple_of(self.micro_batch) {
+            return Err(invalid(
+                "workload.global_batch",
+                self.global_batch,
+                &format!("a positive multiple of micro_batch = {}", self.micro_batch),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Micro-batches per step `M`.
+    pub fn micro_batches(&self) -> usize {
+        self.global_batch / self.micro_batch
+    }
+
+    /// Tokens per micro-batch `T`.
+    pub fn tokens_per_micro_batch(&self) -> f64 {
+        (self.seq * self.micro_batch) as f64
+    }
+}
+
+/// Bytes per element of each kind of training state (mixed precision with Adam).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Precision {
+    /// Parameters (bf16: 2).
+    pub param_bytes: f64,
+    /// Gradients (fp32 accumulation: 4).
+    pub grad_bytes: f64,
+    /// Optimizer state per parameter (fp32 master, Adam m and v: 12).
+    pub optimizer_bytes: f64,
+    /// Activations and transferred tokens (bf16: 2).
+    pub activation_bytes: f64,
+    /// Gradients as all-reduced (bf16: 2).
+    pub grad_comm_bytes: f64,
+}
+
+impl Default for Precision {
+    fn default() -> Self {
+        Self { param_bytes: 2.0, grad_bytes: 4.0, optimizer_bytes: 12.0, activation_bytes: 2.0, grad_comm_bytes: 2.0 }
+    }
+}
+
+/// Work of one GPU for one operation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Work {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Bytes read or written in HBM.
+    pub hbm_bytes: f64,
+}
+
+impl Work {
+    /// Backward of this forward work: twice the FLOPs (input and weight gradients), twice the
+    /// traffic.
+    pub fn backward(self) -> Work {
+        Work { flops: 2.0 * self.flops, hbm_bytes: 2.0 * self.hbm_bytes }
+    }
+
+    /// Splits the work into `n` equal pieces, each still reading `weight_bytes` of weights when
+    /// `reread_weights` (chunked execution re-reads every chunk's weights).
+    pub fn chunk(self, n: usize, weight_bytes: f64, reread_weights: bool) -> Work {
+        let n = n.max(1) as f64;
+        let act = (self.hbm_bytes - weight_bytes).max(0.0) / n;
+        let w = if reread_weights { weight_bytes } else { weight_bytes / n };
+        Work { flops: self.flops / n, hbm_bytes: act + w }
+    }
+}
+
+/// Cost model of one model on one cluster for one workload.
+#[derive(Debug, Clone)]
+pub struct CostModel {
+    /// The model.
+    pub model: ModelShape,
+    /// The cluster.
+    pub cluster: Cluster,
+    /// The step shape.
+    pub workload: Workload,
+    /// Byte sizes.
+    pub precision: Precision,
+}
+
+impl CostModel {
+    /// Validates the three descriptions and builds the model.
+    pub fn new(model: ModelShape, cluster: Cluster, workload: Workload) -> Result<Self> {
+        model.validate()?;
+        cluster.validate()?;
+        workload.validate()?;
+        Ok(Self { model, cluster, workload, precision: Precision::default() })
+    }
+
+    /// Seconds a GPU needs for `work` (roofline of compute and HBM).
+    pub fn gpu_time(&self, work: Work) -> f64 {
+        (work.flops / self.cluster.gpu.sustained_flops()).max(work.hbm_bytes / self.cluster.gpu.sustained_hbm())
+    }
+
+    /// Linear (projection) parameters of the attention block, router included (the router lives
+    /// with attention on A-workers).
+    fn attention_linear_params(&self) -> f64 {
+        self.model.attention_params() - 2.0 * self.model.hidden as f64
+    }
+
+    /// Attention score FLOPs per token per unit of context (QK^T and AV).
+    fn score_flops_per_context(&self) -> f64 {
+        match &self.model.attention {
+            AttentionShape::Gqa { heads, head_dim, .. } => 4.0 * (heads * head_dim) as f64,
+            AttentionShape::Mla { heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, .. } => {
+                2.0 * (*heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)) as f64
+            }
+        }
+    }
+
+    /// Activation bytes kept for backward per token by one attention block.
+    pub fn attention_activation_per_token(&self) -> f64 {
+        let h = self.model.hidden as f64;
+        let (q, kv) = match &self.model.attention {
+            AttentionShape::Gqa { heads, kv_heads, head_dim, .. } => {
+                ((heads * head_dim) as f64, (kv_heads * head_dim) as f64)
+            }
+            AttentionShape::Mla { heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, .. } => (
+                (heads * (qk_nope_head_dim + qk_rope_head_dim)) as f64,
+                (*kv_lora_rank + heads * (qk_nope_head_dim + v_head_dim)) as f64 / 2.0,
+            ),
+        };
+        // Input, normed input, q, k, v, attention output, residual: bf16.
+        self.precision.activation_bytes * (3.0 * h + 2.0 * q + 2.0 * kv)
+    }
+
+    /// Forward work of one GPU of an attention group of `gpus` GPUs for layer `layer` on one
+    /// micro-batch (the `T` tokens are split evenly over the group).
+    pub fn attention_forward(&self, layer: usize, gpus: usize) -> Work {
+        let tokens = self.workload.tokens_per_micro_batch() / gpus as f64;
+        let ctx = self.model.mean_context(layer, self.workload.seq);
+        let linear = self.attention_linear_params() + self.model.router_params();
+        let flops = tokens * (2.0 * linear + self.score_flops_per_context() * ctx);
+        let weights = self.precision.param_bytes * (linear + 2.0 * self.model.hidden as f64);
+        let act = tokens * self.attention_activation_per_token() * 2.0;
+        Work { flops, hbm_bytes: weights + act }
+    }
+
+    /// Forward work of the final norm, output head and loss on one GPU of a group of `gpus`.
+    pub fn head_forward(&self, gpus: usize) -> Work {
+        let tokens = self.workload.tokens_per_micro_batch() / gpus as f64;
+        let table = (self.model.vocab * self.model.hidden) as f64;
+        Work {
+            flops: tokens * 2.0 * table,
+            hbm_bytes: self.precision.param_bytes * table + tokens * self.model.vocab as f64 * 4.0,
+        }
+    }
+
+    /// Expected number of distinct expert ranks a token is sent to when the `E` experts are
+    /// sharded evenly over `f` ranks and the `k` chosen are uniformly random (1 for dense layers).
+    pub fn destinations_per_token(&self, layer: usize, f: usize) -> f64 {
+        if self.model.is_dense(layer) || f <= 1 {
+            return 1.0;
+        }
+        let (e, k) = (self.model.moe.experts as f64, self.model.moe.top_k as f64);
+        let per_rank = (e / f as f64).max(1.0);
+        // P(rank not hit) = C(E - E/f, k) / C(E, k).
+        let mut miss = 1.0;
+        for i in 0..self.model.moe.top_k {
+            miss *= ((e - per_rank - i as f64) / (e - i as f64)).max(0.0);
+        }
+        let ranks = (f as f64).min(e);
+        (ranks * (1.0 - miss)).clamp(1.0, k.min(ranks))
+    }
+
+    /// Forward work of the busiest GPU of an expert group of `gpus` GPUs for layer `layer` on one
+    /// micro-batch: its routed experts (`ceil(E / f)` of them, tokens routed uniformly over
+    /// experts) plus shared experts or the dense MLP (split by tokens).
+    pub fn ffn_forward(&self, layer: usize, gpus: usize) -> Work {
+        let t = self.workload.tokens_per_micro_batch();
+        let g = gpus as f64;
+        let h = self.model.hidden as f64;
+        let act_b = self.precision.activation_bytes;
+        let dense = self.model.ffn_dense_params(layer)
+            - if self.model.is_dense(layer) { 0.0 } else { self.model.router_params() };
+        let (routed_tokens, local_experts, inter) = if self.model.is_dense(layer) {
+            (0.0, 0.0, self.model.dense_intermediate as f64)
+        } else {
+            // Experts are dealt to ranks as evenly as possible; the busiest rank holds
+            // ceil(E / f) of them and receives their share of the routed tokens.
+            let local = self.model.moe.experts.div_ceil(gpus) as f64;
+            let assignments = t * self.model.moe.top_k as f64 * local / self.model.moe.experts as f64;
+            let local = local.min(assignments.max(1.0));
+            (assignments, local, self.model.moe.intermediate as f64)
+        };
+        let flops = 2.0 * routed_tokens * self.model.expert_params() + 2.0 * (t / g) * dense;
+        let weights = self.precision.param_bytes * (local_experts * self.model.expert_params() + dense);
+        // Each routed token row: input, gate, up, activation, output.
+        let act = (routed_tokens + t / g) * act_b * (2.0 * h + 3.0 * inter);
+        Work { flops, hbm_bytes: weights + act }
+    }
+
+    /// Weight bytes read by [`Self::ffn_forward`] (what chunked execution re-reads per chunk).
+    pub fn ffn_weight_bytes(&self, layer: usize, gpus: usize) -> f64 {
+        let w = self.ffn_forward(layer, gpus);
+        let mut none = self.clone();
+        none.precision.param_bytes = 0.0;
+        w.hbm_bytes - none.ffn_forward(layer, gpus).hbm_bytes
+    }
+
+    /// Bytes one micro-batch moves from an attention group to an expert group of `f` ranks in
+    /// layer `layer` (M2N): each token once per destination rank. N2M moves the same amount back.
+    pub fn m2n_bytes(&self, layer: usize, f: usize) -> f64 {
+        self.workload.tokens_per_micro_batch()
+            * self.destinations_per_token(layer, f)
+            * self.model.hidden as f64
+            * self.precision.activation_bytes
+    }
+
+    /// Bandwidth, bytes/s, of a group's port to the other groups: `gpus` x NVLink on a one-node
+    /// cluster, `nics` x NIC bandwidth otherwise.
+    pub fn group_bandwidth(&self, gpus: usize, nics: usize) -> f64 {
+        if self.cluster.nodes == 1 {
+            gpus as f64 * self.cluster.node.sustained_nvlink()
+        } else {
+            nics as f64 * self.cluster.node.sustained_nic()
+        }
+    }
+
+    /// Seconds to move `bytes` between two groups with port bandwidths `src_bw` and `dst_bw`.
+    pub fn transfer_time(&self, bytes: f64, src_bw: f64, dst_bw: f64) -> f64 {
+        self.cluster.node.latency_s + bytes / src_bw.min(dst_bw)
+    }
+
+    /// Seconds of one EP all-to-all (dispatch or combine) for one micro-batch on an EP group of
+    /// `ep` ranks, each holding `tokens_per_rank` tokens; Megatron's all-to-all dispatcher sends
+    /// one copy per (token, chosen expert). Ranks beyond one node go through the rank's share of
+    /// the node's NICs.
+    pub fn ep_all_to_all_time(&self, layer: usize, ep: usize, tokens_per_rank: f64) -> f64 {
+        if ep <= 1 {
+            return 0.0;
+        }
+        let copies = if self.model.is_dense(layer) { 0.0 } else { self.model.moe.top_k as f64 };
+        let bytes = tokens_per_rank * copies * self.model.hidden as f64 * self.precision.activation_bytes;
+        let node = &self.cluster.node;
+        let ep_f = ep as f64;
+        let local = (ep.min(node.gpus_per_node) as f64 - 1.0) / ep_f;
+        let remote = (ep_f - ep.min(node.gpus_per_node) as f64) / ep_f;
+        let nic_per_gpu = node.sustained_nic() * self.cluster.nics_per_gpu();
+        let t = (bytes * local / node.sustained_nvlink()).max(bytes * remote / nic_per_gpu);
+        node.latency_s * (ep_f.log2().ceil() + 1.0) + t
+    }
+
+    /// Seconds of a ring all-reduce of `bytes` over `ranks` GPUs, on NVLink within a node and
+    /// with `nics` NICs shared by the group otherwise.
+    pub fn all_reduce_time(&self, bytes: f64, ranks: usize, nics: usize) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let node = &self.cluster.node;
+        let per_rank_bw = if ranks <= node.gpus_per_node {
+            node.sustained_nvlink()
+        } else {
+            (nics as f64 * node.sustained_nic() / ranks as f64).min(node.sustained_nvlink())
+        };
+        let r = ranks as f64;
+        2.0 * (r - 1.0) / r * bytes / per_rank_bw + 2.0 * (r - 1.0) * node.latency_s
+    }
+
+    /// Parameters held by every GPU of attention group `group` of `p` (attention blocks and
+    /// routers of its layers; embedding on group 0, head on the group after the last layer).
+    pub fn attention_group_params(&self, group: usize, p: usize) -> f64 {
+        let m = &self.model;
+        let mut params: f64 = (group..m.layers)
+            .step_by(p)
+            .map(|l| m.attention_params() + if m.is_dense(l) { 0.0 } else { m.router_params() })
+            .sum();
+        let table = (m.vocab * m.hidden) as f64;
+        if group == 0 {
+            params += table;
+        }
+        if group == m.layers % p && !m.tied_embeddings {
+            params += table + m.hidden as f64;
+        }
+        params
+    }
+
+    /// Parameters of expert group `group` of `p`, over all its GPUs (routed experts sharded,
+    /// shared experts and dense MLPs counted once: they are split by tokens, replicated).
+    pub fn ffn_group_params(&self, group: usize, p: usize, gpus: usize) -> (f64, f64) {
+        let m = &self.model;
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for l in (group..m.layers).step_by(p) {
+            if m.is_dense(l) {
+                replicated += m.mlp_params(m.dense_intermediate, false);
+            } else {
+                sharded += m.moe.experts as f64 * m.expert_params();
+                replicated += m.moe.shared_experts as f64 * m.mlp_params(m.moe.intermediate, false);
+            }
+        }
+        (sharded / gpus as f64, replicated)
+    }
+
+    /// Bytes of training state per parameter when the optimizer state is sharded over `shards`.
+    pub fn state_bytes(&self, shards: usize) -> f64 {
+        let pr = &self.precision;
+        pr.param_bytes + pr.grad_bytes + pr.optimizer_bytes / shards.max(1) as f64
+    }
+
+    /// Peak memory of one attention GPU (group of `a`, `p` pairs) with `in_flight` micro-batches
+    /// whose activations are alive, each holding on average half of the group's layers.
+    /// With `recompute`, only each layer's input is kept and backward recomputes the forward.
+    pub fn attention_memory(&self, p: usize, a: usize, in_flight: usize, recompute: bool) -> f64 {
+        let worst = (0..p).map(|g| self.attention_group_params(g, p)).fold(0.0, f64::max);
+        let layers = self.model.layers.div_ceil(p) as f64;
+        let tokens = self.workload.tokens_per_micro_batch() / a as f64;
+        let per_token = if recompute { self.checkpoint_per_token() } else { self.attention_activation_per_token() };
+        let act = in_flight as f64 * (layers / 2.0).max(1.0) * tokens * per_token;
+        worst * self.state_bytes(a) + act
+    }
+
+    /// Bytes kept per token per layer under full recomputation (the layer input).
+    pub fn checkpoint_per_token(&self) -> f64 {
+        self.model.hidden as f64 * self.precision.activation_bytes
+    }
+
+    /// Activation bytes kept for backward per token by one expert block (all `k` copies).
+    pub fn ffn_activation_per_token(&self) -> f64 {
+        let m = &self.model;
+        self.precision.activation_bytes
+            * (m.moe.top_k as f64 * (m.hidden + 3 * m.moe.intermediate) as f64
+                + (m.moe.shared_experts * 3 * m.moe.intermediate) as f64)
+    }
+
+    /// Peak memory of one expert GPU (group of `f`, `p` pairs) with `in_flight` live micro-batches.
+    pub fn ffn_memory(&self, p: usize, f: usize, in_flight: usize, recompute: bool) -> f64 {
+        let (sharded, replicated) = (0..p)
+            .map(|g| self.ffn_group_params(g, p, f))
+            .fold((0.0, 0.0), |acc, x| (f64::max(acc.0, x.0), f64::max(acc.1, x.1)));
+        let layers = self.model.layers.div_ceil(p) as f64;
+        let t = self.workload.tokens_per_micro_batch();
+        let per_token = if recompute { self.checkpoint_per_token() } else { self.ffn_activation_per_token() };
+        let act = in_flight as f64 * (layers / 2.0).max(1.0) * t / f as f64 * per_token;
+        sharded * self.state_bytes(1) + replicated * self.state_bytes(f) + act
+    }
+
+    /// Gradient bytes all-reduced by an attention group per step.
+    pub fn attention_grad_bytes(&self, p: usize) -> f64 {
+        (0..p).map(|g| self.attention_group_params(g, p)).fold(0.0, f64::max) * self.precision.grad_comm_bytes
+    }
+
+    /// Training FLOPs (forward + backward) per token at this sequence length.
+    pub fn flops_per_token(&self) -> f64 {
+        let t = self.workload.tokens_per_micro_batch();
+        let fwd: f64 = (0..self.model.layers)
+            .map(|l| self.attention_forward(l, 1).flops + self.ffn_forward(l, 1).flops)
+            .sum::<f64>()
+            + self.head_forward(1).flops;
+        3.0 * fwd / t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cm(model: &str, seq: usize) -> CostModel {
+        let w = Workload { seq, micro_batch: 1, global_batch: 64 };
+        CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset("h800x16").unwrap(), w).unwrap()
+    }
+
+    #[test]
+    fn flops_per_token_is_six_times_active_params_plus_attention_term() {
+        let c = cm("qwen3-235b-a22b", 4096);
+        let p = c.model.param_counts();
+        let linear = 6.0 * p.active_compute;
+        let fpt = c.flops_per_token();
+        // The quadratic term adds 6 * L * 2 * heads * hd * (S+1)/2 ... positive, modest at 4K.
+        assert!(fpt > linear && fpt < 1.5 * linear, "{fpt:e} vs 6N = {linear:e}");
+        // Attention FLOPs per token grow with sequence length, expert FLOPs do not.
+        let long = cm("qwen3-235b-a22b", 32768);
+        assert!(long.attention_forward(0, 1).flops / 8.0 > c.attention_forward(0, 1).flops);
+        assert!((long.ffn_forward(0, 1).flops / 8.0 - c.ffn_forward(0, 1).flops).abs() < 1.0);
+    }
+
+    #[test]
+    fn destinations_per_token_grows_from_one_to_top_k() {
+        let c = cm("qwen3-235b-a22b", 4096);
+        assert_eq!(c.destinations_per_token(0, 1), 1.0);
+        let d8 = c.destinations_per_token(0, 8);
+        let d128 = c.destinations_per_token(0, 128);
+        assert!(d8 > 4.0 && d8 < 8.0, "{d8}");
+        assert!((d128 - 8.0).abs() < 1e-9, "{d128}");
+        assert!(c.destinations_per_token(0, 16) < d128);
+    }
+
+    #[test]
+    fn workload_validation_names_the_field() {
+        let e = Workload { seq: 4096, micro_batch: 3, global_batch: 64 }.validate().unwrap_err().to_string();
+        assert!(e.contains("workload.global_batch") && e.contains("multiple of micro_batch = 3"), "{e}");
+    }
+
+    #[test]
+    fn memory_falls_with_more_groups_and_more_expert_gpus() {
+        let c = cm("qwen3-235b-a22b", 4096);
+        assert!(c.attention_memory(4, 8, 4, false) < c.attention_memory(1, 8, 4, false));
+        assert!(c.ffn_memory(1, 64, 4, false) < c.ffn_memory(1, 32, 4, false));
+    }
+}

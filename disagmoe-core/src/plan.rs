@@ -1,0 +1,278 @@
+//! The two entry points behind `disagmoe plan` and `disagmoe simulate`.
+//!
+//! [`plan`] runs the whole allocation pipeline (options, MILP, local search with the simulator
+//! as oracle) and reports the chosen allocation with the model's parameter and FLOP counts.
+//! [`simulate_schedules`] builds AF-Pipe (on the planned allocation) and the requested baselines,
+//! simulates each and reports AF-Pipe's speedup over each.
+
+use crate::allocator::milp::solve_milp;
+use crate::allocator::search::{local_search, Candidate};
+use crate::allocator::{Allocation, AllocationProblem};
+use crate::cost::CostModel;
+use crate::error::{invalid, Result};
+use crate::schedule::afpipe::{afpipe_window, build_afpipe};
+use crate::schedule::baselines::{build_baseline, ep_layout, Baseline};
+use crate::schedule::Schedule;
+use crate::simulator::{run, SimReport, SimulatorOracle, Trace};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// Starting points of the local search: the MILP's answer and the best answers for other group
+/// counts.
+pub const MULTI_STARTS: usize = 4;
+
+/// Oracle evaluations the local search may spend by default.
+pub const DEFAULT_SEARCH_EVALS: usize = 32;
+
+/// What `disagmoe plan` prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanReport {
+    /// Model name.
+    pub model: String,
+    /// Cluster name.
+    pub cluster: String,
+    /// Sequence length.
+    pub seq: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Sequences per step.
+    pub global_batch: usize,
+    /// Attention GPUs over all groups.
+    pub attention_gpus: usize,
+    /// Expert GPUs over all groups.
+    pub ffn_gpus: usize,
+    /// Attention NICs over all groups.
+    pub attention_nics: usize,
+    /// Expert NICs over all groups.
+    pub ffn_nics: usize,
+    /// Number of (attention, expert) group pairs.
+    pub groups: usize,
+    /// The allocation per group.
+    pub allocation: Allocation,
+    /// Micro-batches in flight in the AF-Pipe schedule.
+    pub in_flight: usize,
+    /// Whether the AF-Pipe schedule recomputes activations.
+    pub recompute: bool,
+    /// Simulated step time of the chosen allocation, seconds.
+    pub predicted_step_s: f64,
+    /// Roofline bottleneck of the MILP's answer, seconds per step.
+    pub milp_bottleneck_s: f64,
+    /// Wall time of option building + MILP + local search, seconds.
+    pub solve_s: f64,
+    /// Wall time of the MILP alone, seconds.
+    pub milp_s: f64,
+    /// Total parameters.
+    pub params_total: f64,
+    /// Active parameters per token (family convention).
+    pub params_active: f64,
+    /// Training FLOPs per token at this sequence length.
+    pub flops_per_token: f64,
+    /// Every allocation considered with its predicted step time (only with `explain`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidates: Option<Vec<Candidate>>,
+}
+
+/// Plans the allocation for `cost`'s model, cluster and workload.
+pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<PlanReport> {
+    let start = Instant::now();
+    let problem = AllocationProblem::new(cost, None)?;
+    let milp = solve_milp(&problem)?;
+    // Multi-start: the global optimum first, then the best answers for other group counts.
+    let mut starts = vec![milp.allocation];
+    starts.extend(
+        problem
+            .best_per_group_count()
+            .into_iter()
+            .map(|(a, _)| a)
+            .filter(|a| *a != milp.allocation)
+            .take(MULTI_STARTS - 1),
+    );
+    let mut oracle = SimulatorOracle { cost: cost.clone() };
+    let search = local_search(&problem, &starts, &mut oracle, search_evals.max(1))?;
+    let solve_s = start.elapsed().as_secs_f64();
+    let best = search.best.allocation;
+    let (in_flight, recompute) = afpipe_window(cost, &best);
+    let params = cost.model.param_counts();
+    Ok(PlanReport {
+        model: cost.model.name.clone(),
+        cluster: cost.cluster.name.clone(),
+        seq: cost.workload.seq,
+        micro_batch: cost.workload.micro_batch,
+        global_batch: cost.workload.global_batch,
+        attention_gpus: best.attention_gpus(),
+        ffn_gpus: best.ffn_gpus(),
+        attention_nics: best.attention_nics(),
+        ffn_nics: best.ffn_nics(),
+        groups: best.groups,
+        allocation: best,
+        in_flight,
+        recompute,
+        predicted_step_s: search.best.predicted_step_s,
+        milp_bottleneck_s: milp.bottleneck_s,
+        solve_s,
+        milp_s: milp.solve_s,
+        params_total: params.total,
+        params_active: params.active,
+        flops_per_token: cost.flops_per_token(),
+        candidates: explain.then_some(search.candidates),
+    })
+}
+
+/// One simulated schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleResult {
+    /// Schedule name.
+    pub schedule: String,
+    /// Step time, seconds.
+    pub step_s: f64,
+    /// Exposed communication (GPU-weighted mean of communication in flight while the GPUs idle),
+    /// seconds.
+    pub exposed_comm_s: f64,
+    /// Exposed communication of the bottleneck worker (the one with the most compute), seconds.
+    pub bottleneck_exposed_comm_s: f64,
+    /// Bubble (GPU-weighted mean), seconds.
+    pub bubble_s: f64,
+    /// Compute utilisation (GPU-weighted mean).
+    pub compute_utilisation: f64,
+    /// The layout the schedule ran on, in words.
+    pub layout: String,
+    /// AF-Pipe's speedup over this schedule (`step_s / afpipe step_s`), when AF-Pipe ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afpipe_speedup: Option<f64>,
+    /// Fraction of this schedule's exposed communication that AF-Pipe removes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afpipe_exposed_comm_reduction: Option<f64>,
+    /// The same for the bottleneck worker's exposed communication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afpipe_bottleneck_exposed_comm_reduction: Option<f64>,
+}
+
+/// A schedule that could not be built (for example, it does not fit in memory).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleFailure {
+    /// Schedule name.
+    pub schedule: String,
+    /// Why.
+    pub error: String,
+}
+
+/// What `disagmoe simulate` prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimulateReport {
+    /// Model name.
+    pub model: String,
+    /// Cluster name.
+    pub cluster: String,
+    /// Sequence length.
+    pub seq: usize,
+    /// AF-Pipe's allocation (planned).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocation: Option<Allocation>,
+    /// Schedules that ran.
+    pub schedules: Vec<ScheduleResult>,
+    /// Schedules that could not be built.
+    pub failures: Vec<ScheduleFailure>,
+}
+
+/// Schedule names `simulate` accepts.
+pub const SCHEDULE_NAMES: &[&str] = &["afpipe", "1f1b-interleaved", "tutel", "comet", "dualpipe"];
+
+/// A built and simulated schedule, kept for pictures.
+pub struct Simulated {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Its trace.
+    pub trace: Trace,
+    /// Its summary.
+    pub report: SimReport,
+}
+
+/// Builds and simulates the named schedules; AF-Pipe runs on `allocation` or, when `None`, on
+/// the allocation [`plan`] chooses. Returns the report and the simulated schedules.
+pub fn simulate_schedules(
+    cost: &CostModel,
+    names: &[String],
+    allocation: Option<Allocation>,
+) -> Result<(SimulateReport, Vec<Simulated>)> {
+    for n in names {
+        if !SCHEDULE_NAMES.contains(&n.as_str()) {
+            return Err(invalid("schedules", n, &format!("a comma-separated subset of {}", SCHEDULE_NAMES.join(", "))));
+        }
+    }
+    let mut results = Vec::new();
+    let mut failures = Vec::new();
+    let mut sims = Vec::new();
+    let mut afpipe_alloc = None;
+    for name in names {
+        let built = if name == "afpipe" {
+            let alloc = match allocation {
+                Some(a) => a,
+                None => plan(cost, false, DEFAULT_SEARCH_EVALS)?.allocation,
+            };
+            afpipe_alloc = Some(alloc);
+            let (w, rc) = afpipe_window(cost, &alloc);
+            build_afpipe(cost, &alloc).map(|s| {
+                let layout = format!(
+                    "{} pairs x (A {} GPU/{} NIC, F {} GPU/{} NIC), {w} in flight{}",
+                    alloc.groups,
+                    alloc.attention_gpus_per_group,
+                    alloc.attention_nics_per_group,
+                    alloc.ffn_gpus_per_group,
+                    alloc.ffn_nics_per_group,
+                    if rc { ", recompute" } else { "" }
+                );
+                (s, layout)
+            })
+        } else {
+            let b = Baseline::parse(name).expect("validated above");
+            ep_layout(cost, b).and_then(|l| {
+                let layout = format!(
+                    "pp {} x dp {} (ep {}), {} chunk(s)/stage, {} micro-batches/rank{}",
+                    l.pp,
+                    l.dp,
+                    l.ep,
+                    l.chunks,
+                    l.micro_batches,
+                    if l.recompute { ", recompute" } else { "" }
+                );
+                build_baseline(cost, b).map(|s| (s, layout))
+            })
+        };
+        match built {
+            Ok((schedule, layout)) => {
+                let (trace, report) = run(&schedule)?;
+                results.push(ScheduleResult {
+                    schedule: name.clone(),
+                    step_s: report.step_s,
+                    exposed_comm_s: report.exposed_comm_s,
+                    bottleneck_exposed_comm_s: report.bottleneck_exposed_comm_s,
+                    bubble_s: report.bubble_s,
+                    compute_utilisation: report.compute_utilisation,
+                    layout,
+                    afpipe_speedup: None,
+                    afpipe_exposed_comm_reduction: None,
+                    afpipe_bottleneck_exposed_comm_reduction: None,
+                });
+                sims.push(Simulated { schedule, trace, report });
+            }
+            Err(e) => failures.push(ScheduleFailure { schedule: name.clone(), error: e.to_string() }),
+        }
+    }
+    if let Some(af) = results.iter().find(|r| r.schedule == "afpipe").cloned() {
+        for r in results.iter_mut().filter(|r| r.schedule != "afpipe") {
+            r.afpipe_speedup = Some(r.step_s / af.step_s);
+            r.afpipe_exposed_comm_reduction = Some(1.0 - af.exposed_comm_s / r.exposed_comm_s.max(f64::MIN_POSITIVE));
+            r.afpipe_bottleneck_exposed_comm_reduction =
+                Some(1.0 - af.bottleneck_exposed_comm_s / r.bottleneck_exposed_comm_s.max(f64::MIN_POSITIVE));
+        }
+    }
+    let report = SimulateReport {
+        model: cost.model.name.clone(),
+        cluster: cost.cluster.name.clone(),
+        seq: cost.workload.seq,
+        allocation: afpipe_alloc,
+        schedules: results,
+        failures,
+    };
+    Ok((report, sims))
+}

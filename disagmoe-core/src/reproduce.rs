@@ -1,0 +1,350 @@
+//! The paper's setting reproduced by simulation: writes `docs/paper-reproduction.md` and its
+//! figures. Run with `disagmoe reproduce-paper` (see `ReproduceArgs` in the root binary).
+//!
+//! Nothing in the tables is typed in: every allocation comes from [`crate::plan::plan`] and every
+//! step time from simulating the schedule; only the paper's own reported numbers are constants,
+//! quoted for comparison.
+
+use crate::cost::{CostModel, Workload};
+use crate::error::{CoreError, Result};
+use crate::hardware::Cluster;
+use crate::model_shape::ModelShape;
+use crate::plan::{plan, simulate_schedules, ScheduleResult, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// Where to write and which cluster to use.
+#[derive(Debug, Clone)]
+pub struct ReproduceOptions {
+    /// Markdown output.
+    pub out: PathBuf,
+    /// Directory of the SVG figures.
+    pub img_dir: PathBuf,
+    /// Cluster preset (the paper: `h800x16`).
+    pub cluster: String,
+}
+
+/// Models of the reproduction. DeepSeek is DeepSeekMoE-16B: DeepSeek-V3's 671B parameters with
+/// Adam state do not fit in 128 x 80 GB (the document quotes the allocator's error).
+pub const PAPER_MODELS: &[&str] = &["qwen3-235b-a22b", "gpt-oss-120b", "deepseek-moe-16b"];
+/// Sequence lengths of the reproduction.
+pub const PAPER_SEQS: &[usize] = &[4096, 8192, 16384, 32768];
+
+/// Sequences per micro-batch at sequence length `seq`: 64K tokens per micro-batch.
+pub fn paper_micro_batch(seq: usize) -> usize {
+    (65_536 / seq).max(1)
+}
+
+fn relative(from: &Path, to: &Path) -> String {
+    let base = from.parent().unwrap_or(Path::new(""));
+    to.strip_prefix(base).map(|p| p.display().to_string()).unwrap_or_else(|_| to.display().to_string())
+}
+
+fn cost_for(model: &str, cluster: &Cluster, seq: usize) -> Result<CostModel> {
+    let mb = paper_micro_batch(seq);
+    let workload = Workload { seq, micro_batch: mb, global_batch: 2 * cluster.total_gpus() * mb };
+    CostModel::new(ModelShape::preset(model)?, cluster.clone(), workload)
+}
+
+/// Runs every setting, writes the markdown and figures, returns the number of settings.
+pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
+    let cluster = Cluster::preset(&opts.cluster).or_else(|_| Cluster::from_preset_or_file(&opts.cluster))?;
+    std::fs::create_dir_all(&opts.img_dir)
+        .map_err(|source| CoreError::Io { path: opts.img_dir.display().to_string(), source })?;
+    let names: Vec<String> = SCHEDULE_NAMES.iter().map(|s| s.to_string()).collect();
+    let mut md = String::new();
+    let mut settings = 0;
+    let mut best_vs: Vec<Versus> = Vec::new();
+    let mut shares: Vec<(String, Vec<(usize, f64)>)> = Vec::new();
+    let mut body = String::new();
+
+    for &model in PAPER_MODELS {
+        let _ = writeln!(body, "\n## {model}\n");
+        let _ = writeln!(
+            body,
+            "| seq | micro-batch | groups | attention GPUs/NICs | FFN GPUs/NICs | schedule | step (s) | exposed comm, mean (s) | exposed comm, bottleneck (s) | bubble (s) | AF-Pipe speedup | exposed removed (mean / bottleneck) |"
+        );
+        let _ = writeln!(body, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let mut model_shares = Vec::new();
+        for &seq in PAPER_SEQS {
+            let cost = cost_for(model, &cluster, seq)?;
+            let p = plan(&cost, false, DEFAULT_SEARCH_EVALS)?;
+            model_shares.push((seq, p.attention_gpus as f64 / (p.attention_gpus + p.ffn_gpus) as f64));
+            let (report, sims) = simulate_schedules(&cost, &names, Some(p.allocation))?;
+            settings += 1;
+            if seq == 4096 {
+                let a = &p.allocation;
+                let svg = opts.img_dir.join(format!("roofline-{model}.svg"));
+                crate::roofline::plot_rooflines_svg(
+                    &svg,
+                    &cost,
+                    (a.attention_gpus_per_group, a.attention_nics_per_group),
+                    (a.ffn_gpus_per_group, a.ffn_nics_per_group),
+                    PAPER_SEQS,
+                )?;
+            }
+            if model == "gpt-oss-120b" && seq == 8192 {
+                for s in &sims {
+                    let svg = opts.img_dir.join(format!("timeline-{model}-8k-{}.svg", s.schedule.name));
+                    crate::report::write_timeline_svg(&svg, &s.schedule, &s.trace, Some(s.trace.step_s * 0.05))?;
+                }
+            }
+            let cell = |r: &ScheduleResult| {
+                format!(
+                    "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} |",
+                    r.schedule,
+                    r.step_s,
+                    r.exposed_comm_s,
+                    r.bottleneck_exposed_comm_s,
+                    r.bubble_s,
+                    r.afpipe_speedup.map_or("—".into(), |x| format!("{x:.2}x")),
+                    match (r.afpipe_exposed_comm_reduction, r.afpipe_bottleneck_exposed_comm_reduction) {
+                        (Some(x), Some(y)) => format!("{:.0}% / {:.0}%", 100.0 * x, 100.0 * y),
+                        _ => "—".into(),
+                    }
+                )
+            };
+            let a = &p.allocation;
+            for (i, r) in report.schedules.iter().enumerate() {
+                let head = if i == 0 {
+                    format!(
+                        "| {}K | {} | {} | {}/{} | {}/{} ",
+                        seq / 1024,
+                        cost.workload.micro_batch,
+                        a.groups,
+                        p.attention_gpus,
+                        p.attention_nics,
+                        p.ffn_gpus,
+                        p.ffn_nics
+                    )
+                } else {
+                    "| | | | | ".to_string()
+                };
+                let _ = writeln!(body, "{head}{}", cell(r));
+                if let (Some(s), Some(x), Some(y)) =
+                    (r.afpipe_speedup, r.afpipe_exposed_comm_reduction, r.afpipe_bottleneck_exposed_comm_reduction)
+                {
+                    let i = match best_vs.iter().position(|b| b.baseline == r.schedule) {
+                        Some(i) => i,
+                        None => {
+                            best_vs.push(Versus::new(&r.schedule));
+                            best_vs.len() - 1
+                        }
+                    };
+                    best_vs[i].add(s, x, y);
+                }
+            }
+            for f in &report.failures {
+                let _ = writeln!(body, "| | | | | | {} | did not fit | | | | | |", f.schedule);
+                let _ = writeln!(body, "|  |  |  |  |  | ↳ `{}` | | | | | | |", plain(&f.error));
+            }
+        }
+        shares.push((model.to_string(), model_shares));
+    }
+
+    // DeepSeek-V3 on the paper's cluster: quote the allocator.
+    let v3 = cost_for("deepseek-v3", &cluster, 4096)
+        .and_then(|c| crate::allocator::AllocationProblem::new(&c, None).map(|_| ()));
+    let v3_note = match v3 {
+        Ok(()) => "DeepSeek-V3 fits on this cluster; it was left out only to keep the run short.".to_string(),
+        Err(e) => {
+            format!("DeepSeek-V3 is not used: on this cluster the allocator answers \"{}\".", plain(&e.to_string()))
+        }
+    };
+
+    let _ = writeln!(md, "# The paper's setting, reproduced by simulation\n");
+    let _ = writeln!(
+        md,
+        "Generated by `disagmoe reproduce-paper` (from the workspace root: `cargo run --release -- reproduce-paper`);\n\
+         do not edit by hand. Cluster: `{}` ({} x {} {} GPUs, {} NICs of {:.0} Gb/s per node). Models: Qwen3-235B-A22B,\n\
+         GPT-OSS-120B and **DeepSeekMoE-16B** (the DeepSeek model of this reproduction). {v3_note}\n",
+        cluster.name,
+        cluster.nodes,
+        cluster.node.gpus_per_node,
+        cluster.gpu.name,
+        cluster.node.nics_per_node,
+        cluster.node.nic_bandwidth * 8.0 / 1e9
+    );
+    let _ = writeln!(
+        md,
+        "Workload: 64K tokens per micro-batch (`micro-batch = 65536 / seq` sequences), global batch `2 x GPUs x micro-batch`\n\
+         sequences. AF-Pipe runs on the allocation `disagmoe plan` chooses (MILP + local search with the simulator);\n\
+         each baseline runs on its own layout (smallest pipeline depth that fits, EP over the data-parallel ranks, full\n\
+         recomputation only when activations would not fit). Every step time below is the makespan of a simulated\n\
+         schedule; no baseline is derived from another by a factor.\n"
+    );
+    let _ = writeln!(md, "## Summary beside the paper\n");
+    let _ = writeln!(
+        md,
+        "| AF-Pipe vs | settings | AF-Pipe faster | best speedup | paper | less exposed comm (mean / bottleneck) | largest reduction (mean / bottleneck) | paper |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let paper = |b: &str| match b {
+        "1f1b-interleaved" => ("up to 1.81x", "—"),
+        "tutel" => ("up to 1.34x", "up to 88%"),
+        "comet" => ("up to 1.34x", "up to 75%"),
+        "dualpipe" => ("up to 1.34x", "up to 45%"),
+        _ => ("—", "—"),
+    };
+    for v in &best_vs {
+        let (ps, px) = paper(&v.baseline);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.2}x | {ps} | {} / {} | {:.0}% / {:.0}% | {px} |",
+            v.baseline,
+            v.settings,
+            v.faster,
+            v.best_speedup,
+            v.less_exposed,
+            v.less_exposed_bottleneck,
+            100.0 * v.best_reduction,
+            100.0 * v.best_reduction_bottleneck
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\n*Exposed communication* is time with communication in flight while a worker's GPUs are idle.\n\
+         *mean*: averaged over all GPUs; *bottleneck*: on the worker that computes longest, i.e. how much\n\
+         communication stretches the step beyond the busiest GPUs' compute.\n"
+    );
+    let _ =
+        writeln!(md, "Attention share of the GPUs chosen by `plan` (the paper: it grows with the sequence length):\n");
+    let _ = writeln!(
+        md,
+        "| model | {} |",
+        PAPER_SEQS.iter().map(|s| format!("{}K", s / 1024)).collect::<Vec<_>>().join(" | ")
+    );
+    let _ = writeln!(md, "|---|{}", "---|".repeat(PAPER_SEQS.len()));
+    for (m, v) in &shares {
+        let _ = writeln!(
+            md,
+            "| {m} | {} |",
+            v.iter().map(|(_, x)| format!("{:.0}%", 100.0 * x)).collect::<Vec<_>>().join(" | ")
+        );
+    }
+    // The same planner on a cluster whose network is four times richer (4 NICs per GPU).
+    let mut rich = cluster.clone();
+    rich.node.nics_per_node *= 4;
+    rich.name = format!("{} with {} NICs per node", cluster.name, rich.node.nics_per_node);
+    let _ = writeln!(
+        md,
+        "\nThe same planner on `{}` (four NICs per GPU, otherwise identical), where the jobs are no longer\n\
+         network-bound and attention's quadratic term decides:\n",
+        rich.name
+    );
+    let _ = writeln!(
+        md,
+        "| model | {} |",
+        PAPER_SEQS.iter().map(|s| format!("{}K", s / 1024)).collect::<Vec<_>>().join(" | ")
+    );
+    let _ = writeln!(md, "|---|{}", "---|".repeat(PAPER_SEQS.len()));
+    for &model in PAPER_MODELS {
+        let mut cells = Vec::new();
+        for &seq in PAPER_SEQS {
+            let p = plan(&cost_for(model, &rich, seq)?, false, DEFAULT_SEARCH_EVALS)?;
+            cells.push(format!(
+                "{:.0}% ({} x {}+{})",
+                100.0 * p.attention_gpus as f64 / (p.attention_gpus + p.ffn_gpus) as f64,
+                p.groups,
+                p.allocation.attention_gpus_per_group,
+                p.allocation.ffn_gpus_per_group
+            ));
+        }
+        let _ = writeln!(md, "| {model} | {} |", cells.join(" | "));
+    }
+    let _ = writeln!(md, "\n(`p x a+f`: group pairs x attention GPUs + expert GPUs per pair.)");
+    let _ = writeln!(md, "\n## Figures\n");
+    for &model in PAPER_MODELS {
+        let svg = opts.img_dir.join(format!("roofline-{model}.svg"));
+        let _ = writeln!(md, "![rooflines of {model}]({})\n", relative(&opts.out, &svg));
+    }
+    for name in SCHEDULE_NAMES {
+        let svg = opts.img_dir.join(format!("timeline-gpt-oss-120b-8k-{name}.svg"));
+        if svg.exists() {
+            let _ = writeln!(
+                md,
+                "![{name} timeline, GPT-OSS-120B at 8K, first 5% of the step]({})\n",
+                relative(&opts.out, &svg)
+            );
+        }
+    }
+    md.push_str(&body);
+    md.push_str(HONEST_ACCOUNT);
+    if let Some(dir) = opts.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| CoreError::Io { path: dir.display().to_string(), source })?;
+    }
+    std::fs::write(&opts.out, md).map_err(|source| CoreError::Io { path: opts.out.display().to_string(), source })?;
+    Ok(settings)
+}
+
+/// An error message made safe inside a markdown table cell or code span.
+fn plain(message: &str) -> String {
+    message.replace('`', "'").replace('|', "/")
+}
+
+/// AF-Pipe against one baseline over all settings.
+struct Versus {
+    baseline: String,
+    settings: usize,
+    faster: usize,
+    less_exposed: usize,
+    less_exposed_bottleneck: usize,
+    best_speedup: f64,
+    best_reduction: f64,
+    best_reduction_bottleneck: f64,
+}
+
+impl Versus {
+    fn new(baseline: &str) -> Self {
+        Self {
+            baseline: baseline.to_string(),
+            settings: 0,
+            faster: 0,
+            less_exposed: 0,
+            less_exposed_bottleneck: 0,
+            best_speedup: 0.0,
+            best_reduction: f64::NEG_INFINITY,
+            best_reduction_bottleneck: f64::NEG_INFINITY,
+        }
+    }
+
+    fn add(&mut self, speedup: f64, reduction: f64, reduction_bottleneck: f64) {
+        self.settings += 1;
+        self.faster += usize::from(speedup > 1.0);
+        self.less_exposed += usize::from(reduction > 0.0);
+        self.less_exposed_bottleneck += usize::from(reduction_bottleneck > 0.0);
+        self.best_speedup = self.best_speedup.max(speedup);
+        self.best_reduction = self.best_reduction.max(reduction);
+        self.best_reduction_bottleneck = self.best_reduction_bottleneck.max(reduction_bottleneck);
+    }
+}
+
+const HONEST_ACCOUNT: &str = r#"
+## Where and why the numbers differ from the paper
+
+- **The modelled cluster is network-bound for all three models.** With one 400 Gb/s NIC per GPU at 80%
+  efficiency and top-k routing, a token's exchange per MoE layer (dispatch + combine, or M2N + N2M, forward and
+  backward) takes longer than its attention and expert compute from 4K to 32K. Every schedule then converges
+  towards the same network time, and schedules differ in how much of it they hide. AF-Pipe's gains here come from
+  overlap (three independent streams per worker, no blocking between micro-batches), from memory (each GPU
+  holds only attention or only experts, so more micro-batches fit in flight without recomputation) and, with
+  small expert groups, from sending a token once per destination rank rather than once per expert.
+- **The attention share stays at about 50% on the paper's cluster.** When the network binds, the best
+  allocation splits the NICs evenly between the two sides (both carry the same bytes), and NICs follow GPUs.
+  The paper's finding, more attention GPUs for longer sequences, appears as soon as the network is not the
+  bottleneck: see the table on the four-NIC variant of the cluster. The paper's measured speedups imply a less
+  network-bound regime than this model's (NIC efficiency, DeepEP-style node-level deduplication and per-kernel
+  efficiencies that differ between schedules are not modelled).
+- **Exposed communication against DualPipe.** DualPipe overlaps one micro-batch's all-to-all with another's
+  compute on every GPU, so its GPUs are rarely idle; averaged over all GPUs its exposed communication is often
+  below AF-Pipe's, whose attention workers wait for tokens while the expert workers are the busy side. On the
+  bottleneck worker, the one that decides the step time, AF-Pipe exposes less in most settings. The paper
+  reports up to 45% less exposed communication than DualPipe; we find up to the bottleneck figure in the summary.
+- **Memory decides feasibility.** DualPipe keeps two copies of the parameters and does not fit Qwen3-235B-A22B on
+  128 x 80 GB at any length here; the EP baselines do not fit it at 32K even with full recomputation ("did not
+  fit" rows quote the constraint and shortfall). DeepSeek-V3 (671B) fits nowhere on this cluster with Adam state,
+  hence DeepSeekMoE-16B.
+- **Not modelled:** load imbalance between experts beyond the `ceil(E / f)` rounding (routing is assumed
+  uniform), kernel launch overheads, congestion beyond max-min fair sharing of each group's port, overlap of
+  the gradient all-reduce with backward (no schedule overlaps it), the optimizer step.
+"#;

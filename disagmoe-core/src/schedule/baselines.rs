@@ -1,0 +1,504 @@
+//! The baselines AF-Pipe is compared with, each built as a schedule and simulated, never scaled
+//! by a fixed factor:
+//!
+//! - `1f1b-interleaved`: Megatron-LM interleaved 1F1B pipeline over `pp` stages with `v` model
+//!   chunks per stage, expert parallelism over the data-parallel ranks of a stage, and blocking
+//!   all-to-all dispatch/combine around each expert block.
+//! - `tutel`: the same pipeline, with each MoE block split into 4 chunks whose all-to-alls
+//!   overlap the previous chunk's expert GEMMs (every chunk re-reads the expert weights).
+//! - `comet`: the same pipeline with fine-grained (16-chunk, tile-level) overlap: weights are read
+//!   once, communication hides behind expert compute as far as it is shorter.
+//! - `dualpipe`: DeepSeek's bidirectional pipeline: every stage holds a chunk of each direction
+//!   (twice the parameters), forward and backward compute run on separate streams, so one
+//!   micro-batch's all-to-all overlaps another's compute.
+//!
+//! Layout: tensor parallelism 1, the smallest power-of-two `pp` whose memory fits, `dp = G / pp`,
+//! expert parallelism `ep` = the largest power of two dividing both the expert count and `dp`,
+//! one sequence per rank per micro-batch, and the same global batch as AF-Pipe.
+
+use super::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind as K, Transfer, WorkerRole, NO_LAYER};
+use crate::cost::CostModel;
+use crate::error::{CoreError, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// A baseline schedule family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Baseline {
+    /// Megatron-LM interleaved 1F1B with EP all-to-all.
+    #[serde(rename = "1f1b-interleaved")]
+    Megatron,
+    /// Tutel-style chunked overlap.
+    Tutel,
+    /// Comet-style fine-grained overlap.
+    Comet,
+    /// DualPipe.
+    DualPipe,
+}
+
+impl Baseline {
+    /// Name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Megatron => "1f1b-interleaved",
+            Self::Tutel => "tutel",
+            Self::Comet => "comet",
+            Self::DualPipe => "dualpipe",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(name: &str) -> Option<Self> {
+        [Self::Megatron, Self::Tutel, Self::Comet, Self::DualPipe].into_iter().find(|b| b.name() == name)
+    }
+
+    /// MoE chunks and whether each chunk re-reads the expert weights.
+    fn chunking(self) -> (usize, bool) {
+        match self {
+            Self::Megatron | Self::DualPipe => (1, false),
+            Self::Tutel => (4, true),
+            Self::Comet => (16, false),
+        }
+    }
+}
+
+/// The parallel layout of an EP baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpLayout {
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Data-parallel ranks per stage.
+    pub dp: usize,
+    /// Expert-parallel ranks.
+    pub ep: usize,
+    /// Model chunks per stage (interleaving); 2 directions for DualPipe.
+    pub chunks: usize,
+    /// Micro-batches per data-parallel rank per step.
+    pub micro_batches: usize,
+    /// Sequences per rank per micro-batch.
+    pub seqs_per_micro_batch: usize,
+    /// Full activation recomputation (only each layer's input is kept; backward recomputes the
+    /// forward), chosen when the activations would not fit otherwise.
+    pub recompute: bool,
+}
+
+/// Memory of one GPU of a baseline stage holding `layers` layers (`copies` = 2 for DualPipe).
+fn ep_memory(
+    cost: &CostModel,
+    pp: usize,
+    dp: usize,
+    ep: usize,
+    copies: usize,
+    in_flight: usize,
+    recompute: bool,
+) -> f64 {
+    let m = &cost.model;
+    let layers = m.layers.div_ceil(pp) as f64 * copies as f64;
+    let dense_per_layer = m.attention_params()
+        + m.router_params()
+        + m.moe.shared_experts as f64 * m.mlp_params(m.moe.intermediate, false);
+    let table = (m.vocab * m.hidden) as f64;
+    let dense = layers * dense_per_layer + 2.0 * table;
+    let experts = layers * (m.moe.experts / ep) as f64 * m.expert_params();
+    let tokens = cost.workload.seq as f64;
+    let per_layer = cost.attention_activation_per_token() + cost.ffn_activation_per_token();
+    let act = if recompute {
+        in_flight as f64 * layers / copies as f64 * tokens * m.hidden as f64 * cost.precision.activation_bytes
+            + tokens * per_layer
+    } else {
+        in_flight as f64 * layers / copies as f64 * tokens * per_layer
+    };
+    dense * cost.state_bytes(dp) + experts * cost.state_bytes(dp / ep) + act
+}
+
+/// Chooses the baseline's layout (see the module documentation).
+pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
+    let g = cost.cluster.total_gpus();
+    let m = &cost.model;
+    let usable = cost.cluster.gpu.usable_memory();
+    let copies = if baseline == Baseline::DualPipe { 2 } else { 1 };
+    let mut smallest = f64::INFINITY;
+    let min_pp = if baseline == Baseline::DualPipe { 2 } else { 1 };
+    for pp in (0..)
+        .map(|e| 1usize << e)
+        .take_while(|&pp| pp <= m.layers.min(g))
+        .filter(|&pp| pp >= min_pp && g.is_multiple_of(pp))
+    {
+        let dp = g / pp;
+        let ep = (0..)
+            .map(|e| 1usize << e)
+            .take_while(|&e| e <= dp && m.moe.experts.is_multiple_of(e) && dp.is_multiple_of(e))
+            .last()
+            .unwrap_or(1);
+        let seqs = cost.workload.global_batch;
+        let micro_batches = seqs.div_ceil(dp).max(1);
+        let in_flight = pp.min(micro_batches) + 1;
+        for recompute in [false, true] {
+            let mem = ep_memory(cost, pp, dp, ep, copies, in_flight, recompute);
+            smallest = smallest.min(mem);
+            if mem <= usable {
+                let chunks = match baseline {
+                    Baseline::DualPipe => 2,
+                    _ if pp > 1 && m.layers >= 2 * pp && micro_batches.is_multiple_of(pp) => 2,
+                    _ => 1,
+                };
+                return Ok(EpLayout { pp, dp, ep, chunks, micro_batches, seqs_per_micro_batch: 1, recompute });
+            }
+        }
+    }
+    Err(CoreError::Infeasible {
+        constraint: format!("memory_{}", baseline.name()),
+        detail: format!(
+            "no pipeline depth fits: the smallest footprint needs {:.1} GB per GPU, {:.1} GB usable (short by {:.1} GB)",
+            smallest / 1e9,
+            usable / 1e9,
+            (smallest - usable) / 1e9
+        ),
+    })
+}
+
+/// Layers of virtual stage `vs` of `n` (contiguous, sizes differing by at most one).
+fn stage_layers(layers: usize, n: usize, vs: usize) -> std::ops::Range<usize> {
+    let (q, r) = (layers / n, layers % n);
+    let start = vs * q + vs.min(r);
+    start..start + q + usize::from(vs < r)
+}
+
+/// Per-rank costs of one layer.
+struct LayerCost {
+    attn_s: f64,
+    attn_flops: f64,
+    ffn_s: f64,
+    ffn_flops: f64,
+    ffn_work: crate::cost::Work,
+    ffn_weights: f64,
+    a2a_s: f64,
+    a2a_bytes: f64,
+    dense: bool,
+}
+
+/// Builds a baseline schedule.
+pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> {
+    let layout = ep_layout(cost, baseline)?;
+    let m = &cost.model;
+    let (pp, dp, ep) = (layout.pp, layout.dp, layout.ep);
+    let mut rank = cost.clone();
+    rank.workload.micro_batch = layout.seqs_per_micro_batch;
+    let mut ep_group = cost.clone();
+    ep_group.workload.micro_batch = layout.seqs_per_micro_batch * ep;
+    let tokens = rank.workload.tokens_per_micro_batch();
+    let layers: Vec<LayerCost> = (0..m.layers)
+        .map(|l| {
+            let a = rank.attention_forward(l, 1);
+            let f = ep_group.ffn_forward(l, ep);
+            LayerCost {
+                attn_s: cost.gpu_time(a),
+                attn_flops: a.flops,
+                ffn_s: cost.gpu_time(f),
+                ffn_flops: f.flops,
+                ffn_work: f,
+                ffn_weights: ep_group.ffn_weight_bytes(l, ep),
+                a2a_s: cost.ep_all_to_all_time(l, ep, tokens),
+                a2a_bytes: tokens * m.moe.top_k as f64 * m.hidden as f64 * cost.precision.activation_bytes * dp as f64,
+                dense: m.is_dense(l),
+            }
+        })
+        .collect();
+    let (chunks, reread) = baseline.chunking();
+    let dual = baseline == Baseline::DualPipe;
+    let mut b = ScheduleBuilder::new(baseline.name());
+    let streams: &[(K, bool)] = if dual {
+        &[(K::BackwardCompute, false), (K::ForwardCompute, false), (K::Comm, false), (K::Recv, false)]
+    } else {
+        &[(K::Compute, true), (K::Comm, true), (K::Recv, false)]
+    };
+    let nics = (dp as f64 * cost.cluster.nics_per_gpu()).round() as usize;
+    for s in 0..pp {
+        b.worker(
+            format!("stage{s}"),
+            WorkerRole::Stage { stage: s },
+            dp,
+            nics,
+            cost.group_bandwidth(dp, nics),
+            streams,
+        );
+    }
+    let fwd_stream = if dual { K::ForwardCompute } else { K::Compute };
+    let bwd_stream = if dual { K::BackwardCompute } else { K::Compute };
+    let head = rank.head_forward(1);
+    let p2p_bytes = tokens * m.hidden as f64 * cost.precision.activation_bytes * dp as f64;
+    let n_virtual = pp * layout.chunks;
+    // Worker of virtual stage `vs` in direction `dir` (DualPipe's second direction runs the
+    // stages in reverse).
+    let worker_of = |vs: usize, dir: usize| {
+        if dual {
+            if dir == 0 {
+                vs
+            } else {
+                pp - 1 - vs
+            }
+        } else {
+            vs % pp
+        }
+    };
+    let stages_per_dir = if dual { pp } else { n_virtual };
+
+    // Forward or backward of one (micro-batch, virtual stage): returns the last op.
+    let mut recvs: HashMap<(usize, usize, bool), OpId> = HashMap::new();
+    let mut pending: Vec<(OpId, (usize, usize, bool))> = Vec::new();
+    let mut fwd_last: HashMap<(usize, usize), OpId> = HashMap::new();
+    let mut first_bwd: HashMap<usize, OpId> = HashMap::new();
+    let mut all_bwd: Vec<Vec<OpId>> = vec![Vec::new(); pp];
+    let mut chunk_op = |b: &mut ScheduleBuilder, mb: usize, vs: usize, backward: bool| {
+        let dir = if dual { mb % 2 } else { 0 };
+        let w = worker_of(vs, dir);
+        let range = stage_layers(m.layers, stages_per_dir, vs);
+        let mut deps: Vec<OpId> = Vec::new();
+        let key_in = (mb, vs, backward);
+        if (!backward && vs > 0) || (backward && vs + 1 < stages_per_dir) {
+            match recvs.get(&key_in) {
+                Some(&r) => deps.push(r),
+                None => pending.push((usize::MAX, key_in)),
+            }
+        }
+        let needs_patch = deps.is_empty() && pending.last().is_some_and(|p| p.0 == usize::MAX);
+        let mut first_op = None;
+        let note = |op: OpId, first: &mut Option<OpId>| {
+            if first.is_none() {
+                *first = Some(op);
+            }
+        };
+        let list: Vec<usize> = if backward { range.clone().rev().collect() } else { range.clone().collect() };
+        if backward && vs + 1 == stages_per_dir {
+            let w_ = head.backward();
+            let after_forward = vec![fwd_last[&(mb, vs)]];
+            let hf = b.op(
+                w,
+                fwd_stream,
+                OpKind::HeadForward,
+                mb,
+                NO_LAYER,
+                0,
+                after_forward,
+                cost.gpu_time(head),
+                head.flops,
+                0.0,
+            );
+            note(hf, &mut first_op);
+            let hb =
+                b.op(w, bwd_stream, OpKind::HeadBackward, mb, NO_LAYER, 0, vec![hf], cost.gpu_time(w_), w_.flops, 0.0);
+            deps = vec![hb];
+        }
+        for l in list {
+            let c = &layers[l];
+            let lu = l as u32;
+            let scale = match (backward, layout.recompute) {
+                (false, _) => 1.0,
+                (true, false) => 2.0,
+                (true, true) => 3.0,
+            };
+            let stream = if backward { bwd_stream } else { fwd_stream };
+            let attn = |b: &mut ScheduleBuilder, deps: Vec<OpId>| {
+                let kind = if backward { OpKind::AttentionBackward } else { OpKind::AttentionForward };
+                b.op(w, stream, kind, mb, lu, 0, deps, scale * c.attn_s, scale * c.attn_flops, 0.0)
+            };
+            let ekind = if backward { OpKind::ExpertBackward } else { OpKind::ExpertForward };
+            if !backward {
+                let a = attn(b, std::mem::take(&mut deps));
+                note(a, &mut first_op);
+                deps = vec![a];
+            }
+            if c.dense {
+                let e = b.op(
+                    w,
+                    stream,
+                    ekind,
+                    mb,
+                    lu,
+                    0,
+                    std::mem::take(&mut deps),
+                    scale * c.ffn_s,
+                    scale * c.ffn_flops,
+                    0.0,
+                );
+                note(e, &mut first_op);
+                deps = vec![e];
+            } else {
+                // First all-to-all: dispatch (forward) or combine-gradient (backward).
+                let (k1, k2) = if backward {
+                    (OpKind::Combine { backward: true }, OpKind::Dispatch { backward: true })
+                } else {
+                    (OpKind::Dispatch { backward: false }, OpKind::Combine { backward: false })
+                };
+                let n = chunks;
+                let a2a = c.a2a_s / n as f64 + cost.cluster.node.latency_s * (n > 1) as u8 as f64;
+                let piece = if n > 1 { cost.gpu_time(c.ffn_work.chunk(n, c.ffn_weights, reread)) } else { c.ffn_s };
+                let base = std::mem::take(&mut deps);
+                let mut firsts = Vec::new();
+                let mut outs = Vec::new();
+                let mut comps = Vec::new();
+                for i in 0..n {
+                    // Later chunks also wait for the first, which carries any patched stage input.
+                    let d_deps = if i == 0 { base.clone() } else { base.iter().copied().chain([firsts[0]]).collect() };
+                    let d1 = b.op(w, K::Comm, k1, mb, lu, i as u16, d_deps, a2a, 0.0, c.a2a_bytes / n as f64);
+                    note(d1, &mut first_op);
+                    firsts.push(d1);
+                    if i >= 1 {
+                        let prev = comps[i - 1];
+                        outs.push(b.op(
+                            w,
+                            K::Comm,
+                            k2,
+                            mb,
+                            lu,
+                            (i - 1) as u16,
+                            vec![prev],
+                            a2a,
+                            0.0,
+                            c.a2a_bytes / n as f64,
+                        ));
+                    }
+                    let e = b.op(
+                        w,
+                        stream,
+                        ekind,
+                        mb,
+                        lu,
+                        i as u16,
+                        vec![d1],
+                        scale * piece,
+                        scale * c.ffn_flops / n as f64,
+                        0.0,
+                    );
+                    comps.push(e);
+                }
+                let last = comps[n - 1];
+                outs.push(b.op(w, K::Comm, k2, mb, lu, (n - 1) as u16, vec![last], a2a, 0.0, c.a2a_bytes / n as f64));
+                deps = outs;
+            }
+            if backward {
+                let a = attn(b, std::mem::take(&mut deps));
+                deps = vec![a];
+            }
+        }
+        let last = deps[0];
+        let last = if deps.len() > 1 {
+            // Join: the chunk ends when all its combines are done; the next op depends on all.
+            *deps.iter().max().unwrap_or(&last)
+        } else {
+            last
+        };
+        if needs_patch {
+            if let Some(p) = pending.last_mut() {
+                p.0 = first_op.expect("a chunk has ops");
+            }
+        }
+        // Hand the activations (or gradients) to the next virtual stage.
+        let next = if backward { vs.checked_sub(1) } else { (vs + 1 < stages_per_dir).then_some(vs + 1) };
+        if let Some(nv) = next {
+            let to = worker_of(nv, dir);
+            let r = if to == w {
+                last
+            } else {
+                b.transfer(cost, w, to, Transfer::PipelineP2p, backward, mb, NO_LAYER, deps.clone(), p2p_bytes)
+            };
+            recvs.insert((mb, nv, backward), r);
+        }
+        if !backward {
+            fwd_last.insert((mb, vs), last);
+        } else {
+            all_bwd[w].push(last);
+            if vs == 0 {
+                first_bwd.insert(mb, last);
+            }
+        }
+        (first_op.expect("a chunk has ops"), deps)
+    };
+
+    let mbs = layout.micro_batches;
+    if dual {
+        // Both directions inject micro-batches; at most `pp` per direction in flight.
+        for mb in 0..mbs {
+            for vs in 0..pp {
+                chunk_op(&mut b, mb, vs, false);
+            }
+            for vs in (0..pp).rev() {
+                chunk_op(&mut b, mb, vs, true);
+            }
+        }
+        let window = 2 * pp;
+        let mut patches = Vec::new();
+        for mb in window..mbs {
+            let first = b.schedule.workers[worker_of(0, mb % 2)].streams[1]
+                .ops
+                .iter()
+                .copied()
+                .find(|&o| b.schedule.ops[o].micro_batch as usize == mb)
+                .expect("micro-batch has a first op");
+            patches.push((first, first_bwd[&(mb - window)]));
+        }
+        for (op, dep) in patches {
+            b.schedule.ops[op].deps.push(dep);
+        }
+    } else {
+        // Megatron's interleaved 1F1B order per stage.
+        let v = layout.chunks;
+        for s in 0..pp {
+            let total = mbs * v;
+            let warmup = if v == 1 { (pp - s - 1).min(mbs) } else { ((pp - s - 1) * 2 + (v - 1) * pp).min(total) };
+            let fwd_of = |k: usize| {
+                let (group, within) = (k / (pp * v), k % (pp * v));
+                (group * pp + within % pp, (within / pp) * pp + s)
+            };
+            let bwd_of = |k: usize| {
+                let (group, within) = (k / (pp * v), k % (pp * v));
+                (group * pp + within % pp, (v - 1 - within / pp) * pp + s)
+            };
+            let mut order: Vec<(usize, usize, bool)> = (0..warmup)
+                .map(|k| {
+                    let (mb, vs) = fwd_of(k);
+                    (mb, vs, false)
+                })
+                .collect();
+            for k in 0..total - warmup {
+                let (mb, vs) = fwd_of(warmup + k);
+                order.push((mb, vs, false));
+                let (mb, vs) = bwd_of(k);
+                order.push((mb, vs, true));
+            }
+            for k in total - warmup..total {
+                let (mb, vs) = bwd_of(k);
+                order.push((mb, vs, true));
+            }
+            for (mb, vs, backward) in order {
+                if mb < mbs {
+                    chunk_op(&mut b, mb, vs, backward);
+                }
+            }
+        }
+    }
+    // Cross-stage dependencies whose producer was generated after the consumer.
+    for (op, key) in pending {
+        let r = *recvs.get(&key).ok_or_else(|| CoreError::InvalidSchedule {
+            schedule: baseline.name().into(),
+            detail: format!(
+                "no producer for micro-batch {} virtual stage {} ({})",
+                key.0,
+                key.1,
+                if key.2 { "backward" } else { "forward" }
+            ),
+        })?;
+        b.schedule.ops[op].deps.push(r);
+    }
+    // Gradient all-reduce: dense parameters over dp ranks, experts over dp / ep.
+    let copies = if dual { 2.0 } else { 1.0 };
+    let per_stage_layers = m.layers.div_ceil(pp) as f64 * copies;
+    let dense = per_stage_layers * (m.attention_params() + m.router_params()) * cost.precision.grad_comm_bytes;
+    let experts = per_stage_layers * (m.moe.experts / ep) as f64 * m.expert_params() * cost.precision.grad_comm_bytes;
+    let secs = cost.all_reduce_time(dense, dp, nics) + cost.all_reduce_time(experts, dp / ep, (nics / ep).max(1));
+    for (s, deps) in all_bwd.into_iter().enumerate() {
+        b.op(s, K::Comm, OpKind::AllReduce, 0, NO_LAYER, 0, deps, secs, 0.0, dense + experts);
+    }
+    b.finish()
+}

@@ -1,0 +1,155 @@
+//! End-to-end checks of `plan` and `simulate` on the paper's cluster and on small clusters.
+
+use disagmoe_core::cost::{CostModel, Workload};
+use disagmoe_core::hardware::Cluster;
+use disagmoe_core::model_shape::ModelShape;
+use disagmoe_core::plan::{plan, simulate_schedules};
+use disagmoe_core::reproduce::paper_micro_batch;
+use disagmoe_core::schedule::afpipe::build_afpipe;
+use disagmoe_core::schedule::baselines::{build_baseline, Baseline};
+use disagmoe_core::simulator::{run, simulate};
+
+fn cost(model: &str, cluster: Cluster, seq: usize) -> CostModel {
+    let mb = paper_micro_batch(seq);
+    let workload = Workload { seq, micro_batch: mb, global_batch: 2 * cluster.total_gpus() * mb };
+    CostModel::new(ModelShape::preset(model).unwrap(), cluster, workload).unwrap()
+}
+
+fn share(model: &str, cluster: &Cluster, seq: usize) -> f64 {
+    let p = plan(&cost(model, cluster.clone(), seq), false, 6).unwrap();
+    p.attention_gpus as f64 / (p.attention_gpus + p.ffn_gpus) as f64
+}
+
+#[test]
+fn attention_share_chosen_by_plan_does_not_fall_from_4k_to_32k_in_the_paper_setting() {
+    let cluster = Cluster::preset("h800x16").unwrap();
+    for model in ["gpt-oss-120b", "deepseek-moe-16b"] {
+        let shares: Vec<f64> = [4096, 8192, 16384, 32768].iter().map(|&s| share(model, &cluster, s)).collect();
+        for w in shares.windows(2) {
+            assert!(w[1] >= w[0] - 1e-9, "{model}: attention share falls: {shares:?}");
+        }
+    }
+}
+
+#[test]
+fn attention_share_grows_with_sequence_length_when_the_network_is_not_the_bottleneck() {
+    // Four NICs per GPU: the jobs become compute-bound and attention's quadratic term shows.
+    let mut cluster = Cluster::preset("h800x16").unwrap();
+    cluster.node.nics_per_node = 32;
+    for model in ["gpt-oss-120b", "deepseek-moe-16b"] {
+        let shares: Vec<f64> = [4096, 8192, 16384, 32768].iter().map(|&s| share(model, &cluster, s)).collect();
+        for w in shares.windows(2) {
+            assert!(w[1] >= w[0] - 1e-9, "{model}: attention share falls: {shares:?}");
+        }
+        assert!(shares[3] > shares[0], "{model}: attention share does not grow: {shares:?}");
+    }
+}
+
+#[test]
+fn baseline_step_times_come_from_simulating_their_schedules() {
+    let c = cost("gpt-oss-120b", Cluster::preset("h800x16").unwrap(), 8192);
+    let mut faster = c.clone();
+    faster.cluster.node.nic_bandwidth *= 4.0;
+    let mut ratios = Vec::new();
+    for b in [Baseline::Megatron, Baseline::Tutel, Baseline::Comet, Baseline::DualPipe] {
+        let s = build_baseline(&c, b).unwrap();
+        let (trace, report) = run(&s).unwrap();
+        assert_eq!(report.step_s, trace.step_s);
+        assert!(report.exposed_comm_s > 0.0, "{}: the all-to-alls must show", b.name());
+        let quick = simulate(&build_baseline(&faster, b).unwrap()).unwrap().step_s;
+        assert!(quick < report.step_s, "{}: a faster network must help", b.name());
+        ratios.push(report.step_s / quick);
+    }
+    // Each baseline reacts to the network differently: no fixed factor links them.
+    ratios.sort_by(f64::total_cmp);
+    assert!(ratios[3] - ratios[0] > 0.05, "{ratios:?}");
+}
+
+#[test]
+fn afpipe_beats_megatron_and_exposes_less_communication_in_the_paper_setting() {
+    let c = cost("gpt-oss-120b", Cluster::preset("h800x16").unwrap(), 32768);
+    let names: Vec<String> = ["afpipe", "1f1b-interleaved"].iter().map(|s| s.to_string()).collect();
+    let (report, _) = simulate_schedules(&c, &names, None).unwrap();
+    let base = report.schedules.iter().find(|r| r.schedule == "1f1b-interleaved").unwrap();
+    let af = report.schedules.iter().find(|r| r.schedule == "afpipe").unwrap();
+    assert!(base.afpipe_speedup.unwrap() > 1.2, "{report:?}");
+    assert!(af.exposed_comm_s < base.exposed_comm_s);
+}
+
+#[test]
+fn frozen_afpipe_schedule_is_valid_and_replays_the_same_timeline() {
+    let c = cost("qwen3-30b-a3b", Cluster::preset("h100x2").unwrap(), 4096);
+    let alloc = plan(&c, false, 4).unwrap().allocation;
+    let mut s = build_afpipe(&c, &alloc).unwrap();
+    let dynamic = simulate(&s).unwrap().step_s;
+    s.freeze().unwrap();
+    s.validate().unwrap();
+    assert!(s
+        .workers
+        .iter()
+        .flat_map(|w| &w.streams)
+        .filter(|st| st.kind != disagmoe_core::schedule::StreamKind::Recv)
+        .all(|st| st.ordered));
+    let frozen = simulate(&s).unwrap().step_s;
+    assert!((frozen - dynamic).abs() <= 1e-9 * dynamic, "{frozen} vs {dynamic}");
+    // The schedule is plain data: it survives JSON.
+    let back: disagmoe_core::schedule::Schedule = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+    assert_eq!(back.workers.len(), s.workers.len());
+    assert!(back
+        .ops
+        .iter()
+        .zip(&s.ops)
+        .all(|(x, y)| x.kind == y.kind && x.deps == y.deps && x.micro_batch == y.micro_batch));
+    let replay = simulate(&back).unwrap().step_s;
+    assert!((replay - frozen).abs() <= 1e-9 * frozen, "{replay} vs {frozen}");
+}
+
+#[test]
+fn plan_and_simulate_json_carry_the_documented_fields() {
+    let c = cost("deepseek-moe-16b", Cluster::preset("h800x2").unwrap(), 4096);
+    let p = plan(&c, true, 6).unwrap();
+    let v = serde_json::to_value(&p).unwrap();
+    for key in [
+        "attention_gpus",
+        "ffn_gpus",
+        "attention_nics",
+        "ffn_nics",
+        "groups",
+        "predicted_step_s",
+        "solve_s",
+        "params_total",
+        "params_active",
+        "flops_per_token",
+        "candidates",
+    ] {
+        assert!(v.get(key).is_some(), "plan JSON lacks `{key}`: {v}");
+    }
+    assert!(!p.candidates.unwrap().is_empty());
+    assert!(p.attention_gpus + p.ffn_gpus <= 16);
+    let names: Vec<String> =
+        ["afpipe", "1f1b-interleaved", "tutel", "comet", "dualpipe"].iter().map(|s| s.to_string()).collect();
+    let (report, sims) = simulate_schedules(&c, &names, Some(p.allocation)).unwrap();
+    let v = serde_json::to_value(&report).unwrap();
+    for r in v["schedules"].as_array().unwrap() {
+        for key in ["step_s", "exposed_comm_s", "bubble_s"] {
+            assert!(r.get(key).is_some(), "{r}");
+        }
+        if r["schedule"] != "afpipe" {
+            assert!(r["afpipe_speedup"].as_f64().unwrap() > 0.0);
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("disagmoe-sim-{}", std::process::id()));
+    let s = &sims[0];
+    disagmoe_core::report::write_chrome_trace(&dir.join("t.json"), &s.schedule, &s.trace).unwrap();
+    disagmoe_core::report::write_timeline_svg(&dir.join("t.svg"), &s.schedule, &s.trace, None).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("t.json")).unwrap()).unwrap();
+    assert!(trace["traceEvents"].as_array().unwrap().len() > s.schedule.workers.len());
+    assert!(std::fs::read_to_string(dir.join("t.svg")).unwrap().starts_with("<svg"));
+}
+
+#[test]
+fn unknown_schedule_names_are_rejected_with_the_allowed_list() {
+    let c = cost("qwen3-30b-a3b", Cluster::preset("h100x2").unwrap(), 4096);
+    let e = simulate_schedules(&c, &["gpipe".to_string()], None).err().unwrap().to_string();
+    assert!(e.contains("gpipe") && e.contains("dualpipe"), "{e}");
+}
