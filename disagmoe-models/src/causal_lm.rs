@@ -1,16 +1,18 @@
 //! What every causal LM family shares: input checking, the tied or untied head, the loss with its
 //! load-balancing term, and writing a Hugging Face checkpoint directory.
 
+use std::collections::HashMap;
 use std::path::Path;
 
+use burn::module::ParamId;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::error::{ModelError, Result};
 use crate::moe::{check_token_ids, load_balancing_loss, RouterStats};
-use crate::nn::{Embedding, Linear};
-use crate::weights::{write_atomically, TensorSink};
+use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::weights::{write_atomically, CheckpointReader, TensorSink};
 
 /// What a forward pass returns.
 #[derive(Debug, Clone)]
@@ -91,4 +93,93 @@ pub fn write_pretrained(dir: &Path, weights: &TensorSink, config: &serde_json::V
     weights.write(dir, max_shard_bytes)?;
     let text = serde_json::to_vec_pretty(config).expect("config serialises");
     write_atomically(&dir.join("config.json"), |tmp| std::fs::write(tmp, &text))
+}
+
+/// Hugging Face checkpoint I/O that every family shares: a family says how to build itself from a
+/// `config.json`, how to load its weights and under which names it saves them; loading a directory,
+/// naming parameters and saving a directory follow.
+pub trait HfCheckpoint<B: Backend>: Sized {
+    /// Parses the `config.json` at `path` and builds a freshly initialised model of that shape.
+    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self>;
+
+    /// The model's `config.json`, as transformers writes it.
+    fn hf_config(&self) -> serde_json::Value;
+
+    /// Replaces every parameter with the checkpoint's tensor of the same Hugging Face name.
+    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()>;
+
+    /// Puts every parameter into `sink` under its Hugging Face name.
+    fn save_into(&self, sink: &mut TensorSink);
+
+    /// Reports checkpoint tensors the model did not read (default: one warning).
+    fn report_unused(&self, unused: Vec<String>) {
+        if let Some(first) = unused.first() {
+            tracing::warn!(count = unused.len(), first = %first, "checkpoint tensors not used by the model");
+        }
+    }
+
+    /// Loads `config.json` and the safetensors weights of a checkpoint directory.
+    fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let mut model = Self::init_from_config(&dir.join("config.json"), device)?;
+        let mut ckpt = CheckpointReader::open(dir)?;
+        model.load_weights(&mut ckpt, device)?;
+        model.report_unused(ckpt.unused());
+        Ok(model)
+    }
+
+    /// Every parameter under its Hugging Face name, with its values.
+    fn state_dict(&self) -> TensorSink {
+        let mut sink = TensorSink::new();
+        self.save_into(&mut sink);
+        sink
+    }
+
+    /// Hugging Face name of each parameter id (reads no values).
+    fn state_dict_names(&self) -> HashMap<ParamId, String> {
+        let mut sink = TensorSink::names_only();
+        self.save_into(&mut sink);
+        sink.names_by_id()
+    }
+
+    /// Writes `config.json` and f32 safetensors (sharded past `max_shard_bytes`) that
+    /// transformers' `from_pretrained` loads.
+    fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
+        write_pretrained(dir.as_ref(), &self.state_dict(), &self.hf_config(), max_shard_bytes)
+    }
+}
+
+/// Loads what surrounds the layers (`model.embed_tokens`, `model.norm`, `lm_head`) and each layer
+/// under `model.layers.{i}`.
+pub fn load_stack<B: Backend, L>(
+    (embed, layers, norm, head): (&mut Embedding<B>, &mut [L], &mut RmsNorm<B>, Option<&mut Linear<B>>),
+    ckpt: &mut CheckpointReader,
+    device: &B::Device,
+    mut load_layer: impl FnMut(&mut L, &mut CheckpointReader, &str) -> Result<()>,
+) -> Result<()> {
+    embed.load(ckpt, "model.embed_tokens", device)?;
+    for (i, layer) in layers.iter_mut().enumerate() {
+        load_layer(layer, ckpt, &format!("model.layers.{i}"))?;
+    }
+    norm.load(ckpt, "model.norm", device)?;
+    if let Some(head) = head {
+        head.load(ckpt, "lm_head", device)?;
+    }
+    Ok(())
+}
+
+/// Saves under the names [`load_stack`] reads.
+pub fn save_stack<B: Backend, L>(
+    (embed, layers, norm, head): (&Embedding<B>, &[L], &RmsNorm<B>, Option<&Linear<B>>),
+    sink: &mut TensorSink,
+    save_layer: impl Fn(&L, &mut TensorSink, &str),
+) {
+    embed.save(sink, "model.embed_tokens");
+    for (i, layer) in layers.iter().enumerate() {
+        save_layer(layer, sink, &format!("model.layers.{i}"));
+    }
+    norm.save(sink, "model.norm");
+    if let Some(head) = head {
+        head.save(sink, "lm_head");
+    }
 }

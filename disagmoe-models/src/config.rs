@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::{ModelError, Result};
+use crate::hf_json::{non_negative, parse_raw, positive, read_config};
 pub use crate::rope::RopeScaling;
 
 /// A validated Qwen3-MoE configuration, field names as in transformers' `Qwen3MoeConfig`.
@@ -110,49 +111,15 @@ struct RawConfig {
     torch_dtype: Option<String>,
 }
 
-fn positive(field: &str, v: Option<i64>, default: Option<i64>) -> Result<usize> {
-    match v.or(default) {
-        None => Err(ModelError::config(field, "is required (a positive integer)")),
-        Some(x) if x <= 0 => Err(ModelError::config(field, format!("must be a positive integer, got {x}"))),
-        Some(x) => Ok(x as usize),
-    }
-}
-
-fn non_negative(field: &str, v: Option<i64>, default: i64) -> Result<usize> {
-    match v.unwrap_or(default) {
-        x if x < 0 => Err(ModelError::config(field, format!("must be >= 0, got {x}"))),
-        x => Ok(x as usize),
-    }
-}
-
 impl Qwen3MoeConfig {
     /// Reads and validates `config.json` from a file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            action: "cannot read model config",
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::parse(&text).map_err(|e| match e {
-            ModelError::ConfigParse { field, source, .. } => ModelError::ConfigParse { path: path.to_path_buf(), field, source },
-            other => other,
-        })
+        read_config(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses and validates a `config.json` text.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        Self::parse(text)
-    }
-
-    fn parse(text: &str) -> Result<Self> {
-        let mut de = serde_json::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| ModelError::ConfigParse {
-            path: "config.json".into(),
-            field: e.path().to_string(),
-            source: e.into_inner(),
-        })?;
-        Self::from_raw(raw)
+        Self::from_raw(parse_raw(text)?)
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {

@@ -1,22 +1,22 @@
 //! One type over the model families, chosen by `config.json`'s `model_type`, for code that should
 //! not care which family it runs (the trainer, the CLI).
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use burn::module::{Module, ParamId};
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::causal_lm::{CausalLmOutput, LossParts};
+use crate::causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
+use crate::deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
 use crate::error::{ModelError, Result};
 use crate::gpt_oss::{GptOssConfig, GptOssForCausalLM};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
-use crate::weights::TensorSink;
+use crate::weights::{CheckpointReader, TensorSink};
 use crate::Qwen3MoeConfig;
 
 /// `model_type` values this crate reads.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_moe", "gpt_oss"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_moe", "gpt_oss", "deepseek_v3"];
 
 /// A validated configuration of any supported family.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +25,8 @@ pub enum ModelConfig {
     Qwen3Moe(Qwen3MoeConfig),
     /// `gpt_oss`
     GptOss(GptOssConfig),
+    /// `deepseek_v3`
+    DeepseekV3(DeepseekV3Config),
 }
 
 macro_rules! each_config {
@@ -32,6 +34,7 @@ macro_rules! each_config {
         match $self {
             ModelConfig::Qwen3Moe($c) => $e,
             ModelConfig::GptOss($c) => $e,
+            ModelConfig::DeepseekV3($c) => $e,
         }
     };
 }
@@ -44,6 +47,7 @@ impl ModelConfig {
         match v.get("model_type").and_then(|t| t.as_str()) {
             Some("qwen3_moe") => Ok(Self::Qwen3Moe(Qwen3MoeConfig::from_json_str(text)?)),
             Some("gpt_oss") => Ok(Self::GptOss(GptOssConfig::from_json_str(text)?)),
+            Some("deepseek_v3") => Ok(Self::DeepseekV3(DeepseekV3Config::from_json_str(text)?)),
             Some(other) => Err(ModelError::config("model_type", format!("`{other}` is not supported; allowed: {SUPPORTED_MODEL_TYPES:?}"))),
             None => Err(ModelError::config("model_type", format!("is required; allowed: {SUPPORTED_MODEL_TYPES:?}"))),
         }
@@ -65,6 +69,7 @@ impl ModelConfig {
         match self {
             Self::Qwen3Moe(c) => MoeCausalLm::Qwen3Moe(c.init(device)),
             Self::GptOss(c) => MoeCausalLm::GptOss(c.init(device)),
+            Self::DeepseekV3(c) => MoeCausalLm::DeepseekV3(c.init(device)),
         }
     }
 
@@ -73,6 +78,7 @@ impl ModelConfig {
         match self {
             Self::Qwen3Moe(_) => "qwen3_moe",
             Self::GptOss(_) => "gpt_oss",
+            Self::DeepseekV3(_) => "deepseek_v3",
         }
     }
 
@@ -96,6 +102,7 @@ impl ModelConfig {
         match self {
             Self::Qwen3Moe(c) => (0..c.num_hidden_layers).filter(|&l| c.is_sparse_layer(l)).collect(),
             Self::GptOss(c) => (0..c.num_hidden_layers).collect(),
+            Self::DeepseekV3(c) => (0..c.num_hidden_layers).filter(|&l| c.is_sparse_layer(l)).collect(),
         }
     }
 
@@ -112,6 +119,8 @@ pub enum MoeCausalLm<B: Backend> {
     Qwen3Moe(Qwen3MoeForCausalLM<B>),
     /// GPT-OSS.
     GptOss(GptOssForCausalLM<B>),
+    /// DeepSeek-V3 (and DeepSeekMoE-style configurations).
+    DeepseekV3(DeepseekV3ForCausalLM<B>),
 }
 
 macro_rules! each_model {
@@ -119,25 +128,28 @@ macro_rules! each_model {
         match $self {
             MoeCausalLm::Qwen3Moe($m) => $e,
             MoeCausalLm::GptOss($m) => $e,
+            MoeCausalLm::DeepseekV3($m) => $e,
         }
     };
 }
 
 impl<B: Backend> MoeCausalLm<B> {
-    /// Loads a Hugging Face checkpoint directory of any supported family.
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
-        let dir = dir.as_ref();
-        Ok(match ModelConfig::from_file(dir.join("config.json"))? {
-            ModelConfig::Qwen3Moe(_) => Self::Qwen3Moe(Qwen3MoeForCausalLM::from_pretrained(dir, device)?),
-            ModelConfig::GptOss(_) => Self::GptOss(GptOssForCausalLM::from_pretrained(dir, device)?),
-        })
-    }
-
     /// The model's configuration.
     pub fn config(&self) -> ModelConfig {
         match self {
             Self::Qwen3Moe(m) => ModelConfig::Qwen3Moe(m.config().clone()),
             Self::GptOss(m) => ModelConfig::GptOss(m.config().clone()),
+            Self::DeepseekV3(m) => ModelConfig::DeepseekV3(m.config().clone()),
+        }
+    }
+
+    /// Aux-loss-free balancing: moves the routers' correction biases from the expert load of the
+    /// last step (`counts[l]` per MoE layer, in `router_stats` order). Families whose routers have no
+    /// correction bias ignore it. Returns whether anything was updated.
+    pub fn update_router_biases(&mut self, counts: &[Vec<usize>], rate: f64) -> Result<bool> {
+        match self {
+            Self::DeepseekV3(m) => m.update_router_biases(counts, rate).map(|_| true),
+            _ => Ok(false),
         }
     }
 
@@ -155,19 +167,27 @@ impl<B: Backend> MoeCausalLm<B> {
     pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
         each_model!(self, m => m.loss(out, ids, with_aux))
     }
+}
 
-    /// Every parameter under its Hugging Face name.
-    pub fn state_dict(&self) -> TensorSink {
-        each_model!(self, m => m.state_dict())
+impl<B: Backend> HfCheckpoint<B> for MoeCausalLm<B> {
+    /// Dispatches on `model_type`.
+    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self> {
+        Ok(ModelConfig::from_file(path)?.init(device))
     }
 
-    /// Hugging Face name of each parameter id.
-    pub fn state_dict_names(&self) -> HashMap<ParamId, String> {
-        each_model!(self, m => m.state_dict_names())
+    fn hf_config(&self) -> serde_json::Value {
+        each_model!(self, m => m.hf_config())
     }
 
-    /// Writes a checkpoint directory transformers loads.
-    pub fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
-        each_model!(self, m => m.save_pretrained(dir, max_shard_bytes))
+    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+        each_model!(self, m => m.load_weights(ckpt, device))
+    }
+
+    fn save_into(&self, sink: &mut TensorSink) {
+        each_model!(self, m => m.save_into(sink))
+    }
+
+    fn report_unused(&self, unused: Vec<String>) {
+        each_model!(self, m => m.report_unused(unused))
     }
 }

@@ -23,8 +23,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
-use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, write_pretrained, CausalLmOutput, LossParts};
+use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, load_stack, save_stack, CausalLmOutput, HfCheckpoint, LossParts};
 use crate::error::{ModelError, Result};
+use crate::hf_json::{parse_raw, positive, read_config};
 use crate::moe::{map_groups, top_k_rows, Experts, Router, RouterOutput, SparseMoeBlock};
 use crate::nn::{normal_init, Embedding, Linear, RmsNorm};
 use crate::rope::{Rope, RopeScaling};
@@ -118,34 +119,15 @@ struct RawConfig {
     initializer_range: Option<f64>,
 }
 
-fn positive(field: &str, v: Option<i64>, default: Option<i64>) -> Result<usize> {
-    match v.or(default) {
-        None => Err(ModelError::config(field, "is required (a positive integer)")),
-        Some(x) if x <= 0 => Err(ModelError::config(field, format!("must be a positive integer, got {x}"))),
-        Some(x) => Ok(x as usize),
-    }
-}
-
 impl GptOssConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ModelError::Io { action: "cannot read model config", path: path.into(), source })?;
-        Self::from_json_str(&text).map_err(|e| match e {
-            ModelError::ConfigParse { field, source, .. } => ModelError::ConfigParse { path: path.into(), field, source },
-            other => other,
-        })
+        read_config(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses and validates a `config.json` text (transformers 4.x or current spelling).
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let mut de = serde_json::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| ModelError::ConfigParse {
-            path: "config.json".into(),
-            field: e.path().to_string(),
-            source: e.into_inner(),
-        })?;
+        let raw: RawConfig = parse_raw(text)?;
         if let Some(mt) = &raw.model_type {
             if mt != "gpt_oss" {
                 return Err(ModelError::config("model_type", format!("`{mt}` is not GPT-OSS; allowed: \"gpt_oss\"")));
@@ -463,74 +445,46 @@ impl GptOssConfig {
     }
 }
 
+impl<B: Backend> GptOssDecoderLayer<B> {
+    fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
+        self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
+        self.self_attn.load(ckpt, &format!("{prefix}.self_attn"), device)?;
+        self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
+        self.mlp.load(ckpt, &format!("{prefix}.mlp"), device)
+    }
+
+    fn save(&self, sink: &mut TensorSink, prefix: &str) {
+        self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
+        self.self_attn.save(sink, &format!("{prefix}.self_attn"));
+        self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
+        self.mlp.save(sink, &format!("{prefix}.mlp"));
+    }
+}
+
+impl<B: Backend> HfCheckpoint<B> for GptOssForCausalLM<B> {
+    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self> {
+        Ok(GptOssConfig::from_file(path)?.init(device))
+    }
+
+    fn hf_config(&self) -> Value {
+        self.config.to_hf_json()
+    }
+
+    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+        let stack = (&mut self.embed_tokens, self.layers.as_mut_slice(), &mut self.norm, self.lm_head.as_mut());
+        load_stack(stack, ckpt, device, |layer, ckpt, prefix| layer.load(ckpt, prefix, device))
+    }
+
+    fn save_into(&self, sink: &mut TensorSink) {
+        let stack = (&self.embed_tokens, self.layers.as_slice(), &self.norm, self.lm_head.as_ref());
+        save_stack(stack, sink, |layer, sink, prefix| layer.save(sink, prefix));
+    }
+}
+
 impl<B: Backend> GptOssForCausalLM<B> {
     /// The model's configuration.
     pub fn config(&self) -> &GptOssConfig {
         &self.config
-    }
-
-    /// Loads `config.json` and the weights of a Hugging Face checkpoint directory.
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
-        let dir = dir.as_ref();
-        let mut model = GptOssConfig::from_file(dir.join("config.json"))?.init::<B>(device);
-        let mut ckpt = CheckpointReader::open(dir)?;
-        model.load_weights(&mut ckpt, device)?;
-        let unused = ckpt.unused();
-        if !unused.is_empty() {
-            tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
-        }
-        Ok(model)
-    }
-
-    /// Replaces every parameter with the checkpoint's tensor of the same name.
-    pub fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
-        self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            layer.input_layernorm.load(ckpt, &format!("{p}.input_layernorm"), device)?;
-            layer.self_attn.load(ckpt, &format!("{p}.self_attn"), device)?;
-            layer.post_attention_layernorm.load(ckpt, &format!("{p}.post_attention_layernorm"), device)?;
-            layer.mlp.load(ckpt, &format!("{p}.mlp"), device)?;
-        }
-        self.norm.load(ckpt, "model.norm", device)?;
-        if let Some(head) = &mut self.lm_head {
-            head.load(ckpt, "lm_head", device)?;
-        }
-        Ok(())
-    }
-
-    fn save_into(&self, sink: &mut TensorSink) {
-        self.embed_tokens.save(sink, "model.embed_tokens");
-        for (i, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            layer.input_layernorm.save(sink, &format!("{p}.input_layernorm"));
-            layer.self_attn.save(sink, &format!("{p}.self_attn"));
-            layer.post_attention_layernorm.save(sink, &format!("{p}.post_attention_layernorm"));
-            layer.mlp.save(sink, &format!("{p}.mlp"));
-        }
-        self.norm.save(sink, "model.norm");
-        if let Some(head) = &self.lm_head {
-            head.save(sink, "lm_head");
-        }
-    }
-
-    /// Every parameter under its Hugging Face name.
-    pub fn state_dict(&self) -> TensorSink {
-        let mut sink = TensorSink::new();
-        self.save_into(&mut sink);
-        sink
-    }
-
-    /// Hugging Face name of each parameter id (reads no values).
-    pub fn state_dict_names(&self) -> std::collections::HashMap<burn::module::ParamId, String> {
-        let mut sink = TensorSink::names_only();
-        self.save_into(&mut sink);
-        sink.names_by_id()
-    }
-
-    /// Writes `config.json` and f32 safetensors that transformers' `from_pretrained` loads.
-    pub fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
-        write_pretrained(dir.as_ref(), &self.state_dict(), &self.config.to_hf_json(), max_shard_bytes)
     }
 
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.

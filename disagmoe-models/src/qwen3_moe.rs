@@ -18,7 +18,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
 use crate::config::Qwen3MoeConfig;
-use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, write_pretrained};
+use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, load_stack, save_stack, HfCheckpoint};
 pub use crate::causal_lm::{next_token_cross_entropy, CausalLmOutput, LossParts};
 use crate::error::Result;
 use crate::moe::{RouterStats, SparseMoeBlock, SwiGluExperts, SwiGluMlp, TopKRouter};
@@ -178,68 +178,30 @@ impl Qwen3MoeConfig {
     }
 }
 
+impl<B: Backend> HfCheckpoint<B> for Qwen3MoeForCausalLM<B> {
+    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self> {
+        Ok(Qwen3MoeConfig::from_file(path)?.init(device))
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        self.config.to_hf_json()
+    }
+
+    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+        let stack = (&mut self.embed_tokens, self.layers.as_mut_slice(), &mut self.norm, self.lm_head.as_mut());
+        load_stack(stack, ckpt, device, |layer, ckpt, prefix| layer.load(ckpt, prefix, device))
+    }
+
+    fn save_into(&self, sink: &mut TensorSink) {
+        let stack = (&self.embed_tokens, self.layers.as_slice(), &self.norm, self.lm_head.as_ref());
+        save_stack(stack, sink, |layer, sink, prefix| layer.save(sink, prefix));
+    }
+}
+
 impl<B: Backend> Qwen3MoeForCausalLM<B> {
     /// The model's configuration.
     pub fn config(&self) -> &Qwen3MoeConfig {
         &self.config
-    }
-
-    /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
-        let dir = dir.as_ref();
-        let config = Qwen3MoeConfig::from_file(dir.join("config.json"))?;
-        let mut model = config.init::<B>(device);
-        let mut ckpt = CheckpointReader::open(dir)?;
-        model.load_weights(&mut ckpt, device)?;
-        let unused = ckpt.unused();
-        if !unused.is_empty() {
-            tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
-        }
-        Ok(model)
-    }
-
-    /// Replaces every parameter with the checkpoint's tensor of the same Hugging Face name.
-    pub fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
-        self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.load(ckpt, &format!("model.layers.{i}"), device)?;
-        }
-        self.norm.load(ckpt, "model.norm", device)?;
-        if let Some(head) = &mut self.lm_head {
-            head.load(ckpt, "lm_head", device)?;
-        }
-        Ok(())
-    }
-
-    /// Every parameter under its Hugging Face name.
-    pub fn state_dict(&self) -> TensorSink {
-        let mut sink = TensorSink::new();
-        self.save_into(&mut sink);
-        sink
-    }
-
-    fn save_into(&self, sink: &mut TensorSink) {
-        self.embed_tokens.save(sink, "model.embed_tokens");
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.save(sink, &format!("model.layers.{i}"));
-        }
-        self.norm.save(sink, "model.norm");
-        if let Some(head) = &self.lm_head {
-            head.save(sink, "lm_head");
-        }
-    }
-
-    /// Hugging Face name of each parameter id (reads no values).
-    pub fn state_dict_names(&self) -> std::collections::HashMap<burn::module::ParamId, String> {
-        let mut sink = TensorSink::names_only();
-        self.save_into(&mut sink);
-        sink.names_by_id()
-    }
-
-    /// Writes `config.json` and the weights (f32 safetensors, sharded past `max_shard_bytes`) so
-    /// that transformers' `from_pretrained` loads the directory.
-    pub fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
-        write_pretrained(dir.as_ref(), &self.state_dict(), &self.config.to_hf_json(), max_shard_bytes)
     }
 
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
