@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 def rel(a, b):
@@ -56,6 +56,11 @@ def random_models():
                        initializer_range=0.08)
     cfg._attn_implementation = "eager"
     yield "gpt_oss", GptOssForCausalLM(cfg)
+    yield "deepseek_v3", DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=151, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, initializer_range=0.08, max_position_embeddings=128))
 
 
 def check_hf_to_ours(binary, work):
@@ -76,7 +81,7 @@ def check_one(binary, work, family, model):
 
 
 def check_ours_to_hf(binary, work):
-    for preset in ("tiny-qwen3-moe", "tiny-gpt-oss"):
+    for preset in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"):
         check_ours_one(binary, work, preset)
 
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use disagmoe_models::weights::{write_atomically, TensorSink};
-use disagmoe_models::MoeCausalLm;
+use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use disagmoe_train::{DefaultBackend, NonFinitePolicy, RunConfig, TrainBackend, TrainSummary};
@@ -32,7 +32,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     pub model_dir: Option<PathBuf>,
     /// An embedded model when neither --model-config nor --model-dir is given: tiny-qwen3-moe
-    /// (default), tiny-gpt-oss.
+    /// (default), tiny-gpt-oss, tiny-deepseek-v3.
     #[arg(long, value_name = "NAME")]
     pub model_preset: Option<String>,
     /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
@@ -95,6 +95,10 @@ pub struct TrainArgs {
     /// End after step N with a checkpoint (the schedule still spans --steps).
     #[arg(long, value_name = "N")]
     pub stop_after: Option<usize>,
+    /// Aux-loss-free balancing rate of routers with a correction bias (DeepSeek-V3; 0: off)
+    /// [default: 0.001].
+    #[arg(long, value_name = "RATE")]
+    pub bias_update_rate: Option<f64>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
@@ -145,7 +149,7 @@ impl TrainArgs {
         if self.stop_after.is_some() {
             cfg.stop_after = self.stop_after;
         }
-        set!(checkpoint_every, keep_checkpoints);
+        set!(checkpoint_every, keep_checkpoints, bias_update_rate);
         if let Some(p) = self.on_nonfinite {
             cfg.on_nonfinite = match p {
                 NonFinite::Skip => NonFinitePolicy::Skip,

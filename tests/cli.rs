@@ -44,8 +44,15 @@ fn fails_with(out: &Output, needle: &str) {
 
 #[test]
 fn forward_matches_transformers_logits_and_loss() {
-    let gpt_oss = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/gpt_oss");
-    for dir in [fixture("gqa2_norm_topk"), fixture("gqa4_no_norm_tied_window"), gpt_oss.join("gqa2_window_yarn_clamp"), gpt_oss.join("mxfp4")] {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    for dir in [
+        fixture("gqa2_norm_topk"),
+        fixture("gqa4_no_norm_tied_window"),
+        root.join("gpt_oss/gqa2_window_yarn_clamp"),
+        root.join("gpt_oss/mxfp4"),
+        root.join("deepseek_v3/qlora_yarn_interleave"),
+        root.join("deepseek_v3/plain_q_groups_tied"),
+    ] {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let tmp = tempfile::tempdir().unwrap();
         let ids = tmp.path().join("ids.json");
@@ -222,7 +229,7 @@ fn damaged_checkpoints_are_clear_errors() {
 
 #[test]
 fn every_preset_learns_within_60_steps() {
-    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {
+    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
         let out = bin()
             .args(["train", "--quiet", "--model-preset", preset, "--steps", "60", "--batch", "4", "--seq", "64"])
             .output()

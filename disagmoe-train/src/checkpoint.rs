@@ -21,7 +21,7 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use disagmoe_models::{CheckpointReader, MoeCausalLm, TensorSink};
+use disagmoe_models::{CheckpointReader, HfCheckpoint, MoeCausalLm, TensorSink};
 
 use crate::data::DataPosition;
 use crate::error::{Result, TrainError};

@@ -15,7 +15,7 @@ use burn::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use disagmoe_models::{ModelConfig, MoeCausalLm};
+use disagmoe_models::{HfCheckpoint, ModelConfig, MoeCausalLm};
 
 use crate::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainState};
 use crate::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, BUNDLED_CORPUS, BUNDLED_CORPUS_NAME};
@@ -30,6 +30,7 @@ pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/tiny-qwen3-mo
 pub const MODEL_PRESETS: &[(&str, &str)] = &[
     ("tiny-qwen3-moe", DEFAULT_MODEL_CONFIG),
     ("tiny-gpt-oss", include_str!("../../configs/tiny-gpt-oss.json")),
+    ("tiny-deepseek-v3", include_str!("../../configs/tiny-deepseek-v3.json")),
 ];
 
 /// The `config.json` text of an embedded preset, or an error listing the presets.
@@ -125,6 +126,9 @@ pub struct RunConfig {
     pub on_nonfinite: NonFinitePolicy,
     /// Testing only: make one gradient NaN at one step.
     pub inject_nonfinite: Option<FaultInjection>,
+    /// Aux-loss-free balancing: after each update, routers with a correction bias (DeepSeek-V3)
+    /// move it by this much towards balance (0 turns it off).
+    pub bias_update_rate: f64,
 }
 
 impl Default for RunConfig {
@@ -158,6 +162,7 @@ impl Default for RunConfig {
             stop_after: None,
             on_nonfinite: NonFinitePolicy::Skip,
             inject_nonfinite: None,
+            bias_update_rate: 0.001,
         }
     }
 }
@@ -206,6 +211,9 @@ impl RunConfig {
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return Err(TrainError::option("weight_decay", format!("must be >= 0, got {}", self.weight_decay)));
+        }
+        if !(self.bias_update_rate.is_finite() && self.bias_update_rate >= 0.0) {
+            return Err(TrainError::option("bias_update_rate", format!("must be >= 0, got {}", self.bias_update_rate)));
         }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return Err(TrainError::option("grad_clip", format!("must be >= 0 (0 turns clipping off), got {}", self.grad_clip)));
@@ -458,6 +466,7 @@ pub fn train_until<B: AutodiffBackend>(
         .to_vec::<f64>()
         .expect("f64 scalars");
         let (total, lm, aux) = (scalars[0], scalars[1], scalars.get(2).copied());
+        let counts: Vec<Vec<usize>> = out.router_stats.iter().map(|s| s.counts.clone()).collect();
         let expert_load: Vec<ExpertLoad> =
             out.router_stats.iter().zip(&sparse_layers).map(|(s, &l)| ExpertLoad::from_counts(l, &s.counts)).collect();
         let grads = loss.total.backward();
@@ -479,6 +488,9 @@ pub fn train_until<B: AutodiffBackend>(
         if finite {
             let scale = if cfg.grad_clip > 0.0 && norms.total > cfg.grad_clip { cfg.grad_clip / (norms.total + 1e-6) } else { 1.0 };
             model = opt.step(model, &mut grads, lr, scale);
+            if cfg.bias_update_rate > 0.0 {
+                model.update_router_biases(&counts, cfg.bias_update_rate)?;
+            }
         } else {
             skipped += 1;
             let worst = norms
