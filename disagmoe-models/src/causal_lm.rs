@@ -11,7 +11,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::error::{ModelError, Result};
 use crate::moe::{check_token_ids, load_balancing_loss, RouterStats};
-use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::nn::{Embedding, Linear};
 use crate::weights::{write_atomically, CheckpointReader, TensorSink};
 
 /// What a forward pass returns.
@@ -146,40 +146,5 @@ pub trait HfCheckpoint<B: Backend>: Sized {
     /// transformers' `from_pretrained` loads.
     fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
         write_pretrained(dir.as_ref(), &self.state_dict(), &self.hf_config(), max_shard_bytes)
-    }
-}
-
-/// Loads what surrounds the layers (`model.embed_tokens`, `model.norm`, `lm_head`) and each layer
-/// under `model.layers.{i}`.
-pub fn load_stack<B: Backend, L>(
-    (embed, layers, norm, head): (&mut Embedding<B>, &mut [L], &mut RmsNorm<B>, Option<&mut Linear<B>>),
-    ckpt: &mut CheckpointReader,
-    device: &B::Device,
-    mut load_layer: impl FnMut(&mut L, &mut CheckpointReader, &str) -> Result<()>,
-) -> Result<()> {
-    embed.load(ckpt, "model.embed_tokens", device)?;
-    for (i, layer) in layers.iter_mut().enumerate() {
-        load_layer(layer, ckpt, &format!("model.layers.{i}"))?;
-    }
-    norm.load(ckpt, "model.norm", device)?;
-    if let Some(head) = head {
-        head.load(ckpt, "lm_head", device)?;
-    }
-    Ok(())
-}
-
-/// Saves under the names [`load_stack`] reads.
-pub fn save_stack<B: Backend, L>(
-    (embed, layers, norm, head): (&Embedding<B>, &[L], &RmsNorm<B>, Option<&Linear<B>>),
-    sink: &mut TensorSink,
-    save_layer: impl Fn(&L, &mut TensorSink, &str),
-) {
-    embed.save(sink, "model.embed_tokens");
-    for (i, layer) in layers.iter().enumerate() {
-        save_layer(layer, sink, &format!("model.layers.{i}"));
-    }
-    norm.save(sink, "model.norm");
-    if let Some(head) = head {
-        head.save(sink, "lm_head");
     }
 }

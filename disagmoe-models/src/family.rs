@@ -8,6 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
+use crate::decoder::FamilyConfig;
 use crate::deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
 use crate::error::{ModelError, Result};
 use crate::gpt_oss::{GptOssConfig, GptOssForCausalLM};

@@ -23,11 +23,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
-use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, load_stack, save_stack, CausalLmOutput, HfCheckpoint, LossParts};
+use crate::decoder::{CausalLm, DecoderLayer, FamilyConfig};
 use crate::error::{ModelError, Result};
 use crate::hf_json::{parse_raw, positive, read_config};
 use crate::moe::{map_groups, top_k_rows, Experts, Router, RouterOutput, SparseMoeBlock};
-use crate::nn::{normal_init, Embedding, Linear, RmsNorm};
+use crate::nn::normal_init;
 use crate::rope::{Rope, RopeScaling};
 use crate::weights::{CheckpointReader, TensorSink};
 
@@ -365,159 +365,72 @@ fn load_maybe_mxfp4<B: Backend>(ckpt: &mut CheckpointReader, name: &str, shape: 
     Ok(Tensor::from_data(TensorData::new(values, shape), device))
 }
 
-/// One decoder layer.
-#[derive(Module, Debug)]
-pub struct GptOssDecoderLayer<B: Backend> {
-    /// Norm before attention.
-    pub input_layernorm: RmsNorm<B>,
-    /// Attention with sinks.
-    pub self_attn: GqaAttention<B>,
-    /// Norm before the experts.
-    pub post_attention_layernorm: RmsNorm<B>,
-    /// Router and experts.
-    pub mlp: SparseMoeBlock<B, GptOssRouter<B>, GptOssExperts<B>>,
-}
-
+/// GPT-OSS's expert block: a biased router and fused experts on every layer.
+pub type GptOssMoe<B> = SparseMoeBlock<B, GptOssRouter<B>, GptOssExperts<B>>;
+/// One GPT-OSS decoder layer.
+pub type GptOssDecoderLayer<B> = DecoderLayer<B, GqaAttention<B>, GptOssMoe<B>>;
 /// GPT-OSS causal language model.
-#[derive(Module, Debug)]
-pub struct GptOssForCausalLM<B: Backend> {
-    /// `model.embed_tokens`
-    pub embed_tokens: Embedding<B>,
-    /// `model.layers`
-    pub layers: Vec<GptOssDecoderLayer<B>>,
-    /// `model.norm`
-    pub norm: RmsNorm<B>,
-    /// `lm_head` (absent when tied).
-    pub lm_head: Option<Linear<B>>,
-    #[module(skip)]
-    config: GptOssConfig,
-    #[module(skip)]
-    rope: Rope,
-}
+pub type GptOssForCausalLM<B> = CausalLm<B, GptOssConfig, GqaAttention<B>, GptOssMoe<B>>;
 
 impl GptOssConfig {
-    /// A freshly initialised model, initialised as transformers does (normal(0, std) weights and
-    /// sinks and router bias, zero expert biases, norms at one).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> GptOssForCausalLM<B> {
+    fn layer<B: Backend>(&self, l: usize, device: &B::Device) -> GptOssDecoderLayer<B> {
         let std = self.initializer_range;
         let (m, i, e) = (self.hidden_size, self.intermediate_size, self.num_local_experts);
-        let layers = (0..self.num_hidden_layers)
-            .map(|l| GptOssDecoderLayer {
-                input_layernorm: RmsNorm::new(m, self.rms_norm_eps, device),
-                self_attn: GqaAttention::new(
-                    AttentionShape {
-                        hidden: m,
-                        heads: self.num_attention_heads,
-                        kv_heads: self.num_key_value_heads,
-                        head_dim: self.head_dim,
-                        window: (self.layer_types[l] == LayerType::SlidingAttention).then_some(self.sliding_window),
-                    },
-                    AttentionOptions { bias: self.attention_bias, qk_norm_eps: None, sinks: true },
-                    std,
-                    device,
-                ),
-                post_attention_layernorm: RmsNorm::new(m, self.rms_norm_eps, device),
-                mlp: SparseMoeBlock::new(
-                    GptOssRouter {
-                        weight: Param::from_tensor(normal_init([e, m], std, device)),
-                        bias: Param::from_tensor(normal_init([e], std, device)),
-                        top_k: self.num_experts_per_tok,
-                    },
-                    GptOssExperts {
-                        gate_up_proj: Param::from_tensor(normal_init([e, m, 2 * i], std, device)),
-                        gate_up_proj_bias: Param::from_tensor(Tensor::zeros([e, 2 * i], device)),
-                        down_proj: Param::from_tensor(normal_init([e, i, m], std, device)),
-                        down_proj_bias: Param::from_tensor(Tensor::zeros([e, m], device)),
-                        alpha: self.swiglu_alpha,
-                        limit: self.swiglu_limit,
-                    },
-                ),
-            })
-            .collect();
-        GptOssForCausalLM {
-            embed_tokens: Embedding::new(self.vocab_size, m, std, device),
-            layers,
-            norm: RmsNorm::new(m, self.rms_norm_eps, device),
-            lm_head: (!self.tie_word_embeddings).then(|| Linear::new(m, self.vocab_size, false, std, device)),
-            config: self.clone(),
-            rope: Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling),
-        }
+        let attention = GqaAttention::new(
+            AttentionShape {
+                hidden: m,
+                heads: self.num_attention_heads,
+                kv_heads: self.num_key_value_heads,
+                head_dim: self.head_dim,
+                window: (self.layer_types[l] == LayerType::SlidingAttention).then_some(self.sliding_window),
+            },
+            AttentionOptions { bias: self.attention_bias, qk_norm_eps: None, sinks: true },
+            std,
+            device,
+        );
+        let moe = SparseMoeBlock::new(
+            GptOssRouter {
+                weight: Param::from_tensor(normal_init([e, m], std, device)),
+                bias: Param::from_tensor(normal_init([e], std, device)),
+                top_k: self.num_experts_per_tok,
+            },
+            GptOssExperts {
+                gate_up_proj: Param::from_tensor(normal_init([e, m, 2 * i], std, device)),
+                gate_up_proj_bias: Param::from_tensor(Tensor::zeros([e, 2 * i], device)),
+                down_proj: Param::from_tensor(normal_init([e, i, m], std, device)),
+                down_proj_bias: Param::from_tensor(Tensor::zeros([e, m], device)),
+                alpha: self.swiglu_alpha,
+                limit: self.swiglu_limit,
+            },
+        );
+        DecoderLayer::new(m, self.rms_norm_eps, attention, moe, device)
     }
 }
 
-impl<B: Backend> GptOssDecoderLayer<B> {
-    fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
-        self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
-        self.self_attn.load(ckpt, &format!("{prefix}.self_attn"), device)?;
-        self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
-        self.mlp.load(ckpt, &format!("{prefix}.mlp"), device)
+impl FamilyConfig for GptOssConfig {
+    type Model<B: Backend> = GptOssForCausalLM<B>;
+
+    fn from_file(path: &Path) -> Result<Self> {
+        GptOssConfig::from_file(path)
     }
 
-    fn save(&self, sink: &mut TensorSink, prefix: &str) {
-        self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
-        self.self_attn.save(sink, &format!("{prefix}.self_attn"));
-        self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
-        self.mlp.save(sink, &format!("{prefix}.mlp"));
-    }
-}
-
-impl<B: Backend> HfCheckpoint<B> for GptOssForCausalLM<B> {
-    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self> {
-        Ok(GptOssConfig::from_file(path)?.init(device))
+    /// Initialised as transformers does: normal(0, std) weights, sinks and router bias, zero
+    /// expert biases, norms at one.
+    fn init<B: Backend>(&self, device: &B::Device) -> GptOssForCausalLM<B> {
+        let layers = (0..self.num_hidden_layers).map(|l| self.layer(l, device)).collect();
+        let dims = (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
+        CausalLm::assemble(self.clone(), Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling), dims, layers, device)
     }
 
-    fn hf_config(&self) -> Value {
-        self.config.to_hf_json()
+    fn to_hf_json(&self) -> Value {
+        GptOssConfig::to_hf_json(self)
     }
 
-    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
-        let stack = (&mut self.embed_tokens, self.layers.as_mut_slice(), &mut self.norm, self.lm_head.as_mut());
-        load_stack(stack, ckpt, device, |layer, ckpt, prefix| layer.load(ckpt, prefix, device))
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
-    fn save_into(&self, sink: &mut TensorSink) {
-        let stack = (&self.embed_tokens, self.layers.as_slice(), &self.norm, self.lm_head.as_ref());
-        save_stack(stack, sink, |layer, sink, prefix| layer.save(sink, prefix));
-    }
-}
-
-impl<B: Backend> GptOssForCausalLM<B> {
-    /// The model's configuration.
-    pub fn config(&self) -> &GptOssConfig {
-        &self.config
-    }
-
-    /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
-    pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
-        input_ids(rows, self.config.vocab_size, device)
-    }
-
-    /// The forward pass.
-    ///
-    /// # Shapes
-    /// - ids: `[B, S]` -> logits `[B, S, V]`
-    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> CausalLmOutput<B> {
-        let [_, s] = ids.dims();
-        let device = ids.device();
-        // 1. Embed.
-        let mut x = self.embed_tokens.forward(ids); // [B, S, M]
-        let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, D]
-        // 2. (attention block, expert block) pairs.
-        let mut router_stats = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            x = x.clone() + layer.self_attn.forward(layer.input_layernorm.forward(x), cos.clone(), sin.clone());
-            let (y, stats) = layer.mlp.forward(layer.post_attention_layernorm.forward(x.clone()));
-            x = x + y;
-            router_stats.push(stats);
-        }
-        // 3. Final norm and head.
-        let logits = lm_logits(self.norm.forward(x), self.lm_head.as_ref(), &self.embed_tokens);
-        CausalLmOutput { logits, router_stats }
-    }
-
-    /// Next-token cross-entropy plus `router_aux_loss_coef` times the load-balancing loss when
-    /// `with_aux`.
-    pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
-        causal_lm_loss(out, ids, with_aux, self.config.router_aux_loss_coef)
+    fn aux_loss_coef(&self) -> Option<f64> {
+        Some(self.router_aux_loss_coef)
     }
 }
