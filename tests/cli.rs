@@ -14,7 +14,8 @@ fn fixture(name: &str) -> PathBuf {
 
 fn stdout_last_json(out: &Output) -> serde_json::Value {
     let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    let last =
+        text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
     serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
 }
 
@@ -116,7 +117,10 @@ fn train_runs_writes_metrics_and_a_loadable_checkpoint() {
 #[test]
 fn same_seed_same_losses() {
     let run = || {
-        let out = bin().args(["train", "--quiet", "--steps", "3", "--batch", "2", "--seq", "24", "--seed", "5"]).output().unwrap();
+        let out = bin()
+            .args(["train", "--quiet", "--steps", "3", "--batch", "2", "--seq", "24", "--seed", "5"])
+            .output()
+            .unwrap();
         assert!(out.status.success());
         stdout_last_json(&out)["losses"].clone()
     };
@@ -129,7 +133,10 @@ fn bad_input_gets_one_clear_message() {
     let p = tmp.path();
 
     // Missing checkpoint directory.
-    let out = bin().args(["forward", "--model-dir", "/nonexistent/ckpt", "--input-ids", "x.json", "--out", "y"]).output().unwrap();
+    let out = bin()
+        .args(["forward", "--model-dir", "/nonexistent/ckpt", "--input-ids", "x.json", "--out", "y"])
+        .output()
+        .unwrap();
     fails_with(&out, "x.json");
 
     // Ids that are not a list of lists, ragged rows, ids past the vocabulary.
@@ -141,7 +148,15 @@ fn bad_input_gets_one_clear_message() {
     ] {
         let ids = p.join("ids.json");
         std::fs::write(&ids, text).unwrap();
-        let out = bin().args(["forward", "--model-dir"]).arg(&dir).arg("--input-ids").arg(&ids).arg("--out").arg(p.join("l.st")).output().unwrap();
+        let out = bin()
+            .args(["forward", "--model-dir"])
+            .arg(&dir)
+            .arg("--input-ids")
+            .arg(&ids)
+            .arg("--out")
+            .arg(p.join("l.st"))
+            .output()
+            .unwrap();
         fails_with(&out, needle);
         assert!(!p.join("l.st").exists(), "no output file on failure");
     }
@@ -153,7 +168,8 @@ fn bad_input_gets_one_clear_message() {
         (r#""hidden_size": -4"#, "hidden_size"),
         (r#""hidden_size": "wide""#, "hidden_size"),
     ] {
-        let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
+        let base =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
         let key = patch.split(':').next().unwrap();
         let line = base.lines().find(|l| l.trim_start().starts_with(key)).unwrap();
         let comma = if line.trim_end().ends_with(',') { "," } else { "" };
@@ -182,7 +198,8 @@ fn bad_input_gets_one_clear_message() {
 fn hf_tokenizer_json_is_used_when_given() {
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizer/tokenizer.json");
     let tmp = tempfile::tempdir().unwrap();
-    let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
+    let base =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-qwen3-moe.json")).unwrap();
     let cfg = tmp.path().join("config.json");
     std::fs::write(&cfg, base.replace("\"vocab_size\": 256", "\"vocab_size\": 384")).unwrap();
     let out = bin()
@@ -210,7 +227,17 @@ fn damaged_checkpoints_are_clear_errors() {
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let ids = tmp.path().join("ids.json");
     std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
-    let forward = || bin().args(["forward", "--model-dir"]).arg(&dir).arg("--input-ids").arg(&ids).arg("--out").arg(tmp.path().join("o")).output().unwrap();
+    let forward = || {
+        bin()
+            .args(["forward", "--model-dir"])
+            .arg(&dir)
+            .arg("--input-ids")
+            .arg(&ids)
+            .arg("--out")
+            .arg(tmp.path().join("o"))
+            .output()
+            .unwrap()
+    };
     // Truncated file.
     std::fs::write(dir.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     fails_with(&forward(), "model.safetensors");
@@ -222,7 +249,9 @@ fn damaged_checkpoints_are_clear_errors() {
     fails_with(&forward(), "no checkpoint found");
     // A config that does not match the weights: a misshapen tensor is named.
     std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap().replace("\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 17");
+    let cfg = std::fs::read_to_string(src.join("config.json"))
+        .unwrap()
+        .replace("\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 17");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     fails_with(&forward(), "has shape [16, 40], expected [17, 40]");
 }

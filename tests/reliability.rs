@@ -28,7 +28,11 @@ fn train(args: &[&str], extra: &[&Path]) -> Output {
 
 fn checkpoints(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|r| r.map(|e| e.unwrap().path()).filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-")).collect())
+        .map(|r| {
+            r.map(|e| e.unwrap().path())
+                .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-"))
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -53,9 +57,15 @@ fn stop_after_then_resume_is_bit_identical_to_a_straight_run() {
 fn keeps_the_newest_checkpoints_and_skips_damaged_ones() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ck");
-    summary(&train(&["--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--checkpoint-dir"], &[&ck]));
+    summary(&train(
+        &["--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--checkpoint-dir"],
+        &[&ck],
+    ));
     let kept = checkpoints(&ck);
-    assert_eq!(kept.iter().map(|p| p.file_name().unwrap().to_string_lossy().to_string()).collect::<Vec<_>>(), ["step-00000004", "step-00000005"]);
+    assert_eq!(
+        kept.iter().map(|p| p.file_name().unwrap().to_string_lossy().to_string()).collect::<Vec<_>>(),
+        ["step-00000004", "step-00000005"]
+    );
     // Corrupt the newest: resume falls back to step 4 and says so.
     let weights = kept[1].join("model.safetensors");
     let mut bytes = std::fs::read(&weights).unwrap();

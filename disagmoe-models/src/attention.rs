@@ -100,13 +100,13 @@ impl<B: Backend> GqaAttention<B> {
         }
         let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2)); // [B, H, S, D], [B, G, S, D]
         let v = self.v_proj.forward(x).reshape([b, s, g, d]).swap_dims(1, 2); // [B, G, S, D]
-        // 2. Rotary embedding on q and k.
+                                                                              // 2. Rotary embedding on q and k.
         let q = apply_rotary(q, cos.clone(), sin.clone());
         let k = apply_rotary(k, cos, sin);
         // 3. Share each key/value head among H/G query heads.
         let k = repeat_kv(k, h / g); // [B, H, S, D]
         let v = repeat_kv(v, h / g); // [B, H, S, D]
-        // 4. Scaled scores, causal (and window) mask, softmax.
+                                     // 4. Scaled scores, causal (and window) mask, softmax.
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((d as f64).powf(-0.5)); // [B, H, S, S]
         let mask = causal_mask::<B>(s, self.window, &scores.device()); // [S, S], true = hidden
         let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
@@ -167,9 +167,11 @@ pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
 /// `[S, S]` mask, true where query `i` may not see key `j`: `j > i`, or `i - j >= window`.
 pub fn causal_mask<B: Backend>(s: usize, window: Option<usize>, device: &B::Device) -> Tensor<B, 2, Bool> {
     let w = window.unwrap_or(usize::MAX);
-    let hidden: Vec<bool> = (0..s * s).map(|ij| {
-        let (i, j) = (ij / s, ij % s);
-        j > i || i - j >= w
-    }).collect();
+    let hidden: Vec<bool> = (0..s * s)
+        .map(|ij| {
+            let (i, j) = (ij / s, ij % s);
+            j > i || i - j >= w
+        })
+        .collect();
     Tensor::from_data(TensorData::new(hidden, [s, s]), device)
 }

@@ -77,7 +77,12 @@ pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B,
 
 /// Cross-entropy plus `aux_coef` times the load-balancing loss (when `with_aux` and there are MoE
 /// layers), as transformers' `*ForCausalLM.forward` adds them.
-pub fn causal_lm_loss<B: Backend>(out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool, aux_coef: f64) -> LossParts<B> {
+pub fn causal_lm_loss<B: Backend>(
+    out: &CausalLmOutput<B>,
+    ids: Tensor<B, 2, Int>,
+    with_aux: bool,
+    aux_coef: f64,
+) -> LossParts<B> {
     let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
     let aux_loss = if with_aux { load_balancing_loss(&out.router_stats) } else { None };
     let total = match &aux_loss {
@@ -89,7 +94,12 @@ pub fn causal_lm_loss<B: Backend>(out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int
 
 /// Writes a Hugging Face checkpoint directory: the weights (sharded past `max_shard_bytes`) and
 /// `config.json`, each file atomically.
-pub fn write_pretrained(dir: &Path, weights: &TensorSink, config: &serde_json::Value, max_shard_bytes: usize) -> Result<()> {
+pub fn write_pretrained(
+    dir: &Path,
+    weights: &TensorSink,
+    config: &serde_json::Value,
+    max_shard_bytes: usize,
+) -> Result<()> {
     weights.write(dir, max_shard_bytes)?;
     let text = serde_json::to_vec_pretty(config).expect("config serialises");
     write_atomically(&dir.join("config.json"), |tmp| std::fs::write(tmp, &text))

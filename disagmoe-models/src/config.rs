@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::{ModelError, Result};
-use crate::hf_json::{non_negative, parse_raw, positive, read_config};
+use crate::hf_json::{expect_model_type, non_negative, parse_raw, positive, read_config};
 pub use crate::rope::RopeScaling;
 
 /// A validated Qwen3-MoE configuration, field names as in transformers' `Qwen3MoeConfig`.
@@ -123,14 +123,7 @@ impl Qwen3MoeConfig {
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
-        if let Some(mt) = &raw.model_type {
-            if mt != "qwen3_moe" {
-                return Err(ModelError::config(
-                    "model_type",
-                    format!("`{mt}` is not supported by this loader; allowed: \"qwen3_moe\""),
-                ));
-            }
-        }
+        expect_model_type(raw.model_type.as_deref(), "qwen3_moe")?;
         let hidden_size = positive("hidden_size", raw.hidden_size, None)?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads, None)?;
         let num_key_value_heads =
@@ -181,7 +174,10 @@ impl Qwen3MoeConfig {
         }
         let hidden_act = raw.hidden_act.unwrap_or_else(|| "silu".into());
         if hidden_act != "silu" {
-            return Err(ModelError::config("hidden_act", format!("`{hidden_act}` is not supported; allowed: \"silu\"")));
+            return Err(ModelError::config(
+                "hidden_act",
+                format!("`{hidden_act}` is not supported; allowed: \"silu\""),
+            ));
         }
         let use_sliding_window = raw.use_sliding_window.unwrap_or(false);
         let sliding_window = match (&raw.sliding_window, use_sliding_window) {

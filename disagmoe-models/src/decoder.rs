@@ -257,7 +257,7 @@ where
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
-        // 2. (attention block, expert block) pairs.
+                                                            // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
             x = layer.attention_block(x, cos.clone(), sin.clone());

@@ -43,13 +43,19 @@ macro_rules! each_config {
 impl ModelConfig {
     /// Parses a `config.json` text, dispatching on `model_type`.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let v: serde_json::Value = serde_json::from_str(text)
-            .map_err(|source| ModelError::ConfigParse { path: "config.json".into(), field: String::new(), source })?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|source| ModelError::ConfigParse {
+            path: "config.json".into(),
+            field: String::new(),
+            source,
+        })?;
         match v.get("model_type").and_then(|t| t.as_str()) {
             Some("qwen3_moe") => Ok(Self::Qwen3Moe(Qwen3MoeConfig::from_json_str(text)?)),
             Some("gpt_oss") => Ok(Self::GptOss(GptOssConfig::from_json_str(text)?)),
             Some("deepseek_v3") => Ok(Self::DeepseekV3(DeepseekV3Config::from_json_str(text)?)),
-            Some(other) => Err(ModelError::config("model_type", format!("`{other}` is not supported; allowed: {SUPPORTED_MODEL_TYPES:?}"))),
+            Some(other) => Err(ModelError::config(
+                "model_type",
+                format!("`{other}` is not supported; allowed: {SUPPORTED_MODEL_TYPES:?}"),
+            )),
             None => Err(ModelError::config("model_type", format!("is required; allowed: {SUPPORTED_MODEL_TYPES:?}"))),
         }
     }
@@ -57,10 +63,15 @@ impl ModelConfig {
     /// Reads and validates a `config.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ModelError::Io { action: "cannot read model config", path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            action: "cannot read model config",
+            path: path.into(),
+            source,
+        })?;
         Self::from_json_str(&text).map_err(|e| match e {
-            ModelError::ConfigParse { field, source, .. } => ModelError::ConfigParse { path: path.into(), field, source },
+            ModelError::ConfigParse { field, source, .. } => {
+                ModelError::ConfigParse { path: path.into(), field, source }
+            }
             other => other,
         })
     }

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
 use crate::decoder::{CausalLm, DecoderLayer, FamilyConfig};
 use crate::error::{ModelError, Result};
-use crate::hf_json::{parse_raw, positive, read_config};
+use crate::hf_json::{expect_model_type, parse_raw, positive, read_config};
 use crate::moe::{map_groups, top_k_rows, Experts, Router, RouterOutput, SparseMoeBlock};
 use crate::nn::normal_init;
 use crate::rope::{Rope, RopeScaling};
@@ -128,16 +128,15 @@ impl GptOssConfig {
     /// Parses and validates a `config.json` text (transformers 4.x or current spelling).
     pub fn from_json_str(text: &str) -> Result<Self> {
         let raw: RawConfig = parse_raw(text)?;
-        if let Some(mt) = &raw.model_type {
-            if mt != "gpt_oss" {
-                return Err(ModelError::config("model_type", format!("`{mt}` is not GPT-OSS; allowed: \"gpt_oss\"")));
-            }
-        }
+        expect_model_type(raw.model_type.as_deref(), "gpt_oss")?;
         let hidden_size = positive("hidden_size", raw.hidden_size, Some(2880))?;
         let heads = positive("num_attention_heads", raw.num_attention_heads, Some(64))?;
         let kv = positive("num_key_value_heads", raw.num_key_value_heads, Some(heads as i64))?;
         if heads % kv != 0 {
-            return Err(ModelError::config("num_key_value_heads", format!("must divide num_attention_heads ({heads}), got {kv}")));
+            return Err(ModelError::config(
+                "num_key_value_heads",
+                format!("must divide num_attention_heads ({heads}), got {kv}"),
+            ));
         }
         let head_dim = positive("head_dim", raw.head_dim, Some((hidden_size / heads) as i64))?;
         if head_dim % 2 != 0 {
@@ -147,14 +146,22 @@ impl GptOssConfig {
         let experts = positive("num_local_experts", raw.num_local_experts, Some(128))?;
         let top_k = positive("num_experts_per_tok", raw.num_experts_per_tok, Some(4))?;
         if top_k > experts {
-            return Err(ModelError::config("num_experts_per_tok", format!("must be between 1 and num_local_experts ({experts}), got {top_k}")));
+            return Err(ModelError::config(
+                "num_experts_per_tok",
+                format!("must be between 1 and num_local_experts ({experts}), got {top_k}"),
+            ));
         }
         let layer_types = match raw.layer_types {
             Some(t) if t.len() != layers => {
-                return Err(ModelError::config("layer_types", format!("must list one type per layer ({layers}), got {}", t.len())))
+                return Err(ModelError::config(
+                    "layer_types",
+                    format!("must list one type per layer ({layers}), got {}", t.len()),
+                ))
             }
             Some(t) => t,
-            None => (0..layers).map(|i| if (i + 1) % 2 == 1 { LayerType::SlidingAttention } else { LayerType::FullAttention }).collect(),
+            None => (0..layers)
+                .map(|i| if (i + 1) % 2 == 1 { LayerType::SlidingAttention } else { LayerType::FullAttention })
+                .collect(),
         };
         let default_yarn = json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": false, "original_max_position_embeddings": 4096});
@@ -247,7 +254,8 @@ impl<B: Backend> Router<B> for GptOssRouter<B> {
     }
     fn load(&mut self, ckpt: &mut CheckpointReader, block_prefix: &str, device: &B::Device) -> Result<()> {
         let [e, m] = self.weight.dims();
-        self.weight = Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{block_prefix}.router.weight"), [e, m], device)?);
+        self.weight =
+            Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{block_prefix}.router.weight"), [e, m], device)?);
         self.bias = Param::from_tensor(ckpt.tensor::<B, 1>(&format!("{block_prefix}.router.bias"), [e], device)?);
         Ok(())
     }
@@ -306,8 +314,10 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
     fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         let [e, m, two_i] = self.gate_up_proj.dims();
         let i = two_i / 2;
-        self.gate_up_proj = Param::from_tensor(load_maybe_mxfp4(ckpt, &format!("{prefix}.gate_up_proj"), [e, m, two_i], device)?);
-        self.gate_up_proj_bias = Param::from_tensor(ckpt.tensor(&format!("{prefix}.gate_up_proj_bias"), [e, two_i], device)?);
+        self.gate_up_proj =
+            Param::from_tensor(load_maybe_mxfp4(ckpt, &format!("{prefix}.gate_up_proj"), [e, m, two_i], device)?);
+        self.gate_up_proj_bias =
+            Param::from_tensor(ckpt.tensor(&format!("{prefix}.gate_up_proj_bias"), [e, two_i], device)?);
         self.down_proj = Param::from_tensor(load_maybe_mxfp4(ckpt, &format!("{prefix}.down_proj"), [e, i, m], device)?);
         self.down_proj_bias = Param::from_tensor(ckpt.tensor(&format!("{prefix}.down_proj_bias"), [e, m], device)?);
         Ok(())
@@ -322,7 +332,8 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
 }
 
 /// The 16 values of an FP4 (E2M1) code, as transformers' `FP4_VALUES`.
-pub const FP4_VALUES: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub const FP4_VALUES: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Dequantises MXFP4 expert weights as transformers does: `blocks` `[E, R, G, 16]` (two 4-bit codes
 /// per byte, low nibble first), `scales` `[E, R, G]` (biased-127 exponents of 32-value groups) give
@@ -348,7 +359,12 @@ pub fn dequantize_mxfp4(blocks: &[u8], block_shape: &[usize], scales: &[u8]) -> 
     (vec![e, cols, r], out)
 }
 
-fn load_maybe_mxfp4<B: Backend>(ckpt: &mut CheckpointReader, name: &str, shape: [usize; 3], device: &B::Device) -> Result<Tensor<B, 3>> {
+fn load_maybe_mxfp4<B: Backend>(
+    ckpt: &mut CheckpointReader,
+    name: &str,
+    shape: [usize; 3],
+    device: &B::Device,
+) -> Result<Tensor<B, 3>> {
     let (blocks_name, scales_name) = (format!("{name}_blocks"), format!("{name}_scales"));
     if ckpt.contains(name) || !ckpt.contains(&blocks_name) {
         return ckpt.tensor(name, shape, device);
@@ -356,7 +372,11 @@ fn load_maybe_mxfp4<B: Backend>(ckpt: &mut CheckpointReader, name: &str, shape: 
     let (bshape, blocks) = ckpt.read_u8(&blocks_name)?;
     let (sshape, scales) = ckpt.read_u8(&scales_name)?;
     if bshape.len() != 4 || sshape != bshape[..3] {
-        return Err(ModelError::ShapeMismatch { name: scales_name, found: sshape, expected: bshape[..3.min(bshape.len())].to_vec() });
+        return Err(ModelError::ShapeMismatch {
+            name: scales_name,
+            found: sshape,
+            expected: bshape[..3.min(bshape.len())].to_vec(),
+        });
     }
     let (found, values) = dequantize_mxfp4(&blocks, &bshape, &scales);
     if found != shape {
@@ -418,8 +438,15 @@ impl FamilyConfig for GptOssConfig {
     /// expert biases, norms at one.
     fn init<B: Backend>(&self, device: &B::Device) -> GptOssForCausalLM<B> {
         let layers = (0..self.num_hidden_layers).map(|l| self.layer(l, device)).collect();
-        let dims = (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
-        CausalLm::assemble(self.clone(), Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling), dims, layers, device)
+        let dims =
+            (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
+        CausalLm::assemble(
+            self.clone(),
+            Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling),
+            dims,
+            layers,
+            device,
+        )
     }
 
     fn to_hf_json(&self) -> Value {

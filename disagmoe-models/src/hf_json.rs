@@ -19,8 +19,11 @@ pub(crate) fn parse_raw<T: DeserializeOwned>(text: &str) -> Result<T> {
 
 /// Reads `path` and parses it with `parse`, naming the file in parse errors.
 pub(crate) fn read_config<T>(path: &Path, parse: impl FnOnce(&str) -> Result<T>) -> Result<T> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| ModelError::Io { action: "cannot read model config", path: path.into(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        action: "cannot read model config",
+        path: path.into(),
+        source,
+    })?;
     parse(&text).map_err(|e| match e {
         ModelError::ConfigParse { field, source, .. } => ModelError::ConfigParse { path: path.into(), field, source },
         other => other,
@@ -49,5 +52,16 @@ pub(crate) fn positive_f64(field: &str, v: Option<f64>, default: f64) -> Result<
     match v.unwrap_or(default) {
         x if x.is_finite() && x > 0.0 => Ok(x),
         x => Err(ModelError::config(field, format!("must be a finite number > 0, got {x}"))),
+    }
+}
+
+/// Checks `model_type` (when the file gives one) against the one this parser reads.
+pub(crate) fn expect_model_type(found: Option<&str>, expected: &str) -> Result<()> {
+    match found {
+        Some(mt) if mt != expected => Err(ModelError::config(
+            "model_type",
+            format!("`{mt}` is not supported by this loader; allowed: \"{expected}\""),
+        )),
+        _ => Ok(()),
     }
 }

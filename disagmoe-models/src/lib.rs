@@ -13,8 +13,8 @@
 pub mod attention;
 pub mod causal_lm;
 pub mod config;
-pub mod deepseek_router;
 pub mod decoder;
+pub mod deepseek_router;
 pub mod deepseek_v3;
 pub mod error;
 pub mod family;
@@ -27,13 +27,13 @@ pub mod qwen3_moe;
 pub mod rope;
 pub mod weights;
 
+pub use causal_lm::HfCheckpoint;
 pub use config::{Qwen3MoeConfig, RopeScaling};
+pub use decoder::{CausalLm, FamilyConfig};
 pub use deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
 pub use error::{ModelError, Result};
 pub use family::{ModelConfig, MoeCausalLm, SUPPORTED_MODEL_TYPES};
 pub use gpt_oss::{GptOssConfig, GptOssForCausalLM};
 pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use qwen3_moe::{CausalLmOutput, LossParts, Qwen3MoeForCausalLM};
-pub use causal_lm::HfCheckpoint;
-pub use decoder::{CausalLm, FamilyConfig};
 pub use weights::{CheckpointReader, TensorSink};

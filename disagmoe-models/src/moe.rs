@@ -207,10 +207,16 @@ pub struct RouterOutput<B: Backend> {
 
 impl<B: Backend> TopKRouter<B> {
     /// A router over `experts` experts for width `hidden`.
-    pub fn new(hidden: usize, experts: usize, top_k: usize, norm_topk_prob: bool, std: f64, device: &B::Device) -> Self {
+    pub fn new(
+        hidden: usize,
+        experts: usize,
+        top_k: usize,
+        norm_topk_prob: bool,
+        std: f64,
+        device: &B::Device,
+    ) -> Self {
         Self { weight: Param::from_tensor(normal_init([experts, hidden], std, device)), top_k, norm_topk_prob }
     }
-
 }
 
 impl<B: Backend> Router<B> for TopKRouter<B> {
@@ -239,7 +245,8 @@ impl<B: Backend> Router<B> for TopKRouter<B> {
 
     fn load(&mut self, ckpt: &mut CheckpointReader, block_prefix: &str, device: &B::Device) -> Result<()> {
         let [e, m] = self.weight.dims();
-        self.weight = Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{block_prefix}.gate.weight"), [e, m], device)?);
+        self.weight =
+            Param::from_tensor(ckpt.tensor::<B, 2>(&format!("{block_prefix}.gate.weight"), [e, m], device)?);
         Ok(())
     }
 
@@ -320,7 +327,12 @@ impl Dispatch {
     ///
     /// # Shapes
     /// - ys: `[N, M]` (expert order); weights: `[T, k]`; output: `[T, M]`
-    pub fn combine<B: Backend>(&self, ys: Tensor<B, 2>, weights: Tensor<B, 2>, tokens: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+    pub fn combine<B: Backend>(
+        &self,
+        ys: Tensor<B, 2>,
+        weights: Tensor<B, 2>,
+        tokens: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 2> {
         let [t, k] = weights.dims();
         let [n, m] = ys.dims();
         let device = ys.device();
@@ -364,20 +376,24 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
     pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, RouterStats<B>) {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]); // [T, M]
-        // 1. route
+                                          // 1. route
         let routed = self.gate.route(flat.clone());
         // 2. dispatch
         let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k());
         let tokens = dispatch.token_index::<B>(&flat.device());
         let xs = dispatch.permute(flat.clone(), tokens.clone()); // [N, M]
-        // 3. compute
+                                                                 // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
-        // 4. combine
+                                                                     // 4. combine
         let mut out = dispatch.combine(ys, routed.weights, tokens); // [T, M]
         if let Some(shared) = &self.shared_experts {
             out = out + shared.forward(flat);
         }
-        let stats = RouterStats { prob_sum: routed.probs.sum_dim(0).reshape([dispatch.counts.len()]), counts: dispatch.counts, tokens: b * s };
+        let stats = RouterStats {
+            prob_sum: routed.probs.sum_dim(0).reshape([dispatch.counts.len()]),
+            counts: dispatch.counts,
+            tokens: b * s,
+        };
         (out.reshape([b, s, m]), stats)
     }
 

@@ -45,7 +45,14 @@ impl Qwen3MoeConfig {
         );
         let mlp = if self.is_sparse_layer(layer) {
             FeedForward::sparse(SparseMoeBlock::new(
-                TopKRouter::new(self.hidden_size, self.num_experts, self.num_experts_per_tok, self.norm_topk_prob, std, device),
+                TopKRouter::new(
+                    self.hidden_size,
+                    self.num_experts,
+                    self.num_experts_per_tok,
+                    self.norm_topk_prob,
+                    std,
+                    device,
+                ),
                 SwiGluExperts::new(self.num_experts, self.hidden_size, self.moe_intermediate_size, std, device),
             ))
         } else {
@@ -65,8 +72,15 @@ impl FamilyConfig for Qwen3MoeConfig {
     /// Normal(0, `initializer_range`) weights, norms at one, as transformers initialises them.
     fn init<B: Backend>(&self, device: &B::Device) -> Qwen3MoeForCausalLM<B> {
         let layers = (0..self.num_hidden_layers).map(|l| self.layer(l, device)).collect();
-        let dims = (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
-        CausalLm::assemble(self.clone(), Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling), dims, layers, device)
+        let dims =
+            (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
+        CausalLm::assemble(
+            self.clone(),
+            Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling),
+            dims,
+            layers,
+            device,
+        )
     }
 
     fn to_hf_json(&self) -> serde_json::Value {

@@ -60,7 +60,10 @@ impl RopeScaling {
             match num("factor") {
                 Some(f) if f > 0.0 => Ok(f),
                 Some(f) => Err(ModelError::config(format!("{field}.factor"), format!("must be > 0, got {f}"))),
-                None => Err(ModelError::config(format!("{field}.factor"), format!("is required for rope_type \"{kind}\" (a number > 0)"))),
+                None => Err(ModelError::config(
+                    format!("{field}.factor"),
+                    format!("is required for rope_type \"{kind}\" (a number > 0)"),
+                )),
             }
         };
         let scaling = match kind {
@@ -68,7 +71,10 @@ impl RopeScaling {
             "linear" => RopeScaling::Linear { factor: factor()? },
             "yarn" => RopeScaling::Yarn {
                 factor: factor()?,
-                original_max_position_embeddings: match obj.get("original_max_position_embeddings").and_then(Value::as_u64) {
+                original_max_position_embeddings: match obj
+                    .get("original_max_position_embeddings")
+                    .and_then(Value::as_u64)
+                {
                     Some(n) if n > 0 => n as usize,
                     _ => {
                         return Err(ModelError::config(
@@ -99,13 +105,24 @@ impl RopeScaling {
         match self {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => serde_json::json!({"rope_type": "linear", "factor": factor}),
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                truncate,
+            } => {
                 let mut v = serde_json::json!({
                     "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
                     "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": truncate,
                 });
                 let o = v.as_object_mut().expect("object");
-                for (k, x) in [("mscale", mscale), ("mscale_all_dim", mscale_all_dim), ("attention_factor", attention_factor)] {
+                for (k, x) in
+                    [("mscale", mscale), ("mscale_all_dim", mscale_all_dim), ("attention_factor", attention_factor)]
+                {
                     if let Some(x) = x {
                         o.insert(k.into(), serde_json::json!(x));
                     }
@@ -146,11 +163,22 @@ impl Rope {
                     *f /= *factor as f32;
                 }
             }
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                truncate,
+            } => {
                 let d = head_dim as f64;
                 let base = theta as f64;
-                let correction_dim =
-                    |rot: f64| d * ((*original_max_position_embeddings as f64) / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let correction_dim = |rot: f64| {
+                    d * ((*original_max_position_embeddings as f64) / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
                 let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
                 if *truncate {
                     low = low.floor();
@@ -169,7 +197,9 @@ impl Rope {
                 }
                 attention_scaling = match (attention_factor, mscale, mscale_all_dim) {
                     (Some(a), _, _) => *a as f32,
-                    (None, Some(m), Some(ma)) if *m != 0.0 && *ma != 0.0 => (yarn_mscale(*factor, *m) / yarn_mscale(*factor, *ma)) as f32,
+                    (None, Some(m), Some(ma)) if *m != 0.0 && *ma != 0.0 => {
+                        (yarn_mscale(*factor, *m) / yarn_mscale(*factor, *ma)) as f32
+                    }
                     _ => yarn_mscale(*factor, 1.0) as f32,
                 };
             }

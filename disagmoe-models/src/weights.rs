@@ -48,8 +48,11 @@ impl CheckpointReader {
         let index_path = dir.join(INDEX_FILE);
         let file_names: Vec<String> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(io_err("cannot read", &index_path))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|source| ModelError::ConfigParse { path: index_path.clone(), field: String::new(), source })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| ModelError::ConfigParse {
+                path: index_path.clone(),
+                field: String::new(),
+                source,
+            })?;
             let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
                 path: index_path.clone(),
                 message: "index has no `weight_map` object".into(),
@@ -154,7 +157,10 @@ impl CheckpointReader {
         let file = &self.files[fi];
         let info = file.meta.info(name).expect("indexed tensor has metadata");
         if info.dtype != Dtype::U8 {
-            return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{:?} (expected U8)", info.dtype) });
+            return Err(ModelError::UnsupportedDtype {
+                name: name.into(),
+                dtype: format!("{:?} (expected U8)", info.dtype),
+            });
         }
         let (start, end) = (8 + file.header_len + info.data_offsets.0, 8 + file.header_len + info.data_offsets.1);
         let n: usize = info.shape.iter().product();
@@ -304,8 +310,7 @@ impl TensorSink {
             let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
             let refs = views.iter().map(|(n, v)| (n.clone(), v));
             write_atomically(&path, |tmp| {
-                safetensors::serialize_to_file(refs, Some(meta), tmp)
-                    .map_err(|e| std::io::Error::other(e.to_string()))
+                safetensors::serialize_to_file(refs, Some(meta), tmp).map_err(|e| std::io::Error::other(e.to_string()))
             })?;
             for name in names {
                 weight_map.insert((*name).clone(), serde_json::Value::String(file_name.clone()));
@@ -328,14 +333,12 @@ impl TensorSink {
 }
 
 /// Writes `path` through `write(tmp)` to `path.tmp`, fsyncs it, then renames it over `path`.
-pub fn write_atomically(
-    path: &Path,
-    write: impl FnOnce(&Path) -> std::io::Result<()>,
-) -> Result<()> {
+pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> Result<()> {
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(".tmp");
     let tmp = path.with_file_name(tmp_name);
-    let result = write(&tmp).and_then(|_| std::fs::File::open(&tmp)?.sync_all()).and_then(|_| std::fs::rename(&tmp, path));
+    let result =
+        write(&tmp).and_then(|_| std::fs::File::open(&tmp)?.sync_all()).and_then(|_| std::fs::rename(&tmp, path));
     result.map_err(|source| {
         let _ = std::fs::remove_file(&tmp);
         ModelError::Io { action: "cannot write", path: path.to_path_buf(), source }

@@ -22,7 +22,10 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
 fn block(experts: usize, k: usize, norm: bool) -> SparseMoeBlock<B, TopKRouter<B>, SwiGluExperts<B>> {
     let device = Default::default();
     <B as Backend>::seed(&device, 3);
-    SparseMoeBlock::new(TopKRouter::new(16, experts, k, norm, 0.5, &device), SwiGluExperts::new(experts, 16, 12, 0.3, &device))
+    SparseMoeBlock::new(
+        TopKRouter::new(16, experts, k, norm, 0.5, &device),
+        SwiGluExperts::new(experts, 16, 12, 0.3, &device),
+    )
 }
 
 #[test]
@@ -90,7 +93,9 @@ impl<B: Backend> Experts<B> for ReluExperts<B> {
         self.up.len()
     }
     fn forward_grouped(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
-        map_groups(xs, counts, |e, x| burn::tensor::activation::relu(x.matmul(self.up[e].val())).matmul(self.down[e].val()))
+        map_groups(xs, counts, |e, x| {
+            burn::tensor::activation::relu(x.matmul(self.up[e].val())).matmul(self.down[e].val())
+        })
     }
     fn load(&mut self, _: &mut CheckpointReader, _: &str, _: &B::Device) -> Result<()> {
         Ok(())
@@ -141,8 +146,16 @@ fn config_errors_name_the_field_and_the_allowed_values() {
         (r#""hidden_size":32"#, r#""hidden_size":-1"#, "hidden_size"),
         (r#""vocab_size":100"#, r#""vocab_size":"many""#, "vocab_size"),
         (r#""num_experts":8"#, r#""num_experts":8,"model_type":"llama""#, "allowed: \"qwen3_moe\""),
-        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"dynamic","factor":4}"#, "allowed: \"default\", \"linear\", \"yarn\""),
-        (r#""num_experts":8"#, r#""num_experts":8,"rope_scaling":{"rope_type":"yarn","factor":4}"#, "original_max_position_embeddings"),
+        (
+            r#""num_experts":8"#,
+            r#""num_experts":8,"rope_scaling":{"rope_type":"dynamic","factor":4}"#,
+            "allowed: \"default\", \"linear\", \"yarn\"",
+        ),
+        (
+            r#""num_experts":8"#,
+            r#""num_experts":8,"rope_scaling":{"rope_type":"yarn","factor":4}"#,
+            "original_max_position_embeddings",
+        ),
         (r#""num_experts":8"#, r#""num_experts":8,"mlp_only_layers":[5]"#, "mlp_only_layers[0]"),
         (r#""num_experts":8"#, r#""num_experts":8,"hidden_act":"gelu""#, "allowed: \"silu\""),
     ];

@@ -84,6 +84,3 @@ fn bf16_and_f16_checkpoints_load() {
         assert!(err < tol, "{dtype:?} checkpoint: logits relative error {err:.2e}");
     }
 }
-
-
-

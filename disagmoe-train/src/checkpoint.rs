@@ -90,11 +90,14 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     optimizer.export_moments(&model.state_dict_names(), &mut moments);
     let opt_dir = tmp.join("optimizer");
     moments.write(&opt_dir, usize::MAX)?;
-    std::fs::rename(opt_dir.join("model.safetensors"), tmp.join("optimizer.safetensors")).map_err(io("cannot move", &opt_dir))?;
+    std::fs::rename(opt_dir.join("model.safetensors"), tmp.join("optimizer.safetensors"))
+        .map_err(io("cannot move", &opt_dir))?;
     std::fs::remove_dir_all(&opt_dir).map_err(io("cannot remove", &opt_dir))?;
     // 3. State.
     let state_path = tmp.join("state.json");
-    disagmoe_models::weights::write_atomically(&state_path, |t| std::fs::write(t, serde_json::to_vec_pretty(state).expect("state serialises")))?;
+    disagmoe_models::weights::write_atomically(&state_path, |t| {
+        std::fs::write(t, serde_json::to_vec_pretty(state).expect("state serialises"))
+    })?;
     // 4. Manifest last: checksums of everything above.
     let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(&tmp).map_err(io("cannot list", &tmp))? {
@@ -123,7 +126,9 @@ fn complete_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(TrainError::Io { action: "cannot list checkpoint directory", path: dir.into(), source: e }),
+        Err(e) => {
+            return Err(TrainError::Io { action: "cannot list checkpoint directory", path: dir.into(), source: e })
+        }
     };
     for entry in entries {
         let path = entry.map_err(io("cannot list", dir))?.path();
@@ -149,7 +154,8 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
 /// Checks every file of a checkpoint against its manifest.
 pub fn verify_checkpoint(path: &Path) -> Result<()> {
     let manifest_path = path.join("manifest.json");
-    let text = std::fs::read_to_string(&manifest_path).map_err(io("cannot read checkpoint manifest", &manifest_path))?;
+    let text =
+        std::fs::read_to_string(&manifest_path).map_err(io("cannot read checkpoint manifest", &manifest_path))?;
     let manifest: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
         path: manifest_path.clone(),
         message: format!("manifest is not valid JSON: {e}"),
@@ -162,7 +168,10 @@ pub fn verify_checkpoint(path: &Path) -> Result<()> {
         let file = path.join(name);
         let got = sha256_file(&file)?;
         if Some(got.as_str()) != want.as_str() {
-            return Err(TrainError::Checkpoint { path: file, message: "checksum does not match the manifest (corrupted file)".into() });
+            return Err(TrainError::Checkpoint {
+                path: file,
+                message: "checksum does not match the manifest (corrupted file)".into(),
+            });
         }
     }
     Ok(())
@@ -197,4 +206,3 @@ pub fn load_checkpoint<B: AutodiffBackend>(
     optimizer.set_steps_taken(state.optimizer_steps);
     Ok((model, state))
 }
-

@@ -133,7 +133,8 @@ impl PackedDataset {
                 min_windows.max(1) * seq
             )));
         }
-        let mut ds = Self { tokens, seq, seed, order: Vec::new(), position: DataPosition::default(), source: source.into() };
+        let mut ds =
+            Self { tokens, seq, seed, order: Vec::new(), position: DataPosition::default(), source: source.into() };
         ds.shuffle();
         Ok(ds)
     }
@@ -147,7 +148,11 @@ impl PackedDataset {
         model_vocab: usize,
         min_windows: usize,
     ) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| TrainError::Io { action: "cannot read corpus", path: path.into(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
+            action: "cannot read corpus",
+            path: path.into(),
+            source,
+        })?;
         let text = String::from_utf8(bytes).map_err(|e| TrainError::Corpus {
             path: path.into(),
             message: format!("is not valid UTF-8 text (first bad byte at offset {})", e.utf8_error().valid_up_to()),

@@ -16,4 +16,7 @@ pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
 pub use error::{Result, TrainError};
-pub use trainer::{build_model, model_preset, train, train_until, FaultInjection, NonFinitePolicy, RunConfig, TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS};
+pub use trainer::{
+    build_model, model_preset, train, train_until, FaultInjection, NonFinitePolicy, RunConfig, TrainSummary,
+    DEFAULT_MODEL_CONFIG, MODEL_PRESETS,
+};

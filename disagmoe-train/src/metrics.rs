@@ -72,7 +72,11 @@ impl JsonlWriter {
     /// Opens `path` for appending, creating its directory.
     pub fn append(path: &Path) -> Result<Self> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| TrainError::Io { action: "cannot create directory", path: dir.into(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
+                action: "cannot create directory",
+                path: dir.into(),
+                source,
+            })?;
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -86,10 +90,11 @@ impl JsonlWriter {
     pub fn write<T: Serialize>(&mut self, record: &T) -> Result<()> {
         let mut line = serde_json::to_vec(record).expect("metrics serialise");
         line.push(b'\n');
-        self.file
-            .write_all(&line)
-            .and_then(|_| self.file.flush())
-            .map_err(|source| TrainError::Io { action: "cannot write metrics to", path: self.path.clone(), source })
+        self.file.write_all(&line).and_then(|_| self.file.flush()).map_err(|source| TrainError::Io {
+            action: "cannot write metrics to",
+            path: self.path.clone(),
+            source,
+        })
     }
 }
 

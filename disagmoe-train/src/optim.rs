@@ -95,7 +95,11 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &Gr
     let all = Tensor::cat(v.squares.into_iter().map(|(_, t)| t).collect(), 0);
     let host: Vec<f32> = all.into_data().convert::<f32>().to_vec().expect("f32 norms");
     let total = host.iter().map(|&x| x as f64).sum::<f64>().sqrt();
-    let per_param = if total.is_finite() { Vec::new() } else { ids.into_iter().zip(host.iter().map(|&x| (x as f64).sqrt())).collect() };
+    let per_param = if total.is_finite() {
+        Vec::new()
+    } else {
+        ids.into_iter().zip(host.iter().map(|&x| (x as f64).sqrt())).collect()
+    };
     GradNorms { total, per_param }
 }
 
@@ -121,10 +125,11 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
         if D >= 2 && weight_decay > 0.0 {
             p = p.mul_scalar(1.0 - self.lr * weight_decay);
         }
-        let Moments { m, v } = self.opt.state.remove(&id).unwrap_or_else(|| Moments {
-            m: Tensor::zeros([n], &g.device()),
-            v: Tensor::zeros([n], &g.device()),
-        });
+        let Moments { m, v } = self
+            .opt
+            .state
+            .remove(&id)
+            .unwrap_or_else(|| Moments { m: Tensor::zeros([n], &g.device()), v: Tensor::zeros([n], &g.device()) });
         let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
         let v = v.mul_scalar(beta2) + g.square().mul_scalar(1.0 - beta2);
         let t = self.opt.step as i32;

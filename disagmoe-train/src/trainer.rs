@@ -170,8 +170,11 @@ impl Default for RunConfig {
 impl RunConfig {
     /// Reads a TOML run config; unknown keys are errors.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| TrainError::Io { action: "cannot read run config", path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+            action: "cannot read run config",
+            path: path.into(),
+            source,
+        })?;
         toml::from_str(&text).map_err(|e| TrainError::RunConfig { path: path.into(), message: e.to_string() })
     }
 
@@ -194,11 +197,17 @@ impl RunConfig {
             return Err(TrainError::option("lr", format!("must be a finite number > 0, got {}", self.lr)));
         }
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return Err(TrainError::option("min_lr", format!("must be between 0 and lr ({}), got {}", self.lr, self.min_lr)));
+            return Err(TrainError::option(
+                "min_lr",
+                format!("must be between 0 and lr ({}), got {}", self.lr, self.min_lr),
+            ));
         }
         if let Some(w) = self.warmup_steps {
             if w > self.steps {
-                return Err(TrainError::option("warmup_steps", format!("must be at most steps ({}), got {w}", self.steps)));
+                return Err(TrainError::option(
+                    "warmup_steps",
+                    format!("must be at most steps ({}), got {w}", self.steps),
+                ));
             }
         }
         for (field, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
@@ -216,7 +225,10 @@ impl RunConfig {
             return Err(TrainError::option("bias_update_rate", format!("must be >= 0, got {}", self.bias_update_rate)));
         }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
-            return Err(TrainError::option("grad_clip", format!("must be >= 0 (0 turns clipping off), got {}", self.grad_clip)));
+            return Err(TrainError::option(
+                "grad_clip",
+                format!("must be >= 0 (0 turns clipping off), got {}", self.grad_clip),
+            ));
         }
         if self.model_config.is_some() && self.model_dir.is_some() {
             return Err(TrainError::option("model_config", "give either model_config or model_dir, not both"));
@@ -226,7 +238,10 @@ impl RunConfig {
         }
         if let Some(n) = self.stop_after {
             if n == 0 || n > self.steps {
-                return Err(TrainError::option("stop_after", format!("must be between 1 and steps ({}), got {n}", self.steps)));
+                return Err(TrainError::option(
+                    "stop_after",
+                    format!("must be between 1 and steps ({}), got {n}", self.steps),
+                ));
             }
         }
         positive("keep_checkpoints", self.keep_checkpoints)?;
@@ -314,7 +329,8 @@ pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> R
         (Some(dir), _) => MoeCausalLm::from_pretrained(dir, device)?,
         (None, Some(path)) => ModelConfig::from_file(path)?.init(device),
         (None, None) => {
-            ModelConfig::from_json_str(model_preset(cfg.model_preset.as_deref().unwrap_or("tiny-qwen3-moe"))?)?.init(device)
+            ModelConfig::from_json_str(model_preset(cfg.model_preset.as_deref().unwrap_or("tiny-qwen3-moe"))?)?
+                .init(device)
         }
     })
 }
@@ -322,12 +338,22 @@ pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> R
 fn build_data(cfg: &RunConfig, model_vocab: usize) -> Result<PackedDataset> {
     let tokenizer: Box<dyn Tokenizer> = match (&cfg.tokenizer, &cfg.model_dir) {
         (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
-        (None, Some(dir)) if dir.join("tokenizer.json").exists() => Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?),
+        (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
+            Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?)
+        }
         _ => Box::new(ByteTokenizer),
     };
     match &cfg.data {
         Some(path) => PackedDataset::from_file(path, tokenizer.as_ref(), cfg.seq, cfg.seed, model_vocab, cfg.batch),
-        None => PackedDataset::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), cfg.seq, cfg.seed, model_vocab, cfg.batch),
+        None => PackedDataset::new(
+            BUNDLED_CORPUS,
+            BUNDLED_CORPUS_NAME,
+            tokenizer.as_ref(),
+            cfg.seq,
+            cfg.seed,
+            model_vocab,
+            cfg.batch,
+        ),
     }
 }
 
@@ -356,11 +382,20 @@ pub fn train_until<B: AutodiffBackend>(
         Some(dir) => {
             let path = latest_checkpoint(dir)?.ok_or_else(|| TrainError::Checkpoint {
                 path: dir.clone(),
-                message: "holds no complete checkpoint to resume from (expected step-<n> directories with a manifest)".into(),
+                message: "holds no complete checkpoint to resume from (expected step-<n> directories with a manifest)"
+                    .into(),
             })?;
             let (model, state) = load_checkpoint::<B>(&path, &mut opt, device)?;
             if state.step >= cfg.steps {
-                return Err(TrainError::option("steps", format!("the checkpoint {} is at step {}; steps must be larger to continue, got {}", path.display(), state.step, cfg.steps)));
+                return Err(TrainError::option(
+                    "steps",
+                    format!(
+                        "the checkpoint {} is at step {}; steps must be larger to continue, got {}",
+                        path.display(),
+                        state.step,
+                        cfg.steps
+                    ),
+                ));
             }
             tracing::info!(checkpoint = %path.display(), step = state.step, "resuming");
             (model, Some(state))
@@ -399,7 +434,10 @@ pub fn train_until<B: AutodiffBackend>(
         Some(inj) => Some((
             inj.step,
             *names.iter().find(|(_, n)| **n == inj.tensor).map(|(id, _)| id).ok_or_else(|| {
-                TrainError::option("inject_nonfinite.tensor", format!("`{}` is not a parameter of the model", inj.tensor))
+                TrainError::option(
+                    "inject_nonfinite.tensor",
+                    format!("`{}` is not a parameter of the model", inj.tensor),
+                )
             })?,
         )),
         None => None,
@@ -434,7 +472,13 @@ pub fn train_until<B: AutodiffBackend>(
     let start = Instant::now();
     let mut last_checkpoint = None;
     let mut done = first_step - 1;
-    let save = |model: &MoeCausalLm<B>, opt: &AdamW<B>, step: usize, data: &PackedDataset, losses: &[f64], skipped: usize| -> Result<Option<PathBuf>> {
+    let save = |model: &MoeCausalLm<B>,
+                opt: &AdamW<B>,
+                step: usize,
+                data: &PackedDataset,
+                losses: &[f64],
+                skipped: usize|
+     -> Result<Option<PathBuf>> {
         match &checkpoint_dir {
             Some(dir) => {
                 let state = TrainState {
@@ -458,7 +502,10 @@ pub fn train_until<B: AutodiffBackend>(
         let out = model.forward(ids.clone());
         let loss = model.loss(&out, ids, with_aux);
         let scalars = burn::tensor::Tensor::cat(
-            [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()].into_iter().flatten().collect(),
+            [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()]
+                .into_iter()
+                .flatten()
+                .collect(),
             0,
         )
         .into_data()
@@ -478,7 +525,8 @@ pub fn train_until<B: AutodiffBackend>(
         let lr = schedule.at(step);
         let finite = total.is_finite() && norms.total.is_finite();
         if !finite && cfg.on_nonfinite == NonFinitePolicy::Abort {
-            let tensor = norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| names.get(id).cloned());
+            let tensor =
+                norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| names.get(id).cloned());
             return Err(TrainError::NonFinite {
                 step,
                 what: if total.is_finite() { "gradient" } else { "loss" },
@@ -486,7 +534,11 @@ pub fn train_until<B: AutodiffBackend>(
             });
         }
         if finite {
-            let scale = if cfg.grad_clip > 0.0 && norms.total > cfg.grad_clip { cfg.grad_clip / (norms.total + 1e-6) } else { 1.0 };
+            let scale = if cfg.grad_clip > 0.0 && norms.total > cfg.grad_clip {
+                cfg.grad_clip / (norms.total + 1e-6)
+            } else {
+                1.0
+            };
             model = opt.step(model, &mut grads, lr, scale);
             if cfg.bias_update_rate > 0.0 {
                 model.update_router_biases(&counts, cfg.bias_update_rate)?;

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::{ModelError, Result};
-use crate::hf_json::{non_negative, parse_raw, positive, positive_f64, read_config};
+use crate::hf_json::{expect_model_type, non_negative, parse_raw, positive, positive_f64, read_config};
 use crate::rope::RopeScaling;
 
 /// How router logits become expert scores.
@@ -173,14 +173,7 @@ impl DeepseekV3Config {
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
-        if let Some(mt) = &raw.model_type {
-            if mt != "deepseek_v3" {
-                return Err(ModelError::config(
-                    "model_type",
-                    format!("`{mt}` is not supported by this loader; allowed: \"deepseek_v3\""),
-                ));
-            }
-        }
+        expect_model_type(raw.model_type.as_deref(), "deepseek_v3")?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads, None)?;
         let num_key_value_heads =
             positive("num_key_value_heads", raw.num_key_value_heads, Some(num_attention_heads as i64))?;

@@ -99,7 +99,6 @@ impl DeepseekV3Config {
     }
 }
 
-
 impl FamilyConfig for DeepseekV3Config {
     type Model<B: Backend> = DeepseekV3ForCausalLM<B>;
 
@@ -111,8 +110,15 @@ impl FamilyConfig for DeepseekV3Config {
     /// transformers initialises them.
     fn init<B: Backend>(&self, device: &B::Device) -> DeepseekV3ForCausalLM<B> {
         let layers = (0..self.num_hidden_layers).map(|l| self.layer(l, device)).collect();
-        let dims = (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
-        CausalLm::assemble(self.clone(), Rope::new(self.qk_rope_head_dim, self.rope_theta, &self.rope_scaling), dims, layers, device)
+        let dims =
+            (self.vocab_size, self.hidden_size, self.rms_norm_eps, self.initializer_range, self.tie_word_embeddings);
+        CausalLm::assemble(
+            self.clone(),
+            Rope::new(self.qk_rope_head_dim, self.rope_theta, &self.rope_scaling),
+            dims,
+            layers,
+            device,
+        )
     }
 
     fn to_hf_json(&self) -> serde_json::Value {
