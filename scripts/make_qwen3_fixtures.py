@@ -20,6 +20,8 @@ import transformers
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from fixture_common import hub_grads
+
 CONFIGS = {
     # GQA ratio 2, head_dim (16) != hidden/heads (12), norm_topk_prob true, a dense layer, untied head.
     "gqa2_norm_topk": dict(
@@ -51,28 +53,6 @@ CONFIGS = {
         batch=2, seq=16,
     ),
 }
-
-
-def hub_grads(model, config):
-    """Gradients keyed by the Hub's per-expert names."""
-    out = {}
-    inter = config.moe_intermediate_size
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone().float()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for j in range(g.shape[0]):
-                out[f"grad.{base}{j}.gate_proj.weight"] = g[j, :inter].contiguous()
-                out[f"grad.{base}{j}.up_proj.weight"] = g[j, inter:].contiguous()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for j in range(g.shape[0]):
-                out[f"grad.{base}{j}.down_proj.weight"] = g[j].contiguous()
-        elif name.endswith("mlp.gate.weight") or "mlp.gate." in name:
-            out[f"grad.{name}"] = g
-        else:
-            out[f"grad.{name}"] = g
-    return out
 
 
 def min_routing_margin(router_logits, k):
@@ -118,7 +98,7 @@ def make(name, spec, out_dir, seed):
         "lm_loss": lm_loss.reshape(1).float(),
         "aux_loss": out.aux_loss.detach().reshape(1).float(),
     }
-    tensors.update(hub_grads(model, config))
+    tensors.update(hub_grads(model, config.moe_intermediate_size))
     save_file(tensors, os.path.join(d, "reference.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__,
                         "seed": str(seed + attempt), "routing_margin": f"{margin:.3e}"})
