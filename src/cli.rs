@@ -252,7 +252,16 @@ pub fn init_logging() {
 
 /// Prints an error chain the way a user wants to read it and returns the exit code.
 pub fn report(err: &anyhow::Error) -> i32 {
-    eprintln!("error: {err:#}");
+    // The chain, without causes whose text the message already carries.
+    let mut msg = err.to_string();
+    for cause in err.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    eprintln!("error: {msg}");
     2
 }
 

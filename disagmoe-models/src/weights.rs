@@ -107,6 +107,13 @@ impl CheckpointReader {
         &self.dir
     }
 
+    /// Names of all tensors in the checkpoint, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.index.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
     /// Whether the checkpoint has a tensor of this name.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
