@@ -119,8 +119,8 @@ impl CheckpointReader {
         self.index.contains_key(name)
     }
 
-    /// Reads a tensor as f32 with its shape, marking it used.
-    pub fn read_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    /// The raw bytes, dtype and shape of a tensor, checked against each other.
+    fn raw(&mut self, name: &str) -> Result<(&[u8], Dtype, Vec<usize>)> {
         let &fi = self
             .index
             .get(name)
@@ -133,50 +133,44 @@ impl CheckpointReader {
             path: file.path.clone(),
             message: format!("data of `{name}` lies past the end of the file (truncated?)"),
         })?;
-        let n: usize = info.shape.iter().product();
         let width = match info.dtype {
             Dtype::F32 => 4,
             Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::U8 => 1,
             other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
         };
+        let n: usize = info.shape.iter().product();
         if bytes.len() != n * width {
             return Err(ModelError::Safetensors {
                 path: file.path.clone(),
                 message: format!("`{name}` has {} bytes, its shape {:?} needs {}", bytes.len(), info.shape, n * width),
             });
         }
-        let values: Vec<f32> = match info.dtype {
+        Ok((bytes, info.dtype, info.shape.clone()))
+    }
+
+    /// Reads a tensor (F32, BF16 or F16) as f32 with its shape, marking it used.
+    pub fn read_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        let values: Vec<f32> = match dtype {
             Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            _ => unreachable!("checked above"),
+            other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
         };
         self.taken.insert(name.to_owned());
-        Ok((info.shape.clone(), values))
+        Ok((shape, values))
     }
 
     /// Reads a `U8` tensor (e.g. MXFP4 blocks and scales) as raw bytes with its shape.
     pub fn read_u8(&mut self, name: &str) -> Result<(Vec<usize>, Vec<u8>)> {
-        let &fi = self
-            .index
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })?;
-        let file = &self.files[fi];
-        let info = file.meta.info(name).expect("indexed tensor has metadata");
-        if info.dtype != Dtype::U8 {
-            return Err(ModelError::UnsupportedDtype {
-                name: name.into(),
-                dtype: format!("{:?} (expected U8)", info.dtype),
-            });
+        let (bytes, dtype, shape) = self.raw(name)?;
+        if dtype != Dtype::U8 {
+            return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{dtype:?} (expected U8)") });
         }
-        let (start, end) = (8 + file.header_len + info.data_offsets.0, 8 + file.header_len + info.data_offsets.1);
-        let n: usize = info.shape.iter().product();
-        let bytes = file.map.get(start..end).filter(|b| b.len() == n).ok_or_else(|| ModelError::Safetensors {
-            path: file.path.clone(),
-            message: format!("data of `{name}` does not match its shape {:?} (truncated?)", info.shape),
-        })?;
+        let out = bytes.to_vec();
         self.taken.insert(name.to_owned());
-        Ok((info.shape.clone(), bytes.to_vec()))
+        Ok((shape, out))
     }
 
     /// Reads a tensor, checks its shape, and puts it on `device`.
