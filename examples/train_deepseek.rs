@@ -20,8 +20,9 @@ struct Cli {
 }
 
 fn main() {
-    init_logging();
-    if let Err(e) = run_example(Cli::parse().train, "tiny-deepseek-v3") {
+    let cli = Cli::parse();
+    init_logging(cli.train.quiet);
+    if let Err(e) = run_example(cli.train, "tiny-deepseek-v3") {
         std::process::exit(report(&e));
     }
 }

@@ -19,8 +19,9 @@ struct Cli {
 }
 
 fn main() {
-    init_logging();
-    if let Err(e) = run_example(Cli::parse().train, "tiny-gpt-oss") {
+    let cli = Cli::parse();
+    init_logging(cli.train.quiet);
+    if let Err(e) = run_example(cli.train, "tiny-gpt-oss") {
         std::process::exit(report(&e));
     }
 }

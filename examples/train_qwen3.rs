@@ -19,8 +19,9 @@ struct Cli {
 }
 
 fn main() {
-    init_logging();
-    if let Err(e) = run_example(Cli::parse().train, "tiny-qwen3-moe") {
+    let cli = Cli::parse();
+    init_logging(cli.train.quiet);
+    if let Err(e) = run_example(cli.train, "tiny-qwen3-moe") {
         std::process::exit(report(&e));
     }
 }

@@ -238,10 +238,12 @@ pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
     Ok(loss)
 }
 
-/// Sets up logging to stderr (`RUST_LOG` overrides).
-pub fn init_logging() {
+/// Sets up logging to stderr: warnings, plus progress information unless `quiet` (`RUST_LOG`
+/// overrides both).
+pub fn init_logging(quiet: bool) {
+    let default = if quiet { "warn" } else { "warn,disagmoe=info,disagmoe_train=info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,disagmoe=info,disagmoe_train=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

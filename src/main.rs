@@ -27,8 +27,8 @@ enum Command {
 }
 
 fn main() {
-    init_logging();
     let cli = Cli::parse();
+    init_logging(matches!(&cli.command, Command::Train(a) if a.quiet));
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
         Command::Train(args) => run_train(args).map(|_| ()),
