@@ -23,11 +23,11 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
 use crate::deepseek_v3::config::ScoringFunc;
 use crate::error::{ModelError, Result};
-use crate::moe::{Router, RouterOutput};
+use crate::moe::{gather_chosen, Router, RouterOutput};
 use crate::nn::normal_init;
 use crate::weights::{CheckpointReader, TensorSink};
 
@@ -185,11 +185,7 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
            // 2-4. selection on the host
         let ids = self.select(&host(scores.clone()), &self.bias_values(), t);
         // 5. gate weights from the unbiased scores
-        let idx = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [t, k]),
-            &scores.device(),
-        );
-        let mut weights = scores.clone().gather(1, idx); // [T, k]
+        let mut weights = gather_chosen(scores.clone(), &ids, k); // [T, k]
         if self.config.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1).add_scalar(1e-20);
         }

@@ -18,7 +18,7 @@ use std::path::Path;
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -26,7 +26,7 @@ use crate::attention::{AttentionOptions, AttentionShape, GqaAttention};
 use crate::decoder::{CausalLm, DecoderLayer, FamilyConfig};
 use crate::error::{ModelError, Result};
 use crate::hf_json::{expect_model_type, parse_raw, positive, read_config};
-use crate::moe::{map_groups, top_k_rows, Experts, Router, RouterOutput, SparseMoeBlock};
+use crate::moe::{gather_chosen, map_groups, top_k_ids, Experts, Router, RouterOutput, SparseMoeBlock};
 use crate::nn::normal_init;
 use crate::rope::{Rope, RopeScaling};
 use crate::weights::{CheckpointReader, TensorSink};
@@ -236,17 +236,9 @@ pub struct GptOssRouter<B: Backend> {
 
 impl<B: Backend> Router<B> for GptOssRouter<B> {
     fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
-        let [t, _] = x.dims();
-        let [e, _] = self.weight.dims();
-        let k = self.top_k;
         let logits = x.matmul(self.weight.val().transpose()) + self.bias.val().unsqueeze::<2>(); // [T, E]
-        let host = logits.to_data().convert::<f32>().to_vec::<f32>().expect("f32 logits");
-        let ids = top_k_rows(&host, t, e, k);
-        let idx = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [t, k]),
-            &logits.device(),
-        );
-        let weights = softmax(logits.clone().gather(1, idx), 1); // [T, k]
+        let ids = top_k_ids(&logits, self.top_k);
+        let weights = softmax(gather_chosen(logits.clone(), &ids, self.top_k), 1); // [T, k]
         RouterOutput { probs: softmax(logits, 1), weights, ids }
     }
     fn top_k(&self) -> usize {

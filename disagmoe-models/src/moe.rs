@@ -221,18 +221,10 @@ impl<B: Backend> TopKRouter<B> {
 
 impl<B: Backend> Router<B> for TopKRouter<B> {
     fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
-        let [t, _] = x.dims();
-        let [e, _] = self.weight.dims();
-        let k = self.top_k;
         let logits = x.matmul(self.weight.val().transpose()); // [T, E]
         let probs = softmax(logits, 1); // [T, E]
-        let host = probs.to_data().convert::<f32>().to_vec::<f32>().expect("f32 probabilities");
-        let ids = top_k_rows(&host, t, e, k);
-        let idx = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [t, k]),
-            &probs.device(),
-        );
-        let mut weights = probs.clone().gather(1, idx); // [T, k]
+        let ids = top_k_ids(&probs, self.top_k);
+        let mut weights = gather_chosen(probs.clone(), &ids, self.top_k); // [T, k]
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
         }
@@ -253,6 +245,27 @@ impl<B: Backend> Router<B> for TopKRouter<B> {
     fn save(&self, sink: &mut TensorSink, block_prefix: &str) {
         sink.put_param(format!("{block_prefix}.gate.weight"), &self.weight);
     }
+}
+
+/// Ids of the `k` highest scores of each row of `scores` (`[T, E]`), token-major, best first;
+/// read on the host (the per-expert group sizes decide the shapes of the expert matmuls).
+pub fn top_k_ids<B: Backend>(scores: &Tensor<B, 2>, k: usize) -> Vec<usize> {
+    let [t, e] = scores.dims();
+    let host = scores.to_data().convert::<f32>().to_vec::<f32>().expect("f32 router scores");
+    top_k_rows(&host, t, e, k)
+}
+
+/// The scores of the chosen experts, differentiable: `scores[t, ids[t * k + j]]`.
+///
+/// # Shapes
+/// - scores: `[T, E]`; ids: `T * k` -> `[T, k]`
+pub fn gather_chosen<B: Backend>(scores: Tensor<B, 2>, ids: &[usize], k: usize) -> Tensor<B, 2> {
+    let [t, _] = scores.dims();
+    let idx = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [t, k]),
+        &scores.device(),
+    );
+    scores.gather(1, idx)
 }
 
 /// Indices of the `k` largest values of each row of a row-major `[rows, cols]` matrix, largest
