@@ -6,22 +6,13 @@
 //! cargo run --release --example train_gpt_oss -- --steps 60
 //! ```
 //!
-//! Ends with the same JSON line as `disagmoe train`.
-
-use clap::Parser;
-use disagmoe::cli::{init_logging, report, run_example, TrainArgs};
-
-#[derive(Debug, Parser)]
-#[command(name = "train_gpt_oss", about = "Train the embedded tiny GPT-OSS on the bundled corpus")]
-struct Cli {
-    #[command(flatten)]
-    train: TrainArgs,
-}
+//! It shows progress on stderr and ends with the same JSON line as `disagmoe train`
+//! (`first_loss`, `last_loss`, `losses`, `tokens_per_s`, `steps`, ...).
 
 fn main() {
-    let cli = Cli::parse();
-    init_logging(cli.train.quiet);
-    if let Err(e) = run_example(cli.train, "tiny-gpt-oss") {
-        std::process::exit(report(&e));
-    }
+    disagmoe::cli::example_main(
+        "train_gpt_oss",
+        "Train the embedded tiny GPT-OSS on the bundled corpus",
+        "tiny-gpt-oss",
+    );
 }

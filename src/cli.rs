@@ -267,6 +267,18 @@ pub fn report(err: &anyhow::Error) -> i32 {
     2
 }
 
+/// The whole `main` of a `train_*` example: parse the `disagmoe train` options under the example's
+/// name, train `preset` unless they name a model, and exit 2 with a clear message on failure.
+pub fn example_main(name: &'static str, about: &'static str, preset: &str) {
+    use clap::FromArgMatches;
+    let matches = TrainArgs::augment_args(clap::Command::new(name)).about(about).get_matches();
+    let args = TrainArgs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    init_logging(args.quiet);
+    if let Err(e) = run_example(args, preset) {
+        std::process::exit(report(&e));
+    }
+}
+
 /// What the `train_*` examples do: train `preset` unless the arguments name a model, print the
 /// JSON summary, and a one-line human summary on stderr.
 pub fn run_example(mut args: TrainArgs, preset: &str) -> anyhow::Result<TrainSummary> {

@@ -99,11 +99,6 @@ impl ModelConfig {
         each_config!(self, c => c.vocab_size)
     }
 
-    /// Decoder layers.
-    pub fn num_layers(&self) -> usize {
-        each_config!(self, c => c.num_hidden_layers)
-    }
-
     /// Whether transformers would add the load-balancing loss for this config.
     pub fn output_router_logits(&self) -> bool {
         each_config!(self, c => c.output_router_logits)

@@ -357,11 +357,6 @@ fn build_data(cfg: &RunConfig, model_vocab: usize) -> Result<PackedDataset> {
     }
 }
 
-/// Number of scalar parameters of a module.
-pub fn count_params<B: burn::tensor::backend::Backend, M: Module<B>>(model: &M) -> usize {
-    model.num_params()
-}
-
 /// Runs a training job on one device and returns its summary (and the trained model).
 pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<(TrainSummary, MoeCausalLm<B>)> {
     train_until(cfg, device, &AtomicBool::new(false))
@@ -428,7 +423,7 @@ pub fn train_until<B: AutodiffBackend>(
         Some(dir) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
         None => None,
     };
-    let params = count_params(&model);
+    let params = model.num_params();
     let names = model.state_dict_names();
     let poison = match &cfg.inject_nonfinite {
         Some(inj) => Some((
