@@ -8,6 +8,11 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
 }
 
+/// `disagmoe forward --model-dir DIR --input-ids IDS --out OUT`.
+fn forward(dir: &Path, ids: &Path, out: &Path) -> Output {
+    bin().arg("forward").arg("--model-dir").arg(dir).arg("--input-ids").arg(ids).arg("--out").arg(out).output().unwrap()
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen3_moe").join(name)
 }
@@ -59,15 +64,7 @@ fn forward_matches_transformers_logits_and_loss() {
         let ids = tmp.path().join("ids.json");
         std::fs::write(&ids, serde_json::to_string(&reference_ids(&dir)).unwrap()).unwrap();
         let logits = tmp.path().join("out/logits.safetensors");
-        let out = bin()
-            .args(["forward", "--model-dir"])
-            .arg(&dir)
-            .arg("--input-ids")
-            .arg(&ids)
-            .arg("--out")
-            .arg(&logits)
-            .output()
-            .unwrap();
+        let out = forward(&dir, &ids, &logits);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let (shape, ours) = read_f32(&logits, "logits");
         let (ref_shape, reference) = read_f32(&dir.join("reference.safetensors"), "logits");
@@ -148,15 +145,7 @@ fn bad_input_gets_one_clear_message() {
     ] {
         let ids = p.join("ids.json");
         std::fs::write(&ids, text).unwrap();
-        let out = bin()
-            .args(["forward", "--model-dir"])
-            .arg(&dir)
-            .arg("--input-ids")
-            .arg(&ids)
-            .arg("--out")
-            .arg(p.join("l.st"))
-            .output()
-            .unwrap();
+        let out = forward(&dir, &ids, &p.join("l.st"));
         fails_with(&out, needle);
         assert!(!p.join("l.st").exists(), "no output file on failure");
     }
@@ -227,17 +216,8 @@ fn damaged_checkpoints_are_clear_errors() {
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let ids = tmp.path().join("ids.json");
     std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
-    let forward = || {
-        bin()
-            .args(["forward", "--model-dir"])
-            .arg(&dir)
-            .arg("--input-ids")
-            .arg(&ids)
-            .arg("--out")
-            .arg(tmp.path().join("o"))
-            .output()
-            .unwrap()
-    };
+    let out = tmp.path().join("o");
+    let forward = || forward(&dir, &ids, &out);
     // Truncated file.
     std::fs::write(dir.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     fails_with(&forward(), "model.safetensors");
