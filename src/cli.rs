@@ -8,7 +8,7 @@ use disagmoe_models::weights::{write_atomically, TensorSink};
 use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use disagmoe_train::{DefaultBackend, NonFinitePolicy, RunConfig, TrainBackend, TrainSummary};
+use disagmoe_train::{DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind};
 
 /// On or off.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -102,6 +102,60 @@ pub struct TrainArgs {
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
+    /// Where the model runs: single (one device), disagg (AF-Pipe: attention and expert workers),
+    /// ep (every worker holds attention and a shard of the experts) [default: single].
+    #[arg(long, value_enum)]
+    pub placement: Option<PlacementArg>,
+    /// disagg: attention workers in all, a multiple of --groups [default: 2].
+    #[arg(long, value_name = "M")]
+    pub attn_workers: Option<usize>,
+    /// disagg: expert workers in all, a multiple of --groups [default: 2].
+    #[arg(long, value_name = "N")]
+    pub ffn_workers: Option<usize>,
+    /// disagg: groups; group g holds layers g, g+P, ... [default: 2].
+    #[arg(long, value_name = "P")]
+    pub groups: Option<usize>,
+    /// ep: workers [default: 4].
+    #[arg(long, value_name = "W")]
+    pub workers: Option<usize>,
+    /// Micro-batches per step (divides --batch) [default: 1 single, 4 disagg, W ep].
+    #[arg(long, value_name = "K")]
+    pub micro_batches: Option<usize>,
+    /// How workers talk: local (threads of this process) or mpi (one process per worker under
+    /// mpirun; build with --features mpi) [default: local].
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+    /// Emulate links of X Gbit/s per worker (transfers take that long without using CPU).
+    #[arg(long, value_name = "X")]
+    pub link_gbps: Option<f64>,
+    /// One-way latency of the emulated links, microseconds [default: 0].
+    #[arg(long, value_name = "Y")]
+    pub link_latency_us: Option<f64>,
+    /// Write a Chrome trace (open in Perfetto) of every worker's streams.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
+}
+
+/// `--placement` values.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum PlacementArg {
+    /// The plain model on one device.
+    Single,
+    /// AF-Pipe: attention and experts on disjoint workers.
+    Disagg,
+    /// Colocated expert parallelism (the baseline).
+    Ep,
+}
+
+/// `--transport` values.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum TransportArg {
+    /// Threads of this process.
+    Local,
+    /// One process per worker under mpirun.
+    Mpi,
+    /// NCCL between GPUs (not implemented yet).
+    Nccl,
 }
 
 /// `--on-nonfinite` values.
@@ -165,6 +219,30 @@ impl TrainArgs {
         if self.quiet {
             cfg.progress = false;
         }
+        if let Some(p) = self.placement {
+            cfg.placement = match p {
+                PlacementArg::Single => Placement::Single,
+                PlacementArg::Disagg => Placement::Disagg,
+                PlacementArg::Ep => Placement::Ep,
+            };
+        }
+        if let Some(t) = self.transport {
+            cfg.transport = match t {
+                TransportArg::Local => TransportKind::Local,
+                TransportArg::Mpi => TransportKind::Mpi,
+                TransportArg::Nccl => TransportKind::Nccl,
+            };
+        }
+        set!(attn_workers, ffn_workers, groups, workers, link_latency_us);
+        if self.micro_batches.is_some() {
+            cfg.micro_batches = self.micro_batches;
+        }
+        if self.link_gbps.is_some() {
+            cfg.link_gbps = self.link_gbps;
+        }
+        if self.trace.is_some() {
+            cfg.trace = self.trace.clone();
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -184,8 +262,15 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
             std::process::exit(130);
         }
     });
-    let (summary, _model) = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?;
-    println!("{}", serde_json::to_string(&summary)?);
+    let summary = if cfg.placement == Placement::Single {
+        disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?.0
+    } else {
+        disagmoe_train::train_distributed::<TrainBackend>(&cfg, &device)?
+    };
+    // Under mpirun every rank knows the summary; one prints it.
+    if disagmoe_train::runtime::is_primary(&cfg) {
+        println!("{}", serde_json::to_string(&summary)?);
+    }
     Ok(summary)
 }
 

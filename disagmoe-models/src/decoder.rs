@@ -242,6 +242,11 @@ where
         &self.config
     }
 
+    /// The rotary embedding of its attention layers.
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
     pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
         input_ids(rows, self.config.vocab_size(), device)

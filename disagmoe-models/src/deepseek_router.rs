@@ -216,6 +216,10 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
         sink.put_param(format!("{block_prefix}.gate.weight"), &self.weight);
         sink.put_param(format!("{block_prefix}.gate.e_score_correction_bias"), &self.e_score_correction_bias);
     }
+
+    fn update_balance_bias(&mut self, counts: &[usize], rate: f64) -> Result<bool> {
+        self.update_bias(counts, rate).map(|_| true)
+    }
 }
 
 #[cfg(test)]

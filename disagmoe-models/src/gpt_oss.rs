@@ -321,6 +321,22 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
         sink.put_param(format!("{prefix}.down_proj"), &self.down_proj);
         sink.put_param(format!("{prefix}.down_proj_bias"), &self.down_proj_bias);
     }
+
+    fn shard(self, range: std::ops::Range<usize>) -> Result<Self> {
+        let e = self.num_experts();
+        if range.end > e {
+            return Err(ModelError::InvalidInput(format!("expert shard {range:?} of {e} experts")));
+        }
+        let (start, n) = (range.start, range.len());
+        Ok(Self {
+            gate_up_proj: Param::from_tensor(self.gate_up_proj.val().narrow(0, start, n)),
+            gate_up_proj_bias: Param::from_tensor(self.gate_up_proj_bias.val().narrow(0, start, n)),
+            down_proj: Param::from_tensor(self.down_proj.val().narrow(0, start, n)),
+            down_proj_bias: Param::from_tensor(self.down_proj_bias.val().narrow(0, start, n)),
+            alpha: self.alpha,
+            limit: self.limit,
+        })
+    }
 }
 
 /// The 16 values of an FP4 (E2M1) code, as transformers' `FP4_VALUES`.

@@ -25,6 +25,7 @@ pub mod moe;
 pub mod nn;
 pub mod qwen3_moe;
 pub mod rope;
+pub mod stages;
 pub mod weights;
 
 pub use causal_lm::HfCheckpoint;

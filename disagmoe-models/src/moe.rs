@@ -45,6 +45,17 @@ pub trait Experts<B: Backend> {
 
     /// Saves the experts' weights under the names [`Experts::load`] reads.
     fn save(&self, sink: &mut TensorSink, prefix: &str);
+
+    /// Keeps experts `range` (local ids) and drops the others, for expert parallelism. Expert
+    /// types that do not implement it run on one holder per layer only.
+    fn shard(self, range: std::ops::Range<usize>) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        Err(ModelError::InvalidInput(format!(
+            "this expert type cannot be split across devices (experts {range:?} requested); implement Experts::shard"
+        )))
+    }
 }
 
 /// Applies `f(e, rows_of_e)` to each non-empty expert block of `xs` and concatenates the results.
@@ -161,6 +172,13 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
             expert.save(sink, &format!("{prefix}.{j}"));
         }
     }
+
+    fn shard(self, range: std::ops::Range<usize>) -> Result<Self> {
+        if range.end > self.experts.len() {
+            return Err(ModelError::InvalidInput(format!("expert shard {range:?} of {} experts", self.experts.len())));
+        }
+        Ok(Self { experts: self.experts.into_iter().skip(range.start).take(range.len()).collect() })
+    }
 }
 
 /// Chooses `k` experts per token and their gate weights.
@@ -180,6 +198,11 @@ pub trait Router<B: Backend> {
     fn load(&mut self, ckpt: &mut CheckpointReader, block_prefix: &str, device: &B::Device) -> Result<()>;
     /// Saves them under the names [`Router::load`] reads.
     fn save(&self, sink: &mut TensorSink, block_prefix: &str);
+    /// Aux-loss-free balancing from a step's routed copies per expert; routers without a
+    /// correction bias return `Ok(false)`.
+    fn update_balance_bias(&mut self, _counts: &[usize], _rate: f64) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Linear router with softmax-then-top-k selection (Qwen3-MoE, Mixtral).

@@ -60,6 +60,14 @@ pub enum TrainError {
         /// The parameter whose gradient is not finite (Hugging Face name), if it is a gradient.
         tensor: String,
     },
+    /// A worker of a distributed run failed (or lost its peers); the run stopped.
+    #[error("worker {worker}: {cause}")]
+    Worker {
+        /// The worker's rank.
+        worker: usize,
+        /// What went wrong.
+        cause: String,
+    },
     /// The run config TOML is malformed.
     #[error("run config {path}: {message}")]
     RunConfig {

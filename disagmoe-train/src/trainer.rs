@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -22,6 +22,8 @@ use crate::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, BUNDLED_
 use crate::error::{Result, TrainError};
 use crate::metrics::{ExpertLoad, JsonlWriter, StepMetrics};
 use crate::optim::{grad_norm, AdamW, AdamWSettings, LrSchedule};
+use crate::runtime::layout::Placement;
+use crate::runtime::{TransportKind, WorkerFault};
 
 /// The embedded default model: a small Qwen3-MoE over bytes (`configs/tiny-qwen3-moe.json`).
 pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/tiny-qwen3-moe.json");
@@ -129,6 +131,33 @@ pub struct RunConfig {
     /// Aux-loss-free balancing: after each update, routers with a correction bias (DeepSeek-V3)
     /// move it by this much towards balance (0 turns it off).
     pub bias_update_rate: f64,
+    /// Where the model runs: `single` (one device), `disagg` (AF-Pipe on attention and expert
+    /// workers), `ep` (colocated expert-parallel baseline).
+    pub placement: Placement,
+    /// `disagg`: attention workers `M` in all (a multiple of `groups`).
+    pub attn_workers: usize,
+    /// `disagg`: expert workers `N` in all (a multiple of `groups`).
+    pub ffn_workers: usize,
+    /// `disagg`: groups `p`; group `g` holds layers `g, g+p, ...`.
+    pub groups: usize,
+    /// `ep`: workers.
+    pub workers: usize,
+    /// Micro-batches per step (`batch` must be a multiple). Default: 1 for `single`, 4 for
+    /// `disagg`, `workers` for `ep`. Each micro-batch's loss (with its own load-balancing term) is
+    /// averaged, so runs with the same value compare across placements.
+    pub micro_batches: Option<usize>,
+    /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`).
+    pub transport: TransportKind,
+    /// Emulate links of this many Gbit/s per worker (off when absent).
+    pub link_gbps: Option<f64>,
+    /// One-way latency of the emulated links, microseconds.
+    pub link_latency_us: f64,
+    /// Write a Chrome trace of every worker's streams here (distributed runs).
+    pub trace: Option<PathBuf>,
+    /// A worker that waits this long for any message ends the run with an error, seconds.
+    pub comm_timeout_s: f64,
+    /// Testing only: one worker fails at one step.
+    pub fail_worker: Option<WorkerFault>,
 }
 
 impl Default for RunConfig {
@@ -163,6 +192,18 @@ impl Default for RunConfig {
             on_nonfinite: NonFinitePolicy::Skip,
             inject_nonfinite: None,
             bias_update_rate: 0.001,
+            placement: Placement::Single,
+            attn_workers: 2,
+            ffn_workers: 2,
+            groups: 2,
+            workers: 4,
+            micro_batches: None,
+            transport: TransportKind::Local,
+            link_gbps: None,
+            link_latency_us: 0.0,
+            trace: None,
+            comm_timeout_s: 60.0,
+            fail_worker: None,
         }
     }
 }
@@ -245,7 +286,43 @@ impl RunConfig {
             }
         }
         positive("keep_checkpoints", self.keep_checkpoints)?;
+        let k = self.effective_micro_batches();
+        if k == 0 || self.batch % k != 0 {
+            return Err(TrainError::option(
+                "micro_batches",
+                format!("must divide batch ({}) evenly, got {k}", self.batch),
+            ));
+        }
+        for (field, v) in [("attn_workers", self.attn_workers), ("ffn_workers", self.ffn_workers), ("groups", self.groups), ("workers", self.workers)] {
+            positive(field, v)?;
+        }
+        if let Some(g) = self.link_gbps {
+            if !(g.is_finite() && g > 0.0) {
+                return Err(TrainError::option("link_gbps", format!("must be a finite number > 0, got {g}")));
+            }
+        }
+        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
+            return Err(TrainError::option("link_latency_us", format!("must be >= 0, got {}", self.link_latency_us)));
+        }
+        if !(self.comm_timeout_s.is_finite() && self.comm_timeout_s > 0.0) {
+            return Err(TrainError::option("comm_timeout_s", format!("must be > 0, got {}", self.comm_timeout_s)));
+        }
+        if self.placement == Placement::Single && (self.link_gbps.is_some() || self.trace.is_some()) {
+            return Err(TrainError::option(
+                if self.trace.is_some() { "trace" } else { "link_gbps" },
+                "needs placement disagg or ep (a single device has no links)",
+            ));
+        }
         Ok(())
+    }
+
+    /// Micro-batches per step, the default filled in.
+    pub fn effective_micro_batches(&self) -> usize {
+        self.micro_batches.unwrap_or(match self.placement {
+            Placement::Single => 1,
+            Placement::Disagg => 4,
+            Placement::Ep => self.workers,
+        })
     }
 
     /// The learning-rate schedule of this run.
@@ -284,6 +361,21 @@ pub struct TrainSummary {
     pub stopped_early: bool,
     /// The last checkpoint written.
     pub checkpoint: Option<PathBuf>,
+    /// `single`, `disagg` or `ep`.
+    pub placement: String,
+    /// Workers (1 for `single`).
+    pub workers: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Mean wall time of a step, seconds.
+    pub step_s: f64,
+    /// Mean per step of the time compute streams waited for data in flight, summed over workers.
+    pub exposed_comm_s: f64,
+    /// Mean per step of the time compute streams waited for data not computed yet (pipeline
+    /// bubbles), summed over workers.
+    pub bubble_s: f64,
+    /// Mean per step of the time compute streams computed, summed over workers.
+    pub compute_s: f64,
 }
 
 struct SquareSum<'a, B: Backend> {
@@ -335,7 +427,7 @@ pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> R
     })
 }
 
-fn build_data(cfg: &RunConfig, model_vocab: usize) -> Result<PackedDataset> {
+pub(crate) fn build_data(cfg: &RunConfig, model_vocab: usize) -> Result<PackedDataset> {
     let tokenizer: Box<dyn Tokenizer> = match (&cfg.tokenizer, &cfg.model_dir) {
         (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
         (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
@@ -493,26 +585,45 @@ pub fn train_until<B: AutodiffBackend>(
     for step in first_step..=last_step {
         let t0 = Instant::now();
         let rows = data.next_batch(cfg.batch);
-        let ids = model.input_ids(&rows, device)?;
-        let out = model.forward(ids.clone());
-        let loss = model.loss(&out, ids, with_aux);
-        let scalars = burn::tensor::Tensor::cat(
-            [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()]
-                .into_iter()
-                .flatten()
-                .collect(),
-            0,
-        )
-        .into_data()
-        .convert::<f64>()
-        .to_vec::<f64>()
-        .expect("f64 scalars");
-        let (total, lm, aux) = (scalars[0], scalars[1], scalars.get(2).copied());
-        let counts: Vec<Vec<usize>> = out.router_stats.iter().map(|s| s.counts.clone()).collect();
+        // Micro-batches: each one's loss (with its own load-balancing term) over K, gradients added.
+        let k = cfg.effective_micro_batches();
+        let per = cfg.batch / k;
+        let mut acc = GradientsAccumulator::new();
+        let (mut total, mut lm, mut aux) = (0.0, 0.0, None::<f64>);
+        let mut counts: Vec<Vec<usize>> = Vec::new();
+        for chunk in rows.chunks(per) {
+            let ids = model.input_ids(chunk, device)?;
+            let out = model.forward(ids.clone());
+            let loss = model.loss(&out, ids, with_aux);
+            let scalars = burn::tensor::Tensor::cat(
+                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
+                0,
+            )
+            .into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .expect("f64 scalars");
+            total += scalars[0] / k as f64;
+            lm += scalars[1] / k as f64;
+            if let Some(a) = scalars.get(2) {
+                aux = Some(aux.unwrap_or(0.0) + a / k as f64);
+            }
+            counts.resize(out.router_stats.len(), Vec::new());
+            for (c, s) in counts.iter_mut().zip(&out.router_stats) {
+                c.resize(s.counts.len(), 0);
+                for (a, b) in c.iter_mut().zip(&s.counts) {
+                    *a += b;
+                }
+            }
+            let total = if k > 1 { loss.total.div_scalar(k as f64) } else { loss.total };
+            acc.accumulate(&model, GradientsParams::from_grads(total.backward(), &model));
+        }
         let expert_load: Vec<ExpertLoad> =
-            out.router_stats.iter().zip(&sparse_layers).map(|(s, &l)| ExpertLoad::from_counts(l, &s.counts)).collect();
-        let grads = loss.total.backward();
-        let mut grads = GradientsParams::from_grads(grads, &model);
+            counts.iter().zip(&sparse_layers).map(|(c, &l)| ExpertLoad::from_counts(l, c)).collect();
+        let mut grads = acc.grads();
         if let Some((_, target)) = poison.filter(|(s, _)| *s == step) {
             model.visit(&mut Poison { target, grads: &mut grads });
         }
@@ -606,6 +717,13 @@ pub fn train_until<B: AutodiffBackend>(
         resumed_from_step: resumed.as_ref().map(|s| s.step),
         stopped_early: done < cfg.steps,
         checkpoint: last_checkpoint,
+        placement: Placement::Single.name().into(),
+        workers: 1,
+        micro_batches: cfg.effective_micro_batches(),
+        step_s: train_s / steps_run.max(1) as f64,
+        exposed_comm_s: 0.0,
+        bubble_s: 0.0,
+        compute_s: train_s / steps_run.max(1) as f64,
         losses,
     };
     Ok((summary, model))

@@ -1,0 +1,288 @@
+//! A model taken apart into what an attention device and an expert device compute, without any
+//! notion of devices: the runtime in `disagmoe-train` decides who holds which piece.
+//!
+//! Layer `l` becomes an [`AttentionStage`] (input norm, attention, post-attention norm, router) and
+//! an [`ExpertStage`] (routed experts, shared experts, or the dense MLP of a dense layer); the
+//! embedding, final norm and head are the [`Ends`]. Composed back in order they compute exactly what
+//! [`CausalLm::forward`] computes:
+//!
+//! ```text
+//! h_0 = embed(ids)
+//! for l: (x_l, y_l, route_l) = attention_stage_l(h_l)       // x = h + attn(norm(h)), y = norm2(x)
+//!        h_{l+1} = x_l + sum over holders r of expert_stage_l^r(y_l[tokens of r], weights, ids)
+//! logits = head(norm(h_L))
+//! ```
+//!
+//! An expert stage can hold a contiguous range of a layer's experts ([`ExpertStage::shard`]); then
+//! each holder computes the gate-weighted sum of its own experts' outputs for the tokens it got, and
+//! the partial sums add up to the layer's output.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleDisplay};
+use burn::tensor::backend::Backend;
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+
+use crate::decoder::{AttentionLayer, CausalLm, DecoderLayer, FamilyConfig, FeedForward, FeedForwardLayer};
+use crate::error::{ModelError, Result};
+use crate::moe::{Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
+use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::rope::Rope;
+
+/// The embedding, final norm and head of a model.
+#[derive(Module, Debug)]
+pub struct Ends<B: Backend> {
+    /// `model.embed_tokens`
+    pub embed_tokens: Embedding<B>,
+    /// `model.norm`
+    pub norm: RmsNorm<B>,
+    /// `lm_head` (absent when tied to the embedding).
+    pub lm_head: Option<Linear<B>>,
+}
+
+impl<B: Backend> Ends<B> {
+    /// Hidden states of token ids.
+    ///
+    /// # Shapes
+    /// - ids: `[B, S]` -> `[B, S, M]`
+    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_tokens.forward(ids)
+    }
+
+    /// Next-token logits of the last hidden states.
+    ///
+    /// # Shapes
+    /// - h: `[B, S, M]` -> `[B, S, V]`
+    pub fn logits(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        crate::causal_lm::lm_logits(self.norm.forward(h), self.lm_head.as_ref(), &self.embed_tokens)
+    }
+}
+
+/// The attention side of one decoder layer: norms, attention and (on routed layers) the router.
+#[derive(Module, Debug)]
+pub struct AttentionStage<B: Backend, A: Module<B>, R: Module<B>> {
+    /// `input_layernorm`
+    pub input_layernorm: RmsNorm<B>,
+    /// `self_attn`
+    pub self_attn: A,
+    /// `post_attention_layernorm`
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// The layer's router (`None` on dense layers).
+    pub router: Option<R>,
+}
+
+/// What an attention stage hands on.
+#[derive(Debug, Clone)]
+pub struct AttentionStageOutput<B: Backend> {
+    /// `[T, M]`: `h + attn(norm(h))`, the residual the expert output is added to.
+    pub residual: Tensor<B, 2>,
+    /// `[T, M]`: `post_attention_layernorm(residual)`, the experts' input.
+    pub normed: Tensor<B, 2>,
+    /// The router's decision (routed layers).
+    pub route: Option<RouterOutput<B>>,
+}
+
+impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> AttentionStage<B, A, R> {
+    /// # Shapes
+    /// - h: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`
+    pub fn forward(&self, h: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> AttentionStageOutput<B> {
+        let [b, s, m] = h.dims();
+        let x = h.clone() + self.self_attn.attend(self.input_layernorm.forward(h), cos, sin); // [B, S, M]
+        let residual = x.reshape([b * s, m]); // [T, M]
+        let normed = self.post_attention_layernorm.forward(residual.clone()); // [T, M]
+        let route = self.router.as_ref().map(|r| r.route(normed.clone()));
+        AttentionStageOutput { residual, normed, route }
+    }
+
+    /// Experts chosen per token (`None` on dense layers).
+    pub fn top_k(&self) -> Option<usize> {
+        self.router.as_ref().map(|r| r.top_k())
+    }
+}
+
+/// The expert side of one decoder layer: a range of its routed experts and, where this holder has
+/// them, the shared experts or the dense MLP.
+#[derive(Module, Debug)]
+pub struct ExpertStage<B: Backend, X: Module<B>> {
+    /// Routed experts `first_expert..first_expert + n` (absent on dense layers and on holders of no
+    /// routed expert).
+    pub experts: Option<X>,
+    /// Shared experts every token goes through (DeepSeek).
+    pub shared_experts: Option<SwiGluMlp<B>>,
+    /// The MLP of a dense layer.
+    pub dense: Option<SwiGluMlp<B>>,
+    /// Global id of the first routed expert held.
+    #[module(skip)]
+    pub first_expert: usize,
+}
+
+impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
+    /// Routed experts held.
+    pub fn local_experts(&self) -> Range<usize> {
+        let n = self.experts.as_ref().map(|x| x.num_experts()).unwrap_or(0);
+        self.first_expert..self.first_expert + n
+    }
+
+    /// Whether every token of the layer must come here (shared experts or dense MLP).
+    pub fn needs_all_tokens(&self) -> bool {
+        self.shared_experts.is_some() || self.dense.is_some()
+    }
+
+    /// Keeps the routed experts in `range` (global ids) and, when `keep_shared`, the shared experts
+    /// and dense MLP.
+    pub fn shard(self, range: Range<usize>, keep_shared: bool) -> Result<Self> {
+        let Self { experts, shared_experts, dense, first_expert } = self;
+        let experts = match experts {
+            Some(x) if range.is_empty() => {
+                drop(x);
+                None
+            }
+            Some(x) => {
+                let held = first_expert..first_expert + x.num_experts();
+                if range.start < held.start || range.end > held.end {
+                    return Err(ModelError::InvalidInput(format!(
+                        "expert shard {range:?} is not inside the experts held ({held:?})"
+                    )));
+                }
+                Some(if range == held { x } else { x.shard((range.start - first_expert)..(range.end - first_expert))? })
+            }
+            None => None,
+        };
+        Ok(Self {
+            experts,
+            shared_experts: shared_experts.filter(|_| keep_shared),
+            dense: dense.filter(|_| keep_shared),
+            first_expert: range.start,
+        })
+    }
+
+    /// This holder's share of the layer output for the tokens it was sent.
+    ///
+    /// `ids[t * k + j]` is the global expert of token `t`'s `j`-th choice; choices outside
+    /// [`ExpertStage::local_experts`] are other holders' and are skipped. `weights` are the gate
+    /// weights of all `k` choices. Dense layers ignore `weights` and `ids`.
+    ///
+    /// # Shapes
+    /// - y: `[n, M]`; weights: `[n, k]`; ids: `n * k` -> `[n, M]`
+    pub fn forward(&self, y: Tensor<B, 2>, weights: Option<Tensor<B, 2>>, ids: &[usize]) -> Tensor<B, 2> {
+        let [n, m] = y.dims();
+        let device = y.device();
+        if let Some(dense) = &self.dense {
+            return dense.forward(y);
+        }
+        let mut out: Option<Tensor<B, 2>> = None;
+        if let (Some(experts), Some(w)) = (&self.experts, weights) {
+            let k = if n == 0 { 1 } else { ids.len() / n };
+            let local = self.local_experts();
+            // 1. A stable counting sort of this holder's (token, choice) slots by local expert.
+            let mut counts = vec![0usize; local.len()];
+            for &e in ids.iter().filter(|e| local.contains(e)) {
+                counts[e - local.start] += 1;
+            }
+            let mut next: Vec<usize> = counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let start = *acc;
+                    *acc += c;
+                    Some(start)
+                })
+                .collect();
+            let total: usize = counts.iter().sum();
+            if total > 0 {
+                let mut slots = vec![0usize; total];
+                for (slot, &e) in ids.iter().enumerate().filter(|(_, e)| local.contains(e)) {
+                    slots[next[e - local.start]] = slot;
+                    next[e - local.start] += 1;
+                }
+                let index = |v: Vec<i64>| {
+                    let len = v.len();
+                    Tensor::<B, 1, Int>::from_data(TensorData::new(v, [len]), &device)
+                };
+                let tokens = index(slots.iter().map(|&s| (s / k) as i64).collect());
+                let slot_idx = index(slots.iter().map(|&s| s as i64).collect());
+                // 2. Permute, compute, weight, and sum back per token.
+                let xs = y.clone().select(0, tokens.clone()); // [N, M]
+                let ys = experts.forward_grouped(xs, &counts); // [N, M]
+                let gate = w.reshape([n * k]).select(0, slot_idx).reshape([total, 1]); // [N, 1]
+                out = Some(Tensor::zeros([n, m], &device).select_assign(0, tokens, ys * gate, IndexingUpdateOp::Add));
+            }
+        }
+        if let Some(shared) = &self.shared_experts {
+            let s = shared.forward(y);
+            out = Some(match out {
+                Some(o) => o + s,
+                None => s,
+            });
+        }
+        out.unwrap_or_else(|| Tensor::zeros([n, m], &device))
+    }
+}
+
+/// A feed-forward layer type that splits into a router and an expert stage.
+pub trait SplitFeedForward<B: Backend>: Module<B> {
+    /// The router type.
+    type Router: Module<B> + ModuleDisplay + Router<B>;
+    /// The routed experts type.
+    type Experts: Module<B> + ModuleDisplay + Experts<B>;
+    /// The router (routed layers) and everything else.
+    fn split(self) -> (Option<Self::Router>, ExpertStage<B, Self::Experts>);
+}
+
+impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>> SplitFeedForward<B> for SparseMoeBlock<B, R, X> {
+    type Router = R;
+    type Experts = X;
+    fn split(self) -> (Option<R>, ExpertStage<B, X>) {
+        let Self { gate, experts, shared_experts } = self;
+        (Some(gate), ExpertStage { experts: Some(experts), shared_experts, dense: None, first_expert: 0 })
+    }
+}
+
+impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>> SplitFeedForward<B> for FeedForward<B, R, X> {
+    type Router = R;
+    type Experts = X;
+    fn split(self) -> (Option<R>, ExpertStage<B, X>) {
+        match (self.moe, self.dense) {
+            (Some(moe), _) => moe.split(),
+            (None, dense) => (None, ExpertStage { experts: None, shared_experts: None, dense, first_expert: 0 }),
+        }
+    }
+}
+
+/// A model taken apart: ends, one attention stage and one expert stage per layer, the RoPE tables'
+/// source, and the loss settings.
+pub struct Stages<B: Backend, A: Module<B>, F: SplitFeedForward<B>> {
+    /// Embedding, final norm, head.
+    pub ends: Ends<B>,
+    /// Attention side of each layer, in order.
+    pub attention: Vec<AttentionStage<B, A, F::Router>>,
+    /// Expert side of each layer, in order (all experts).
+    pub experts: Vec<ExpertStage<B, F::Experts>>,
+    /// Rotary embedding of the attention layers.
+    pub rope: Rope,
+    /// Coefficient of the load-balancing loss (`None`: the family has none).
+    pub aux_loss_coef: Option<f64>,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+}
+
+impl<B: Backend, C, A, F> CausalLm<B, C, A, F>
+where
+    C: FamilyConfig,
+    A: Module<B> + AttentionLayer<B>,
+    F: SplitFeedForward<B> + FeedForwardLayer<B>,
+{
+    /// Takes the model apart into [`Stages`].
+    pub fn into_stages(self) -> Stages<B, A, F> {
+        let (vocab_size, aux_loss_coef) = (self.config().vocab_size(), self.config().aux_loss_coef());
+        let rope = self.rope().clone();
+        let Self { embed_tokens, layers, norm, lm_head, .. } = self;
+        let mut attention = Vec::with_capacity(layers.len());
+        let mut experts = Vec::with_capacity(layers.len());
+        for DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp } in layers {
+            let (router, stage) = mlp.split();
+            attention.push(AttentionStage { input_layernorm, self_attn, post_attention_layernorm, router });
+            experts.push(stage);
+        }
+        Stages { ends: Ends { embed_tokens, norm, lm_head }, attention, experts, rope, aux_loss_coef, vocab_size }
+    }
+}

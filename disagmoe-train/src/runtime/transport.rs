@@ -1,0 +1,327 @@
+//! Moving token batches between workers: the [`Endpoint`] trait, its messages, the in-process
+//! `local` transport, and link emulation.
+//!
+//! A send never blocks the compute stream: the endpoint hands the message to the transport (a
+//! channel here, a communication thread for MPI) and returns. Link emulation stamps each message
+//! with the time a link of the given speed would deliver it (the sender's NIC sends one message at a
+//! time, FIFO), and the receiving endpoint holds it back until then, so transfers take wall time
+//! without spending CPU. Messages a worker sends to itself never touch the link.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// Microseconds since the Unix epoch: one clock for every worker of a machine.
+pub fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+/// A dense f32 tensor on the host, as it travels.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HostTensor {
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    /// Rows (the first dimension; 0 for an empty tensor).
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(0)
+    }
+}
+
+/// Per micro-batch sums the load-balancing loss needs, carried along the layers of the forward pass.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AuxSums {
+    /// Routed copies per expert, summed over the routed layers so far.
+    pub counts: Vec<f64>,
+    /// Router probabilities per expert, summed over tokens and routed layers so far.
+    pub prob_sum: Vec<f64>,
+    /// Rows (tokens x routed layers) so far.
+    pub rows: usize,
+}
+
+/// What workers send each other.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Msg {
+    /// Attention -> expert holder (M2N): the tokens of micro-batch `mb` this holder serves at
+    /// `layer`, each once, with the gate weights and expert ids of all `k` choices.
+    Dispatch {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// Token indices within the micro-batch.
+        tokens: Vec<u32>,
+        /// `[n, M]` expert inputs.
+        y: HostTensor,
+        /// `[n, k]` gate weights (routed layers).
+        weights: Option<HostTensor>,
+        /// `n * k` global expert ids.
+        ids: Vec<u32>,
+    },
+    /// Expert holder -> the next layer's attention worker (N2M): this holder's share of the output.
+    Combine {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer that produced it.
+        layer: usize,
+        /// Token indices within the micro-batch.
+        tokens: Vec<u32>,
+        /// `[n, M]`
+        out: HostTensor,
+    },
+    /// Attention worker -> the next layer's attention worker: the residual stream.
+    Residual {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer that produced it.
+        layer: usize,
+        /// `[T, M]`
+        x: HostTensor,
+        /// Load-balancing sums so far.
+        aux: AuxSums,
+    },
+    /// Backward, to an expert holder: the gradient of its share of `layer`'s output.
+    GradCombine {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// `[n, M]`, rows as in the holder's `Combine`.
+        g: HostTensor,
+    },
+    /// Backward, to `layer`'s attention worker: the gradient of its residual, and the gradient of
+    /// the loss with respect to each expert's summed router probability (empty without aux loss).
+    GradResidual {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// `[T, M]`
+        g: HostTensor,
+        /// `[E]`
+        aux_coef: Vec<f32>,
+    },
+    /// Backward, expert holder -> attention worker: gradients of the expert inputs and gate weights.
+    GradDispatch {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// `[n, M]`
+        gy: HostTensor,
+        /// `[n, k]`
+        gw: Option<HostTensor>,
+    },
+    /// A piece of a collective operation (sum), tagged by its purpose.
+    Reduce {
+        /// What is being reduced.
+        tag: u32,
+        /// The values.
+        data: Vec<f64>,
+    },
+    /// The run is over because `worker` failed.
+    Abort {
+        /// The failed worker.
+        worker: usize,
+        /// Why.
+        cause: String,
+    },
+    /// Trace events of a worker, gathered at the end.
+    Trace(Vec<super::trace::TraceEvent>),
+    /// Stops an endpoint's receiving thread.
+    Shutdown,
+}
+
+impl Msg {
+    /// Bytes a real transfer would move (payload only).
+    pub fn payload_bytes(&self) -> usize {
+        let t = |h: &HostTensor| h.data.len() * 4;
+        match self {
+            Msg::Dispatch { tokens, y, weights, ids, .. } => {
+                tokens.len() * 4 + t(y) + weights.as_ref().map(t).unwrap_or(0) + ids.len() * 4
+            }
+            Msg::Combine { tokens, out, .. } => tokens.len() * 4 + t(out),
+            Msg::Residual { x, aux, .. } => t(x) + (aux.counts.len() + aux.prob_sum.len()) * 8,
+            Msg::GradCombine { g, .. } => t(g),
+            Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.len() * 4,
+            Msg::GradDispatch { gy, gw, .. } => t(gy) + gw.as_ref().map(t).unwrap_or(0),
+            Msg::Reduce { data, .. } => data.len() * 8,
+            Msg::Abort { cause, .. } => cause.len(),
+            Msg::Trace(events) => events.len() * 64,
+            Msg::Shutdown => 0,
+        }
+    }
+
+    /// A short name for traces.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Msg::Dispatch { .. } => "dispatch",
+            Msg::Combine { .. } => "combine",
+            Msg::Residual { .. } => "residual",
+            Msg::GradCombine { .. } => "grad-combine",
+            Msg::GradResidual { .. } => "grad-residual",
+            Msg::GradDispatch { .. } => "grad-dispatch",
+            Msg::Reduce { .. } => "reduce",
+            Msg::Abort { .. } => "abort",
+            Msg::Trace(_) => "trace",
+            Msg::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// A message with its routing and timing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Sending worker.
+    pub src: usize,
+    /// Training step it belongs to.
+    pub step: usize,
+    /// When it was sent ([`now_us`]).
+    pub sent_us: u64,
+    /// When the emulated link delivers it (= `sent_us` without emulation).
+    pub deliver_us: u64,
+    /// The message.
+    pub msg: Msg,
+}
+
+/// An emulated link: every worker's NIC sends at `gbps` gigabits per second, one message at a
+/// time, and each message arrives `latency_us` after its last byte left.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LinkModel {
+    /// Bandwidth per worker, Gbit/s.
+    pub gbps: f64,
+    /// One-way latency, microseconds.
+    pub latency_us: f64,
+}
+
+impl LinkModel {
+    /// Microseconds to put `bytes` on the wire.
+    pub fn transfer_us(&self, bytes: usize) -> f64 {
+        bytes as f64 * 8.0 / (self.gbps * 1e3)
+    }
+}
+
+/// One worker's connection to the others.
+pub trait Endpoint: Send {
+    /// This worker's rank.
+    fn rank(&self) -> usize;
+    /// Number of workers.
+    fn size(&self) -> usize;
+    /// Hands `env` to the transport for `dst` (never waits for the receiver).
+    fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()>;
+    /// The next envelope that arrived, waiting at most `timeout`; `None` on time-out.
+    fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>>;
+}
+
+/// Link emulation and delivery order on top of any [`Endpoint`]: what workers use.
+pub struct Port {
+    inner: Box<dyn Endpoint>,
+    link: Option<LinkModel>,
+    nic_free_us: f64,
+    due: BinaryHeap<Reverse<(u64, u64)>>,
+    held: HashMap<u64, Envelope>,
+    seq: u64,
+}
+
+impl Port {
+    /// Wraps an endpoint; `link` turns on emulation.
+    pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>) -> Self {
+        Self { inner, link, nic_free_us: 0.0, due: BinaryHeap::new(), held: HashMap::new(), seq: 0 }
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// Number of workers.
+    pub fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// Sends `msg` to `dst`; returns (sent, delivered) times in microseconds. Aborts and messages
+    /// to oneself skip the emulated link.
+    pub fn send(&mut self, dst: usize, step: usize, msg: Msg) -> Result<(u64, u64)> {
+        let now = now_us();
+        let deliver = match self.link {
+            Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. }) => {
+                let start = (now as f64).max(self.nic_free_us);
+                self.nic_free_us = start + link.transfer_us(msg.payload_bytes());
+                (self.nic_free_us + link.latency_us) as u64
+            }
+            _ => now,
+        };
+        let env = Envelope { src: self.rank(), step, sent_us: now, deliver_us: deliver, msg };
+        self.inner.transmit(dst, env)?;
+        Ok((now, deliver))
+    }
+
+    /// The next delivered envelope (in delivery-time order), waiting at most `timeout`; `None` on
+    /// time-out.
+    pub fn recv(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
+        let deadline = now_us() + timeout.as_micros() as u64;
+        loop {
+            let now = now_us();
+            if let Some(&Reverse((due, seq))) = self.due.peek() {
+                if due <= now {
+                    self.due.pop();
+                    return Ok(self.held.remove(&seq));
+                }
+            }
+            if now >= deadline {
+                return Ok(None);
+            }
+            let until = self.due.peek().map(|Reverse((due, _))| (*due).min(deadline)).unwrap_or(deadline);
+            if let Some(env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
+                self.seq += 1;
+                self.due.push(Reverse((env.deliver_us, self.seq)));
+                self.held.insert(self.seq, env);
+            }
+        }
+    }
+}
+
+/// The in-process transport: workers are threads, messages move through channels.
+pub struct LocalEndpoint {
+    rank: usize,
+    peers: Vec<Sender<Envelope>>,
+    inbox: Receiver<Envelope>,
+}
+
+/// Endpoints for `n` workers in this process.
+pub fn local_endpoints(n: usize) -> Vec<LocalEndpoint> {
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
+    receivers.into_iter().enumerate().map(|(rank, inbox)| LocalEndpoint { rank, peers: senders.clone(), inbox }).collect()
+}
+
+impl Endpoint for LocalEndpoint {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.peers.len()
+    }
+    fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
+        // A peer that has ended dropped its inbox; its own error is what the run reports.
+        let _ = self.peers[dst].send(env);
+        Ok(())
+    }
+    fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
+        match self.inbox.recv_timeout(timeout) {
+            Ok(env) => Ok(Some(env)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(TrainError::Worker { worker: self.rank, cause: "every peer has gone".into() })
+            }
+        }
+    }
+}

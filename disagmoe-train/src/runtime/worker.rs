@@ -1,0 +1,978 @@
+//! One worker of a distributed run: its part of the model, its message loop, and the end-of-step
+//! collectives.
+//!
+//! The worker is event driven. Messages arrive through its [`Port`] (the communication stream; sends
+//! never wait for the receiver), and a task becomes ready when all its inputs are there:
+//!
+//! | task            | ready when                                                      | sends                                   |
+//! |-----------------|-----------------------------------------------------------------|-----------------------------------------|
+//! | attention fwd l | embedding (l = 0), or residual + every holder's combine of l-1  | dispatch to l's holders, residual to l+1 |
+//! | expert fwd l    | a dispatch arrives                                              | combine to l+1's attention worker       |
+//! | head            | residual + every holder's combine of the last layer             | loss; grads to the last layer           |
+//! | expert bwd l    | the gradient of its combine arrives                             | grad-dispatch to l's attention worker   |
+//! | attention bwd l | grad-residual + every holder's grad-dispatch of l               | grads to l-1's attention and holders    |
+//!
+//! The compute stream takes backward work first, then expert forwards, then attention forwards, so
+//! gradients flow out while new micro-batches come in. Every boundary between workers is a leaf of
+//! Burn's autodiff graph: a received tensor becomes a leaf that requires a gradient, and a stage's
+//! backward is `sum(output * received gradient)`.
+//!
+//! Time the compute stream waits is split at each arrival: the part after the message was sent is
+//! exposed communication (data in flight), the part before is pipeline bubble (data not computed yet).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+
+use disagmoe_models::causal_lm::next_token_cross_entropy;
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::moe::{Experts, Router};
+use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
+
+use super::layout::{Layout, Placement};
+use super::trace::{Tracer, COMM, COMPUTE};
+use super::transport::{now_us, AuxSums, Envelope, HostTensor, Msg, Port};
+use crate::error::{Result, TrainError};
+use crate::optim::{grad_norm, AdamW};
+
+/// What one worker holds.
+#[derive(Module, Debug)]
+pub struct WorkerPart<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
+    /// Embedding, final norm and head (attention group 0; every `ep` worker).
+    pub ends: Option<Ends<B>>,
+    /// Attention stages of [`Layout::attn_layers`], in order.
+    pub attention: Vec<AttentionStage<B, A, R>>,
+    /// Expert stages of [`Layout::ffn_layers`], in order, sharded.
+    pub experts: Vec<ExpertStage<B, X>>,
+}
+
+/// Settings every worker shares.
+#[derive(Debug, Clone)]
+pub struct StepSettings {
+    /// Sequences per micro-batch.
+    pub mb_rows: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Add the load-balancing loss.
+    pub with_aux: bool,
+    /// Its coefficient.
+    pub aux_coef: f64,
+    /// Clip the global gradient norm to this (0: off).
+    pub grad_clip: f64,
+    /// Correction-bias step (0: off).
+    pub bias_update_rate: f64,
+    /// Stop with an error on a non-finite loss or gradient instead of skipping the update.
+    pub abort_on_nonfinite: bool,
+    /// Longest wait for any message before the worker gives up on its peers.
+    pub timeout: Duration,
+    /// Testing: this worker fails at this step, after its first task.
+    pub fail_at: Option<(usize, usize)>,
+}
+
+/// What a step measured, the same on every worker after the step's global reduction.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepOutcome {
+    /// Mean over micro-batches of LM loss + coefficient x aux loss.
+    pub loss: f64,
+    /// Mean LM loss.
+    pub lm_loss: f64,
+    /// Mean aux loss (before the coefficient), when on.
+    pub aux_loss: Option<f64>,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The update was skipped (non-finite).
+    pub skipped: bool,
+    /// Seconds compute streams waited for data in flight, summed over workers.
+    pub exposed_comm_s: f64,
+    /// Seconds compute streams waited for data not yet computed, summed over workers.
+    pub bubble_s: f64,
+    /// Seconds compute streams computed, summed over workers.
+    pub compute_s: f64,
+}
+
+#[derive(Debug)]
+enum Task {
+    AttnFwd { mb: usize, layer: usize },
+    Head { mb: usize },
+    AttnBwd { mb: usize, layer: usize },
+    FfnFwd { src: usize, mb: usize, layer: usize, tokens: Vec<u32>, y: HostTensor, w: Option<HostTensor>, ids: Vec<u32> },
+    FfnBwd { mb: usize, layer: usize, g: HostTensor },
+}
+
+/// Inputs of a layer (or of the head) arriving from the previous layer.
+#[derive(Default)]
+struct LayerInput {
+    residual: Option<(HostTensor, AuxSums, usize)>,
+    partials: Vec<(usize, Vec<u32>, HostTensor)>,
+}
+
+#[derive(Default)]
+struct GradInput {
+    residual: Option<(HostTensor, Vec<f32>)>,
+    dispatch: Vec<(usize, HostTensor, Option<HostTensor>)>,
+}
+
+struct SentDispatch<B: AutodiffBackend> {
+    holder: usize,
+    y: Option<Tensor<B, 2>>,
+    w: Option<Tensor<B, 2>>,
+}
+
+struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    stage: AttentionStage<B, A, R>,
+    ends: Option<Ends<B>>,
+    h: Option<Tensor<B, 3>>,
+    from: Vec<(usize, Vec<u32>)>,
+    residual: Tensor<B, 2>,
+    sent: Vec<SentDispatch<B>>,
+    prob_sum: Option<Tensor<B, 1>>,
+}
+
+struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
+    stage: Option<ExpertStage<B, X>>,
+    dst: usize,
+    rows: usize,
+    y: Option<Tensor<B, 2>>,
+    w: Option<Tensor<B, 2>>,
+    out: Option<Tensor<B, 2>>,
+}
+
+const TAG_REPLICAS: u32 = 1;
+const TAG_GLOBAL: u32 = 2;
+const TAG_CHECKSUM: u32 = 3;
+
+/// A worker and its state within a step.
+pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> {
+    rank: usize,
+    layout: Layout,
+    settings: StepSettings,
+    port: Port,
+    device: B::Device,
+    part: Option<WorkerPart<B, A, R, X>>,
+    attn_index: HashMap<usize, usize>,
+    ffn_index: HashMap<usize, usize>,
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+    /// Tracing.
+    pub tracer: Tracer,
+    // Per step.
+    step: usize,
+    rows: HashMap<usize, Vec<Vec<i64>>>,
+    inputs: HashMap<(usize, usize), LayerInput>,
+    grad_inputs: HashMap<(usize, usize), GradInput>,
+    attn_saved: HashMap<(usize, usize), AttnSaved<B, A, R>>,
+    ffn_saved: HashMap<(usize, usize), FfnSaved<B, X>>,
+    ready_bwd: VecDeque<Task>,
+    ready_ffn: VecDeque<Task>,
+    ready_fwd: VecDeque<Task>,
+    waiting_mbs: VecDeque<usize>,
+    bwd_left: usize,
+    grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
+    counts: HashMap<usize, Vec<usize>>,
+    losses: (f64, f64, f64),
+    wait_comm_us: u64,
+    wait_bubble_us: u64,
+    compute_us: u64,
+    tasks_run: usize,
+    later: Vec<Envelope>,
+    opt: AdamW<B>,
+}
+
+fn host<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> HostTensor {
+    let data = t.to_data().convert::<f32>();
+    HostTensor { shape: data.shape.clone().into(), data: data.to_vec::<f32>().expect("f32 tensor") }
+}
+
+fn leaf<B: AutodiffBackend, const D: usize>(h: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+    Tensor::<B, D>::from_data(TensorData::new(h.data.clone(), h.shape.clone()), device).require_grad()
+}
+
+fn constant<B: AutodiffBackend, const D: usize>(h: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+    Tensor::<B, D>::from_data(TensorData::new(h.data.clone(), h.shape.clone()), device)
+}
+
+fn index<B: AutodiffBackend>(v: &[u32], device: &B::Device) -> Tensor<B, 1, Int> {
+    Tensor::from_data(TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]), device)
+}
+
+fn grad_of<B: AutodiffBackend, const D: usize>(
+    t: &Option<Tensor<B, D>>,
+    grads: &mut B::Gradients,
+    shape: &[usize],
+) -> HostTensor {
+    let g = t.as_ref().and_then(|t| t.grad_remove(grads));
+    match g {
+        Some(g) => {
+            let data = g.into_data().convert::<f32>();
+            HostTensor { shape: shape.to_vec(), data: data.to_vec::<f32>().expect("f32 grad") }
+        }
+        None => HostTensor { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] },
+    }
+}
+
+/// Gives every parameter of a module its own autodiff leaf (and moves it to `device`). Workers fork
+/// their stage for each task, so the graphs of micro-batches in flight at once share no node: Burn
+/// would otherwise join them through the parameters, and a backward of one would disturb another.
+pub(crate) struct Fork<'a, B: AutodiffBackend> {
+    pub(crate) device: &'a B::Device,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Fork<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let mut t = Tensor::<B, D>::from_inner(tensor.inner().to_device(self.device));
+        if require_grad {
+            t = t.require_grad();
+        }
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
+/// Flattens (and later restores) the gradients of a module's parameters, with presence flags.
+struct Flatten<'a> {
+    grads: &'a mut GradientsParams,
+    out: Vec<f64>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let n: usize = param.val().dims().iter().product();
+        match self.grads.get::<B::InnerBackend, D>(param.id) {
+            Some(g) => {
+                self.out.push(1.0);
+                self.out.extend(g.into_data().convert::<f32>().to_vec::<f32>().expect("f32").iter().map(|&x| x as f64));
+            }
+            None => {
+                self.out.push(0.0);
+                self.out.extend(std::iter::repeat_n(0.0, n));
+            }
+        }
+    }
+}
+
+struct Restore<'a> {
+    grads: &'a mut GradientsParams,
+    data: &'a [f64],
+    pos: usize,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Restore<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let shape = param.val().dims();
+        let n: usize = shape.iter().product();
+        let present = self.data[self.pos] > 0.0;
+        let values: Vec<f32> = self.data[self.pos + 1..self.pos + 1 + n].iter().map(|&x| x as f32).collect();
+        self.pos += 1 + n;
+        self.grads.remove::<B::InnerBackend, D>(param.id);
+        if present {
+            let device = param.val().device();
+            let t = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
+            self.grads.register::<B::InnerBackend, D>(param.id, t);
+        }
+    }
+}
+
+impl<B, A, R, X> Worker<B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: Module<B> + ModuleDisplay + AttentionLayer<B>,
+    R: Module<B> + ModuleDisplay + Router<B>,
+    X: Module<B> + ModuleDisplay + Experts<B>,
+    WorkerPart<B, A, R, X>: AutodiffModule<B>,
+    Option<Ends<B>>: AutodiffModule<B>,
+    Vec<AttentionStage<B, A, R>>: AutodiffModule<B>,
+    Vec<ExpertStage<B, X>>: AutodiffModule<B>,
+    ExpertStage<B, X>: AutodiffModule<B>,
+    AttentionStage<B, A, R>: AutodiffModule<B>,
+    Ends<B>: AutodiffModule<B>,
+{
+    /// A worker holding `part`, with RoPE tables for the run's sequence length.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        layout: Layout,
+        settings: StepSettings,
+        port: Port,
+        part: WorkerPart<B, A, R, X>,
+        (cos, sin): (Tensor<B, 4>, Tensor<B, 4>),
+        device: B::Device,
+        trace: bool,
+        opt: AdamW<B>,
+    ) -> Self {
+        let rank = port.rank();
+        let attn_index = layout.attn_layers(rank).into_iter().enumerate().map(|(i, l)| (l, i)).collect();
+        let ffn_index = layout.ffn_layers(rank).into_iter().enumerate().map(|(i, (l, _))| (l, i)).collect();
+        Self {
+            rank,
+            tracer: Tracer::new(trace, rank),
+            layout,
+            settings,
+            port,
+            device,
+            part: Some(part),
+            attn_index,
+            ffn_index,
+            cos,
+            sin,
+            step: 0,
+            rows: HashMap::new(),
+            inputs: HashMap::new(),
+            grad_inputs: HashMap::new(),
+            attn_saved: HashMap::new(),
+            ffn_saved: HashMap::new(),
+            ready_bwd: VecDeque::new(),
+            ready_ffn: VecDeque::new(),
+            ready_fwd: VecDeque::new(),
+            waiting_mbs: VecDeque::new(),
+            bwd_left: 0,
+            grads: GradientsAccumulator::new(),
+            counts: HashMap::new(),
+            losses: (0.0, 0.0, 0.0),
+            wait_comm_us: 0,
+            wait_bubble_us: 0,
+            compute_us: 0,
+            tasks_run: 0,
+            later: Vec::new(),
+            opt,
+        }
+    }
+
+    fn part(&self) -> &WorkerPart<B, A, R, X> {
+        self.part.as_ref().expect("the part is only taken during the optimizer step")
+    }
+
+    fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
+        let kind = msg.kind();
+        let (sent, delivered) = self.port.send(dst, self.step, msg)?;
+        self.tracer.span(|| format!("{kind} -> {dst}"), "send", COMM, sent, delivered);
+        Ok(())
+    }
+
+    /// Runs one training step on `batch` (the step's whole batch; each worker uses its micro-batches;
+    /// workers without the embedding may pass an empty slice), all-reduces, updates with learning
+    /// rate `lr`, and returns the step's global outcome.
+    pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepOutcome> {
+        self.step = step;
+        self.tasks_run = 0;
+        let (wait_c, wait_b, comp) = (self.wait_comm_us, self.wait_bubble_us, self.compute_us);
+        let mine = self.layout.own_micro_batches(self.rank);
+        let rows_per = self.settings.mb_rows;
+        self.rows = mine.iter().map(|&m| (m, batch[m * rows_per..(m + 1) * rows_per].to_vec())).collect();
+        // Backward tasks this worker will run: one per (owned micro-batch, held attention layer) and
+        // per (micro-batch, held expert layer); the head's backward is part of its task.
+        let attn_tasks: usize = (0..self.layout.micro_batches)
+            .map(|m| self.attn_index.keys().filter(|&&l| self.layout.attn_worker(m, l) == self.rank).count())
+            .sum();
+        self.bwd_left = attn_tasks + self.layout.micro_batches * self.ffn_index.len();
+        match self.layout.placement {
+            Placement::Ep => {
+                self.waiting_mbs = mine.into_iter().collect();
+                if let Some(m) = self.waiting_mbs.pop_front() {
+                    self.ready_fwd.push_back(Task::AttnFwd { mb: m, layer: 0 });
+                }
+            }
+            _ => {
+                for m in mine {
+                    self.ready_fwd.push_back(Task::AttnFwd { mb: m, layer: 0 });
+                }
+            }
+        }
+        for env in std::mem::take(&mut self.later) {
+            self.accept(env)?;
+        }
+        while self.bwd_left > 0 {
+            while let Some(env) = self.port.recv(Duration::ZERO)? {
+                self.accept(env)?;
+            }
+            let task = self.ready_bwd.pop_front().or_else(|| self.ready_ffn.pop_front()).or_else(|| self.ready_fwd.pop_front());
+            match task {
+                Some(task) => self.run_task(task)?,
+                None => {
+                    let t0 = now_us();
+                    let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+                        worker: self.rank,
+                        cause: format!(
+                            "waited {:.0} s at step {step} for data that never came; a peer has stopped or hangs",
+                            self.settings.timeout.as_secs_f64()
+                        ),
+                    })?;
+                    let t1 = now_us();
+                    let in_flight_from = env.sent_us.clamp(t0, t1);
+                    self.wait_comm_us += t1 - in_flight_from;
+                    self.wait_bubble_us += in_flight_from - t0;
+                    self.tracer.span(|| format!("wait ({})", env.msg.kind()), "wait", COMPUTE, t0, t1);
+                    self.accept(env)?;
+                }
+            }
+        }
+        self.end_of_step(
+            lr,
+            (self.wait_comm_us - wait_c) as f64 * 1e-6,
+            (self.wait_bubble_us - wait_b) as f64 * 1e-6,
+            (self.compute_us - comp) as f64 * 1e-6,
+        )
+    }
+
+    fn accept(&mut self, env: Envelope) -> Result<()> {
+        if let Msg::Abort { worker, cause } = env.msg {
+            return Err(TrainError::Worker { worker, cause });
+        }
+        if env.step != self.step || matches!(env.msg, Msg::Reduce { .. }) {
+            self.later.push(env);
+            return Ok(());
+        }
+        let src = env.src;
+        match env.msg {
+            Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
+                self.ready_ffn.push_back(Task::FfnFwd { src, mb, layer, tokens, y, w: weights, ids })
+            }
+            Msg::GradCombine { mb, layer, g } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer, g }),
+            Msg::Combine { mb, layer, tokens, out } => {
+                self.inputs.entry((mb, layer + 1)).or_default().partials.push((src, tokens, out));
+                self.check_input(mb, layer + 1);
+            }
+            Msg::Residual { mb, layer, x, aux } => {
+                self.inputs.entry((mb, layer + 1)).or_default().residual = Some((x, aux, src));
+                self.check_input(mb, layer + 1);
+            }
+            Msg::GradResidual { mb, layer, g, aux_coef } => {
+                self.grad_inputs.entry((mb, layer)).or_default().residual = Some((g, aux_coef));
+                self.check_grad_input(mb, layer);
+            }
+            Msg::GradDispatch { mb, layer, gy, gw } => {
+                self.grad_inputs.entry((mb, layer)).or_default().dispatch.push((src, gy, gw));
+                self.check_grad_input(mb, layer);
+            }
+            Msg::Trace(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn check_input(&mut self, mb: usize, layer: usize) {
+        let holders = self.layout.ffn_holders(layer - 1).len();
+        if let Some(inp) = self.inputs.get(&(mb, layer)) {
+            if inp.residual.is_some() && inp.partials.len() == holders {
+                let task = if layer == self.layout.layers { Task::Head { mb } } else { Task::AttnFwd { mb, layer } };
+                if layer == self.layout.layers {
+                    self.ready_bwd.push_back(task);
+                } else {
+                    self.ready_fwd.push_back(task);
+                }
+            }
+        }
+    }
+
+    fn check_grad_input(&mut self, mb: usize, layer: usize) {
+        let holders = self.layout.ffn_holders(layer).len();
+        if let Some(inp) = self.grad_inputs.get(&(mb, layer)) {
+            if inp.residual.is_some() && inp.dispatch.len() == holders {
+                self.ready_bwd.push_back(Task::AttnBwd { mb, layer });
+            }
+        }
+    }
+
+    fn run_task(&mut self, task: Task) -> Result<()> {
+        if let Some((_, at)) = self.settings.fail_at.filter(|(s, _)| *s == self.step) {
+            if self.tasks_run >= at {
+                return Err(TrainError::Worker {
+                    worker: self.rank,
+                    cause: format!("failed on purpose at step {} (fault injection)", self.step),
+                });
+            }
+        }
+        self.tasks_run += 1;
+        let t0 = now_us();
+        let (name, cat) = match task {
+            Task::AttnFwd { mb, layer } => {
+                self.attention_forward(mb, layer)?;
+                (format!("fwd attn L{layer} mb{mb}"), "forward")
+            }
+            Task::Head { mb } => {
+                self.head(mb)?;
+                (format!("head mb{mb}"), "backward")
+            }
+            Task::AttnBwd { mb, layer } => {
+                self.attention_backward(mb, layer)?;
+                (format!("bwd attn L{layer} mb{mb}"), "backward")
+            }
+            Task::FfnFwd { src, mb, layer, tokens, y, w, ids } => {
+                self.ffn_forward(src, mb, layer, tokens, y, w, ids)?;
+                (format!("fwd experts L{layer} mb{mb}"), "forward")
+            }
+            Task::FfnBwd { mb, layer, g } => {
+                self.ffn_backward(mb, layer, g)?;
+                (format!("bwd experts L{layer} mb{mb}"), "backward")
+            }
+        };
+        let t1 = now_us();
+        self.compute_us += t1 - t0;
+        self.tracer.span(|| name, cat, COMPUTE, t0, t1);
+        Ok(())
+    }
+
+    /// The hidden state entering `layer` (or the head when `layer == layers`): residual plus every
+    /// holder's share, summed on the host, as a leaf.
+    fn assemble(&mut self, mb: usize, layer: usize) -> (Tensor<B, 3>, AuxSums, Vec<(usize, Vec<u32>)>, usize) {
+        let inp = self.inputs.remove(&(mb, layer)).expect("ready input");
+        let (mut x, aux, src) = inp.residual.expect("residual");
+        let m = *x.shape.last().expect("[T, M]");
+        let mut from = Vec::new();
+        for (holder, tokens, out) in inp.partials {
+            for (i, &t) in tokens.iter().enumerate() {
+                let dst = &mut x.data[t as usize * m..(t as usize + 1) * m];
+                for (d, s) in dst.iter_mut().zip(&out.data[i * m..(i + 1) * m]) {
+                    *d += s;
+                }
+            }
+            from.push((holder, tokens));
+        }
+        let (b, s) = (self.settings.mb_rows, self.settings.seq);
+        let h = Tensor::<B, 3>::from_data(TensorData::new(x.data, [b, s, m]), &self.device).require_grad();
+        (h, aux, from, src)
+    }
+
+    fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
+        let device = self.device.clone();
+        let (h, mut aux, from, ends) = if layer == 0 {
+            let ids = self.ids(mb)?;
+            let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(&mut Fork { device: &device });
+            (ends.embed(ids), AuxSums::default(), Vec::new(), Some(ends))
+        } else {
+            let (h, aux, from, _) = self.assemble(mb, layer);
+            (h, aux, from, None)
+        };
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device });
+        let out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
+        let top_k = stage.top_k();
+        let holders = self.layout.ffn_holders(layer);
+        let [t, m] = out.normed.dims();
+        let mut sent = Vec::with_capacity(holders.len());
+        let mut prob_sum = None;
+        let mut msgs = Vec::with_capacity(holders.len());
+        match (&out.route, top_k) {
+            (Some(route), Some(k)) => {
+                let e = self.layout.experts;
+                let mut counts = vec![0usize; e];
+                for &id in &route.ids {
+                    counts[id] += 1;
+                }
+                let ps = route.probs.clone().sum_dim(0).reshape([e]);
+                if self.settings.with_aux {
+                    let host_ps: Vec<f32> = ps.to_data().convert::<f32>().to_vec().expect("f32");
+                    aux.counts.resize(e, 0.0);
+                    aux.prob_sum.resize(e, 0.0);
+                    for j in 0..e {
+                        aux.counts[j] += counts[j] as f64;
+                        aux.prob_sum[j] += host_ps[j] as f64;
+                    }
+                    aux.rows += t;
+                    prob_sum = Some(ps);
+                }
+                let acc = self.counts.entry(layer).or_insert_with(|| vec![0; e]);
+                for (a, c) in acc.iter_mut().zip(&counts) {
+                    *a += c;
+                }
+                for (i, &holder) in holders.iter().enumerate() {
+                    let range = self.layout.expert_range(i);
+                    let all = i == 0 && self.holds_all_tokens(layer);
+                    let tokens: Vec<u32> = (0..t)
+                        .filter(|&tok| all || route.ids[tok * k..(tok + 1) * k].iter().any(|e| range.contains(e)))
+                        .map(|tok| tok as u32)
+                        .collect();
+                    let ids: Vec<u32> =
+                        tokens.iter().flat_map(|&tok| route.ids[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as u32)).collect();
+                    if tokens.is_empty() {
+                        sent.push(SentDispatch { holder, y: None, w: None });
+                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: HostTensor { shape: vec![0, m], data: vec![] }, weights: Some(HostTensor { shape: vec![0, k], data: vec![] }), ids }));
+                        continue;
+                    }
+                    let idx = index::<B>(&tokens, &self.device);
+                    let y = out.normed.clone().select(0, idx.clone());
+                    let w = route.weights.clone().select(0, idx);
+                    msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: host(&y), weights: Some(host(&w)), ids }));
+                    sent.push(SentDispatch { holder, y: Some(y), w: Some(w) });
+                }
+            }
+            _ => {
+                // A dense layer: every token goes to the first holder, none to the others.
+                for (i, &holder) in holders.iter().enumerate() {
+                    if i == 0 {
+                        let tokens: Vec<u32> = (0..t as u32).collect();
+                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: host(&out.normed), weights: None, ids: vec![] }));
+                        sent.push(SentDispatch { holder, y: Some(out.normed.clone()), w: None });
+                    } else {
+                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens: vec![], y: HostTensor { shape: vec![0, m], data: vec![] }, weights: None, ids: vec![] }));
+                        sent.push(SentDispatch { holder, y: None, w: None });
+                    }
+                }
+            }
+        }
+        for (dst, msg) in msgs {
+            self.send(dst, msg)?;
+        }
+        let next = self.next_attn_worker(mb, layer);
+        self.send(next, Msg::Residual { mb, layer, x: host(&out.residual), aux })?;
+        let h = if layer == 0 { None } else { Some(h) };
+        self.attn_saved.insert((mb, layer), AttnSaved { stage, ends, h, from, residual: out.residual, sent, prob_sum });
+        Ok(())
+    }
+
+    /// Whether the first holder of `layer` needs every token (it holds shared experts).
+    fn holds_all_tokens(&self, layer: usize) -> bool {
+        self.layout.shared_experts.get(layer).copied().unwrap_or(false)
+    }
+
+    fn next_attn_worker(&self, mb: usize, layer: usize) -> usize {
+        if layer + 1 == self.layout.layers {
+            self.layout.head_worker(mb)
+        } else {
+            self.layout.attn_worker(mb, layer + 1)
+        }
+    }
+
+    fn ids(&self, mb: usize) -> Result<Tensor<B, 2, Int>> {
+        let rows = &self.rows[&mb];
+        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+        Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_forward(
+        &mut self,
+        src: usize,
+        mb: usize,
+        layer: usize,
+        tokens: Vec<u32>,
+        y: HostTensor,
+        w: Option<HostTensor>,
+        ids: Vec<u32>,
+    ) -> Result<()> {
+        let rows = tokens.len();
+        let dst = self.next_attn_worker(mb, layer);
+        let m = y.shape.last().copied().unwrap_or(0);
+        if rows == 0 {
+            self.ffn_saved.insert((mb, layer), FfnSaved { stage: None, dst: src, rows, y: None, w: None, out: None });
+            return self.send(dst, Msg::Combine { mb, layer, tokens, out: HostTensor { shape: vec![0, m], data: vec![] } });
+        }
+        let y = leaf::<B, 2>(&y, &self.device);
+        let w = w.map(|w| leaf::<B, 2>(&w, &self.device));
+        let ids: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        let device = self.device.clone();
+        let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device });
+        let out = stage.forward(y.clone(), w.clone(), &ids);
+        self.send(dst, Msg::Combine { mb, layer, tokens, out: host(&out) })?;
+        self.ffn_saved.insert((mb, layer), FfnSaved { stage: Some(stage), dst: src, rows, y: Some(y), w, out: Some(out) });
+        Ok(())
+    }
+
+    /// Adds the gradients of `module`'s parameters (a forked piece of the part) to the step's.
+    fn accumulate<M: AutodiffModule<B>>(&mut self, grads: &mut B::Gradients, module: &M) {
+        let params = GradientsParams::from_module(grads, module);
+        self.grads.accumulate(self.part.as_ref().expect("part"), params);
+    }
+
+    fn ffn_backward(&mut self, mb: usize, layer: usize, g: HostTensor) -> Result<()> {
+        let saved = self.ffn_saved.remove(&(mb, layer)).expect("expert forward before backward");
+        let m = g.shape.last().copied().unwrap_or(0);
+        let (gy, gw) = match &saved.out {
+            None => (HostTensor { shape: vec![0, m], data: vec![] }, None),
+            Some(out) => {
+                let g = constant::<B, 2>(&g, &self.device);
+                let mut grads = (out.clone() * g).sum().backward();
+                let gy = grad_of(&saved.y, &mut grads, &[saved.rows, m]);
+                let gw = saved.w.as_ref().map(|w| grad_of(&Some(w.clone()), &mut grads, &w.dims()));
+                self.accumulate(&mut grads, saved.stage.as_ref().expect("a stage ran"));
+                (gy, gw)
+            }
+        };
+        self.bwd_left -= 1;
+        self.send(saved.dst, Msg::GradDispatch { mb, layer, gy, gw })
+    }
+
+    /// Sends the gradient of a layer input `h` back: all of it to the previous attention worker
+    /// (the residual), each holder's rows to that holder.
+    fn send_input_grad(&mut self, mb: usize, layer: usize, gh: HostTensor, from: &[(usize, Vec<u32>)], aux_coef: Vec<f32>) -> Result<()> {
+        let m = *gh.shape.last().expect("[B, S, M]");
+        for (holder, tokens) in from {
+            let mut data = Vec::with_capacity(tokens.len() * m);
+            for &t in tokens {
+                data.extend_from_slice(&gh.data[t as usize * m..(t as usize + 1) * m]);
+            }
+            self.send(*holder, Msg::GradCombine { mb, layer: layer - 1, g: HostTensor { shape: vec![tokens.len(), m], data } })?;
+        }
+        let prev = self.layout.attn_worker(mb, layer - 1);
+        let t = gh.data.len() / m;
+        self.send(prev, Msg::GradResidual { mb, layer: layer - 1, g: HostTensor { shape: vec![t, m], data: gh.data }, aux_coef })
+    }
+
+    fn head(&mut self, mb: usize) -> Result<()> {
+        let layers = self.layout.layers;
+        let (h, aux, from, _) = self.assemble(mb, layers);
+        let ids = self.ids(mb)?;
+        let k = self.layout.micro_batches as f64;
+        let device = self.device.clone();
+        let ends = self.part().ends.clone().expect("the head worker holds the ends").map(&mut Fork { device: &device });
+        let ce = next_token_cross_entropy(ends.logits(h.clone()), ids);
+        let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+        // Load-balancing loss from the sums carried along the layers: E * sum_e (C_e/R) (P_e/R).
+        let (aux_loss, aux_coef) = if self.settings.with_aux && aux.rows > 0 {
+            let e = aux.counts.len() as f64;
+            let r = aux.rows as f64;
+            let loss: f64 = aux.counts.iter().zip(&aux.prob_sum).map(|(c, p)| (c / r) * (p / r)).sum::<f64>() * e;
+            let coef: Vec<f32> =
+                aux.counts.iter().map(|c| (self.settings.aux_coef * e * c / (r * r) / k) as f32).collect();
+            (loss, coef)
+        } else {
+            (0.0, Vec::new())
+        };
+        self.losses.0 += lm + self.settings.aux_coef * aux_loss;
+        self.losses.1 += lm;
+        self.losses.2 += aux_loss;
+        let mut grads = ce.div_scalar(k).backward();
+        let shape = h.dims().to_vec();
+        let gh = grad_of(&Some(h), &mut grads, &shape);
+        self.accumulate(&mut grads, &ends);
+        self.send_input_grad(mb, layers, gh, &from, aux_coef)
+    }
+
+    fn attention_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
+        let saved = self.attn_saved.remove(&(mb, layer)).expect("attention forward before backward");
+        let inp = self.grad_inputs.remove(&(mb, layer)).expect("ready grads");
+        let (g_res, aux_coef) = inp.residual.expect("grad residual");
+        let mut objective = (saved.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
+        for (src, gy, gw) in inp.dispatch {
+            let sent = saved.sent.iter().find(|s| s.holder == src).expect("a dispatch per holder");
+            if let Some(y) = &sent.y {
+                objective = objective + (y.clone() * constant::<B, 2>(&gy, &self.device)).sum();
+            }
+            if let (Some(w), Some(gw)) = (&sent.w, gw) {
+                objective = objective + (w.clone() * constant::<B, 2>(&gw, &self.device)).sum();
+            }
+        }
+        if let (Some(ps), false) = (&saved.prob_sum, aux_coef.is_empty()) {
+            let n = aux_coef.len();
+            let c = Tensor::<B, 1>::from_data(TensorData::new(aux_coef.clone(), [n]), &self.device);
+            objective = objective + (ps.clone() * c).sum();
+        }
+        let mut grads = objective.backward();
+        let gh = saved.h.as_ref().map(|h| {
+            let shape = h.dims().to_vec();
+            grad_of(&Some(h.clone()), &mut grads, &shape)
+        });
+        self.accumulate(&mut grads, &saved.stage);
+        if let Some(ends) = &saved.ends {
+            self.accumulate(&mut grads, ends);
+        }
+        self.bwd_left -= 1;
+        match gh {
+            Some(gh) => self.send_input_grad(mb, layer, gh, &saved.from, aux_coef)?,
+            None => {
+                // Layer 0: the embedding's gradient is already in `grads`; 1F1B starts the next one.
+                if let Some(next) = self.waiting_mbs.pop_front() {
+                    self.ready_fwd.push_back(Task::AttnFwd { mb: next, layer: 0 });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next `Reduce` with `tag` of this step from `src` (`None`: any source), keeping everything
+    /// else for later.
+    fn recv_reduce(&mut self, tag: u32) -> Result<(usize, Vec<f64>)> {
+        loop {
+            let step = self.step;
+            if let Some(pos) = self
+                .later
+                .iter()
+                .position(|e| e.step == step && matches!(&e.msg, Msg::Reduce { tag: t, .. } if *t == tag))
+            {
+                let env = self.later.remove(pos);
+                if let Msg::Reduce { data, .. } = env.msg {
+                    return Ok((env.src, data));
+                }
+            }
+            let t0 = now_us();
+            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+                worker: self.rank,
+                cause: format!(
+                    "waited {:.0} s at the end of step {step} for the other workers; a peer has stopped or hangs",
+                    self.settings.timeout.as_secs_f64()
+                ),
+            })?;
+            self.tracer.span(|| "wait (collective)".into(), "wait", COMPUTE, t0, now_us());
+            if let Msg::Abort { worker, cause } = env.msg {
+                return Err(TrainError::Worker { worker, cause });
+            }
+            self.later.push(env);
+        }
+    }
+
+    /// Sum over `set` (this worker included), through `set[0]`, added in rank order so every run
+    /// adds the same way.
+    fn allreduce(&mut self, set: &[usize], tag: u32, data: Vec<f64>) -> Result<Vec<f64>> {
+        if set.len() <= 1 {
+            return Ok(data);
+        }
+        let leader = set[0];
+        if self.rank != leader {
+            self.send(leader, Msg::Reduce { tag, data })?;
+            return Ok(self.recv_reduce(tag)?.1);
+        }
+        let mut parts = vec![(self.rank, data)];
+        while parts.len() < set.len() {
+            parts.push(self.recv_reduce(tag)?);
+        }
+        parts.sort_by_key(|(src, _)| *src);
+        let mut acc = vec![0.0; parts[0].1.len()];
+        for (_, p) in &parts {
+            for (a, v) in acc.iter_mut().zip(p) {
+                *a += v;
+            }
+        }
+        for &w in &set[1..] {
+            self.send(w, Msg::Reduce { tag, data: acc.clone() })?;
+        }
+        Ok(acc)
+    }
+
+    fn end_of_step(&mut self, lr: f64, comm_s: f64, bubble_s: f64, compute_s: f64) -> Result<StepOutcome> {
+        let t0 = now_us();
+        let mut grads = self.grads.grads();
+        let replicas = self.layout.replicas(self.rank);
+        let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
+        routed.sort_unstable();
+        let e = self.layout.experts;
+        // 1. Copies of the attention side add their gradients and their routers' expert counts.
+        if replicas.len() > 1 {
+            let part = self.part.as_ref().expect("part");
+            let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
+            part.ends.visit(&mut flat);
+            part.attention.visit(&mut flat);
+            let mut data = flat.out;
+            for l in &routed {
+                let c = self.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
+                data.extend(c.iter().map(|&x| x as f64));
+            }
+            let sum = self.allreduce(&replicas, TAG_REPLICAS, data)?;
+            let part = self.part.as_ref().expect("part");
+            let mut restore = Restore { grads: &mut grads, data: &sum, pos: 0 };
+            part.ends.visit(&mut restore);
+            part.attention.visit(&mut restore);
+            let mut pos = restore.pos;
+            for l in &routed {
+                if self.counts.contains_key(l) || sum[pos..pos + e].iter().any(|&x| x > 0.0) {
+                    self.counts.insert(*l, sum[pos..pos + e].iter().map(|&x| x as usize).collect());
+                }
+                pos += e;
+            }
+        }
+        // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
+        let part = self.part.as_ref().expect("part");
+        let mut sq = grad_norm::<B, _>(&part.experts, &grads).total.powi(2);
+        if replicas.first() == Some(&self.rank) {
+            sq += grad_norm::<B, _>(&part.ends, &grads).total.powi(2);
+            sq += grad_norm::<B, _>(&part.attention, &grads).total.powi(2);
+        }
+        let (loss, lm, aux) = self.losses;
+        let all: Vec<usize> = (0..self.layout.workers).collect();
+        let g = self.allreduce(&all, TAG_GLOBAL, vec![sq, loss, lm, aux, comm_s, bubble_s, compute_s])?;
+        let k = self.layout.micro_batches as f64;
+        let norm = g[0].sqrt();
+        let out = StepOutcome {
+            loss: g[1] / k,
+            lm_loss: g[2] / k,
+            aux_loss: self.settings.with_aux.then_some(g[3] / k),
+            grad_norm: norm,
+            skipped: !(g[1].is_finite() && norm.is_finite()),
+            exposed_comm_s: g[4],
+            bubble_s: g[5],
+            compute_s: g[6],
+        };
+        if out.skipped && self.settings.abort_on_nonfinite {
+            return Err(TrainError::NonFinite {
+                step: self.step,
+                what: if g[1].is_finite() { "gradient" } else { "loss" },
+                tensor: String::new(),
+            });
+        }
+        // 3. The update, the same decision on every worker.
+        if !out.skipped {
+            let scale = if self.settings.grad_clip > 0.0 && norm > self.settings.grad_clip {
+                self.settings.grad_clip / (norm + 1e-6)
+            } else {
+                1.0
+            };
+            let part = self.part.take().expect("part");
+            let mut part = self.opt.step(part, &mut grads, lr, scale);
+            if self.settings.bias_update_rate > 0.0 {
+                for l in &routed {
+                    if let (Some(c), Some(router)) =
+                        (self.counts.get(l), part.attention[self.attn_index[l]].router.as_mut())
+                    {
+                        router.update_balance_bias(c, self.settings.bias_update_rate)?;
+                    }
+                }
+            }
+            self.part = Some(part);
+        }
+        self.counts.clear();
+        self.losses = (0.0, 0.0, 0.0);
+        self.tracer.span(|| "all-reduce + optimizer".into(), "optimizer", COMPUTE, t0, now_us());
+        Ok(out)
+    }
+
+    /// Sum of squares of all parameters of the run (each once), the same on every worker.
+    pub fn param_checksum(&mut self) -> Result<f64> {
+        let part = self.part.as_ref().expect("part");
+        let mut own = crate::trainer::param_checksum(&part.experts);
+        if self.layout.replicas(self.rank).first() == Some(&self.rank) {
+            own += crate::trainer::param_checksum(&part.ends) + crate::trainer::param_checksum(&part.attention);
+        }
+        let all: Vec<usize> = (0..self.layout.workers).collect();
+        Ok(self.allreduce(&all, TAG_CHECKSUM, vec![own])?[0])
+    }
+
+    /// Gathers every worker's trace events on worker 0 (others return an empty list).
+    pub fn gather_traces(&mut self) -> Result<Vec<super::trace::TraceEvent>> {
+        let mine = std::mem::take(&mut self.tracer.events);
+        if self.rank != 0 {
+            self.send(0, Msg::Trace(mine))?;
+            return Ok(Vec::new());
+        }
+        let mut all = mine;
+        let mut got = 1;
+        while got < self.layout.workers {
+            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+                worker: self.rank,
+                cause: "waited in vain for the other workers' trace events".into(),
+            })?;
+            match env.msg {
+                Msg::Trace(events) => {
+                    all.extend(events);
+                    got += 1;
+                }
+                Msg::Abort { worker, cause } => return Err(TrainError::Worker { worker, cause }),
+                _ => {}
+            }
+        }
+        Ok(all)
+    }
+
+    /// Tells every other worker that this one failed.
+    pub fn abort(&mut self, cause: &str) {
+        for w in 0..self.layout.workers {
+            if w != self.rank {
+                let _ = self.port.send(w, self.step, Msg::Abort { worker: self.rank, cause: cause.into() });
+            }
+        }
+    }
+
+    /// The worker's part (after the run).
+    pub fn into_part(self) -> WorkerPart<B, A, R, X> {
+        self.part.expect("part")
+    }
+}
