@@ -64,30 +64,185 @@ fn ports(schedule: &Schedule, op: OpId) -> [usize; 2] {
     }
 }
 
-/// A transfer in flight: its ports and the seconds of work left at full speed.
+/// A transfer in flight: its ports, the seconds of work left at full speed as of `since`, and its
+/// rate (fraction of full speed).
 struct Flow {
     op: OpId,
     ports: [usize; 2],
     left: f64,
+    since: f64,
     rate: f64,
+    /// Bumped whenever the finish time changes, so older entries of the finish heap are stale.
+    version: u64,
+    /// Whether the finish heap holds an entry of the current version.
+    queued: bool,
+    live: bool,
 }
 
-/// Max-min fair rates (fractions of full speed) of the flows sharing unit-capacity ports.
-fn fair_rates(flows: &mut [Flow], n_ports: usize) {
-    let mut cap = vec![1.0f64; n_ports];
-    let mut count = vec![0usize; n_ports];
-    for f in flows.iter() {
-        for &p in &f.ports {
+/// The flows in flight and their max-min fair rates.
+///
+/// Flows live in slots indexed per port, so the flows whose rate can change when a flow starts or
+/// finishes (those connected to its ports through shared ports) are found by a search over that
+/// component alone, and finish times sit in a heap refreshed only for the flows whose rate was
+/// recomputed. An event therefore costs the size of its component, not of the whole network.
+struct Network {
+    flows: Vec<Flow>,
+    free: Vec<usize>,
+    by_port: Vec<Vec<usize>>,
+    finish: BinaryHeap<Reverse<(Time, usize, u64)>>,
+    // Scratch of `rebalance`, kept to avoid allocating per event.
+    port_seen: Vec<bool>,
+    flow_seen: Vec<bool>,
+    cap: Vec<f64>,
+    count: Vec<usize>,
+    queue: Vec<usize>,
+    members: Vec<usize>,
+    old_rates: Vec<f64>,
+    frozen: Vec<bool>,
+}
+
+impl Network {
+    fn new(n_ports: usize) -> Self {
+        Self {
+            flows: Vec::new(),
+            free: Vec::new(),
+            by_port: vec![Vec::new(); n_ports],
+            finish: BinaryHeap::new(),
+            port_seen: vec![false; n_ports],
+            flow_seen: Vec::new(),
+            cap: vec![1.0; n_ports],
+            count: vec![0; n_ports],
+            queue: Vec::new(),
+            members: Vec::new(),
+            old_rates: Vec::new(),
+            frozen: Vec::new(),
+        }
+    }
+
+    /// Adds a flow of `secs` seconds at full speed; its rate is set by the next `rebalance` of
+    /// one of its ports.
+    fn start(&mut self, op: OpId, ports: [usize; 2], secs: f64, now: f64) -> usize {
+        let flow = Flow { op, ports, left: secs, since: now, rate: 1.0, version: 0, queued: false, live: true };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                let version = self.flows[slot].version + 1;
+                self.flows[slot] = Flow { version, ..flow };
+                slot
+            }
+            None => {
+                self.flows.push(flow);
+                self.flow_seen.push(false);
+                self.flows.len() - 1
+            }
+        };
+        for p in ports {
+            self.by_port[p].push(slot);
+        }
+        slot
+    }
+
+    /// Recomputes the rates of the flows connected (through shared ports) to the `touched`
+    /// ports; flows elsewhere keep their rates, which are unaffected.
+    fn rebalance(&mut self, touched: &[usize], now: f64) {
+        // 1. The component: breadth-first over ports and the flows through them.
+        let (flows, by_port) = (&mut self.flows, &self.by_port);
+        let (queue, members) = (&mut self.queue, &mut self.members);
+        let (port_seen, flow_seen) = (&mut self.port_seen, &mut self.flow_seen);
+        queue.clear();
+        members.clear();
+        for &p in touched {
+            if !std::mem::replace(&mut port_seen[p], true) {
+                queue.push(p);
+            }
+        }
+        let mut i = 0;
+        while i < queue.len() {
+            for &k in &by_port[queue[i]] {
+                if !std::mem::replace(&mut flow_seen[k], true) {
+                    members.push(k);
+                    for q in flows[k].ports {
+                        if !std::mem::replace(&mut port_seen[q], true) {
+                            queue.push(q);
+                        }
+                    }
+                }
+            }
+            i += 1;
+        }
+        for &p in queue.iter() {
+            port_seen[p] = false;
+        }
+        // 2. New rates. A flow whose rate changed is brought up to now at its old rate and gets
+        // a new finish time; the others keep theirs.
+        let old = &mut self.old_rates;
+        old.clear();
+        old.extend(members.iter().map(|&k| flows[k].rate));
+        fill(flows, members, &mut self.cap, &mut self.count, &mut self.frozen);
+        for (&k, &was) in members.iter().zip(old.iter()) {
+            flow_seen[k] = false;
+            let f = &mut flows[k];
+            if f.rate != was || !f.queued {
+                f.left = (f.left - was * (now - f.since)).max(0.0);
+                f.since = now;
+                f.version += 1;
+                f.queued = true;
+                self.finish.push(Reverse((Time(now + f.left / f.rate), k, f.version)));
+            }
+        }
+    }
+
+    /// When the next flow finishes.
+    fn next_finish(&mut self) -> Option<f64> {
+        while let Some(&Reverse((Time(t), k, v))) = self.finish.peek() {
+            if self.flows[k].live && self.flows[k].version == v {
+                return Some(t);
+            }
+            self.finish.pop();
+        }
+        None
+    }
+
+    /// Removes the flows that finish by `t`, appending their ops to `done` and ports to `freed`.
+    fn finish_until(&mut self, t: f64, done: &mut Vec<OpId>, freed: &mut Vec<usize>) {
+        while self.next_finish().is_some_and(|tf| tf <= t) {
+            let Some(Reverse((_, k, _))) = self.finish.pop() else { break };
+            let f = &mut self.flows[k];
+            f.live = false;
+            done.push(f.op);
+            freed.extend(f.ports);
+            for p in f.ports {
+                let list = &mut self.by_port[p];
+                if let Some(i) = list.iter().position(|&x| x == k) {
+                    list.swap_remove(i);
+                }
+            }
+            self.free.push(k);
+        }
+    }
+}
+
+/// Max-min fair rates of the flows `members` sharing unit-capacity ports, by progressive
+/// filling: the tightest port fixes the rate of every unfrozen flow through it, until all are
+/// frozen. `cap`, `count` (per port) and `frozen` are scratch.
+fn fill(flows: &mut [Flow], members: &[usize], cap: &mut [f64], count: &mut [usize], frozen: &mut Vec<bool>) {
+    for &k in members {
+        for p in flows[k].ports {
+            cap[p] = 1.0;
+            count[p] = 0;
+        }
+    }
+    for &k in members {
+        for p in flows[k].ports {
             count[p] += 1;
         }
     }
-    let mut frozen = vec![false; flows.len()];
-    let mut left = flows.len();
+    frozen.clear();
+    frozen.resize(members.len(), false);
+    let mut left = members.len();
     while left > 0 {
-        // The tightest port fixes the rate of every unfrozen flow through it.
         let (mut best, mut share) = (usize::MAX, f64::INFINITY);
-        for f in flows.iter().zip(&frozen).filter(|(_, z)| !**z).map(|(f, _)| f) {
-            for &p in &f.ports {
+        for (&k, _) in members.iter().zip(frozen.iter()).filter(|(_, z)| !**z) {
+            for p in flows[k].ports {
                 let s = cap[p] / count[p] as f64;
                 if s < share {
                     share = s;
@@ -96,50 +251,17 @@ fn fair_rates(flows: &mut [Flow], n_ports: usize) {
             }
         }
         let share = share.clamp(0.0, 1.0);
-        for (k, f) in flows.iter_mut().enumerate() {
-            if !frozen[k] && f.ports.contains(&best) {
-                f.rate = share.max(1e-12);
-                frozen[k] = true;
+        for (i, &k) in members.iter().enumerate() {
+            if !frozen[i] && flows[k].ports.contains(&best) {
+                flows[k].rate = share.max(1e-12);
+                frozen[i] = true;
                 left -= 1;
-                for &p in &f.ports {
+                for p in flows[k].ports {
                     cap[p] -= share;
                     count[p] -= 1;
                 }
             }
         }
-    }
-}
-
-/// Recomputes the rates of the flows connected (through shared ports) to `touched` ports; flows
-/// elsewhere keep their rates, which are unaffected.
-fn rebalance(flows: &mut [Flow], touched: &[usize]) {
-    let mut ports: Vec<usize> = touched.to_vec();
-    let mut members: Vec<usize> = Vec::new();
-    loop {
-        let before = members.len();
-        for (k, f) in flows.iter().enumerate() {
-            if !members.contains(&k) && f.ports.iter().any(|p| ports.contains(p)) {
-                members.push(k);
-                ports.extend(f.ports);
-            }
-        }
-        if members.len() == before {
-            break;
-        }
-    }
-    if members.is_empty() {
-        return;
-    }
-    ports.sort_unstable();
-    ports.dedup();
-    let local = |p: usize| ports.binary_search(&p).expect("port of a member");
-    let mut sub: Vec<Flow> = members
-        .iter()
-        .map(|&k| Flow { op: flows[k].op, ports: flows[k].ports.map(local), left: flows[k].left, rate: 0.0 })
-        .collect();
-    fair_rates(&mut sub, ports.len());
-    for (k, f) in members.iter().zip(sub) {
-        flows[*k].rate = f.rate;
     }
 }
 
@@ -180,7 +302,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
     let mut compute_events: BinaryHeap<Reverse<(Time, OpId)>> = BinaryHeap::new();
-    let mut flows: Vec<Flow> = Vec::new();
+    let mut network = Network::new(2 * schedule.workers.len());
     let mut dirty: Vec<usize> = Vec::new();
     let mut is_dirty = vec![false; streams.len()];
     let mut completed = 0usize;
@@ -234,39 +356,27 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
             } else {
                 let ps = ports(schedule, op);
                 touched.extend(ps);
-                flows.push(Flow { op, ports: ps, left: secs, rate: 1.0 });
+                network.start(op, ps, secs, now);
             }
         }
         if !touched.is_empty() {
-            rebalance(&mut flows, &touched);
+            network.rebalance(&touched, now);
         }
         // 3. Next event: a compute op or a flow finishing.
         let next_compute = compute_events.peek().map(|Reverse((Time(t), _))| *t);
-        let next_flow = flows.iter().map(|f| now + f.left / f.rate).fold(f64::INFINITY, f64::min);
+        let next_flow = network.next_finish().unwrap_or(f64::INFINITY);
         let t = match next_compute {
             Some(c) => c.min(next_flow),
             None if next_flow.is_finite() => next_flow,
             None => break,
         };
-        let dt = t - now;
         now = t;
-        let mut finished: Vec<OpId> = Vec::new();
-        for f in &mut flows {
-            f.left -= f.rate * dt;
-        }
         let eps = 1e-12 * now.max(1.0);
+        let mut finished: Vec<OpId> = Vec::new();
         let mut freed: Vec<usize> = Vec::new();
-        flows.retain(|f| {
-            if f.left <= eps {
-                finished.push(f.op);
-                freed.extend(f.ports);
-                false
-            } else {
-                true
-            }
-        });
+        network.finish_until(now + eps, &mut finished, &mut freed);
         if !freed.is_empty() {
-            rebalance(&mut flows, &freed);
+            network.rebalance(&freed, now);
         }
         while let Some(Reverse((Time(ct), op))) = compute_events.peek().copied() {
             if ct > now + eps {
@@ -474,6 +584,38 @@ impl StepTimeOracle for SimulatorOracle {
         let schedule = crate::schedule::afpipe::build_afpipe(&self.cost, allocation)?;
         Ok(simulate(&schedule)?.step_s)
     }
+    /// Simulates the allocations on all available cores (each simulation is sequential).
+    fn step_times(&mut self, allocations: &[Allocation]) -> Result<Vec<f64>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(allocations.len());
+        if threads <= 1 {
+            return allocations.iter().map(|a| self.step_time(a)).collect();
+        }
+        let cost = &self.cost;
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let mut times: Vec<Option<Result<f64>>> = (0..allocations.len()).map(|_| None).collect();
+        let done: Vec<Vec<(usize, Result<f64>)>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(a) = allocations.get(i) else { break out };
+                            out.push((i, SimulatorOracle { cost: cost.clone() }.step_time(a)));
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().expect("a simulation thread panicked")).collect()
+        });
+        for (i, t) in done.into_iter().flatten() {
+            times[i] = Some(t);
+        }
+        times.into_iter().map(|t| t.expect("every allocation simulated")).collect()
+    }
+    fn respects_lower_bound(&self) -> bool {
+        true
+    }
     fn name(&self) -> &str {
         "simulator"
     }
@@ -563,24 +705,129 @@ mod tests {
         assert!((trace.end[s2] - 2.5).abs() < 1e-9);
     }
 
+    /// Rates of `flows` (port pairs) after one rebalance of every port.
+    fn rates_of(flows: &[[usize; 2]], n_ports: usize) -> Vec<f64> {
+        let mut net = Network::new(n_ports);
+        let slots: Vec<usize> = flows.iter().enumerate().map(|(op, &ports)| net.start(op, ports, 1.0, 0.0)).collect();
+        net.rebalance(&(0..n_ports).collect::<Vec<_>>(), 0.0);
+        slots.iter().map(|&k| net.flows[k].rate).collect()
+    }
+
     #[test]
     fn max_min_rates_give_the_spare_capacity_to_unconstrained_flows() {
         // Flow a: ports 0,1; flow b: ports 0,2; flow c: ports 3,1. Port 0 and 1 are shared.
-        let mut flows = vec![
-            Flow { op: 0, ports: [0, 1], left: 1.0, rate: 0.0 },
-            Flow { op: 1, ports: [0, 2], left: 1.0, rate: 0.0 },
-            Flow { op: 2, ports: [3, 1], left: 1.0, rate: 0.0 },
-        ];
-        fair_rates(&mut flows, 4);
-        for f in &flows {
-            assert!((f.rate - 0.5).abs() < 1e-12, "{}", f.rate);
+        for rate in rates_of(&[[0, 1], [0, 2], [3, 1]], 4) {
+            assert!((rate - 0.5).abs() < 1e-12, "{rate}");
         }
-        let mut flows = vec![
-            Flow { op: 0, ports: [0, 1], left: 1.0, rate: 0.0 },
-            Flow { op: 1, ports: [2, 3], left: 1.0, rate: 0.0 },
-        ];
-        fair_rates(&mut flows, 4);
-        assert!(flows.iter().all(|f| (f.rate - 1.0).abs() < 1e-12));
+        assert!(rates_of(&[[0, 1], [2, 3]], 4).iter().all(|r| (r - 1.0).abs() < 1e-12));
+    }
+
+    /// The flow of the reference rebalancing.
+    struct RefFlow {
+        op: OpId,
+        ports: [usize; 2],
+        left: f64,
+        rate: f64,
+    }
+
+    /// Reference: max-min fair rates (fractions of full speed) of the flows sharing unit-capacity ports.
+    fn reference_fair_rates(flows: &mut [RefFlow], n_ports: usize) {
+        let mut cap = vec![1.0f64; n_ports];
+        let mut count = vec![0usize; n_ports];
+        for f in flows.iter() {
+            for &p in &f.ports {
+                count[p] += 1;
+            }
+        }
+        let mut frozen = vec![false; flows.len()];
+        let mut left = flows.len();
+        while left > 0 {
+            // The tightest port fixes the rate of every unfrozen flow through it.
+            let (mut best, mut share) = (usize::MAX, f64::INFINITY);
+            for f in flows.iter().zip(&frozen).filter(|(_, z)| !**z).map(|(f, _)| f) {
+                for &p in &f.ports {
+                    let s = cap[p] / count[p] as f64;
+                    if s < share {
+                        share = s;
+                        best = p;
+                    }
+                }
+            }
+            let share = share.clamp(0.0, 1.0);
+            for (k, f) in flows.iter_mut().enumerate() {
+                if !frozen[k] && f.ports.contains(&best) {
+                    f.rate = share.max(1e-12);
+                    frozen[k] = true;
+                    left -= 1;
+                    for &p in &f.ports {
+                        cap[p] -= share;
+                        count[p] -= 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reference: recomputes the rates of the flows connected (through shared ports) to `touched` ports; flows
+    /// elsewhere keep their rates, which are unaffected.
+    fn reference_rebalance(flows: &mut [RefFlow], touched: &[usize]) {
+        let mut ports: Vec<usize> = touched.to_vec();
+        let mut members: Vec<usize> = Vec::new();
+        loop {
+            let before = members.len();
+            for (k, f) in flows.iter().enumerate() {
+                if !members.contains(&k) && f.ports.iter().any(|p| ports.contains(p)) {
+                    members.push(k);
+                    ports.extend(f.ports);
+                }
+            }
+            if members.len() == before {
+                break;
+            }
+        }
+        if members.is_empty() {
+            return;
+        }
+        ports.sort_unstable();
+        ports.dedup();
+        let local = |p: usize| ports.binary_search(&p).expect("port of a member");
+        let mut sub: Vec<RefFlow> = members
+            .iter()
+            .map(|&k| RefFlow { op: flows[k].op, ports: flows[k].ports.map(local), left: flows[k].left, rate: 0.0 })
+            .collect();
+        reference_fair_rates(&mut sub, ports.len());
+        for (k, f) in members.iter().zip(sub) {
+            flows[*k].rate = f.rate;
+        }
+    }
+
+    #[test]
+    fn component_rebalance_agrees_with_the_reference_on_random_flows() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for case in 0..200 {
+            let n_ports = 2 + next(30);
+            let ports: Vec<[usize; 2]> =
+                (0..1 + next(40)).map(|_| [next(n_ports), next(n_ports)]).filter(|p| p[0] != p[1]).collect();
+            let touched: Vec<usize> = (0..1 + next(3)).map(|_| next(n_ports)).collect();
+            let mut reference: Vec<RefFlow> =
+                ports.iter().enumerate().map(|(op, &ports)| RefFlow { op, ports, left: 1.0, rate: 0.5 }).collect();
+            reference_rebalance(&mut reference, &touched);
+            let mut net = Network::new(n_ports);
+            for (op, &p) in ports.iter().enumerate() {
+                let k = net.start(op, p, 1.0, 0.0);
+                net.flows[k].rate = 0.5;
+            }
+            net.rebalance(&touched, 0.0);
+            for (f, r) in net.flows.iter().zip(&reference) {
+                assert!((f.rate - r.rate).abs() < 1e-12, "case {case}: flow {} rate {} vs {}", f.op, f.rate, r.rate);
+            }
+        }
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct SideOption {
     /// Bytes the busiest group exchanges per micro-batch, both directions of forward and backward
     /// (expert options only; it depends on the expert group size through the fan-out).
     pub exchange_bytes: f64,
+    /// The same averaged over the groups (expert options only): the attention port of some group
+    /// carries at least this much, whatever the ring's layer order.
+    pub mean_exchange_bytes: f64,
     /// Peak memory per GPU, bytes.
     pub memory: f64,
 }
@@ -222,6 +225,7 @@ impl AllocationProblem {
                         busy_s: mb * compute + ar,
                         port_bw: cost.group_bandwidth(a, nics),
                         exchange_bytes: 0.0,
+                        mean_exchange_bytes: 0.0,
                         memory: mem,
                     });
                 }
@@ -246,10 +250,10 @@ impl AllocationProblem {
                             .sum::<f64>()
                     })
                     .fold(0.0, f64::max);
-                let bytes = groups
-                    .iter()
-                    .map(|ls| ls.iter().map(|&l| 2.0 * cost.m2n_bytes(l, f)).sum::<f64>())
-                    .fold(0.0, f64::max);
+                let per_group: Vec<f64> =
+                    groups.iter().map(|ls| ls.iter().map(|&l| 2.0 * cost.m2n_bytes(l, f)).sum::<f64>()).collect();
+                let bytes = per_group.iter().copied().fold(0.0, f64::max);
+                let mean_bytes = per_group.iter().sum::<f64>() / p as f64;
                 for nics in nic_choices(f) {
                     ffn.push(SideOption {
                         groups: p,
@@ -258,6 +262,7 @@ impl AllocationProblem {
                         busy_s: mb * compute,
                         port_bw: cost.group_bandwidth(f, nics),
                         exchange_bytes: bytes,
+                        mean_exchange_bytes: mean_bytes,
                         memory: mem,
                     });
                 }
@@ -366,6 +371,18 @@ impl AllocationProblem {
             attention_comm_s: bytes / a.port_bw,
             ffn_comm_s: bytes / f.port_bw,
         }
+    }
+
+    /// A lower bound of the simulated step time of a pair of options: the busiest group's
+    /// compute (the simulator runs the same ops, plus any recomputation), the busiest expert
+    /// port (it carries exactly `exchange_bytes` per micro-batch, and a transfer never runs faster
+    /// than its slower port) and the attention ports' average load (the busiest carries at
+    /// least that). The roofline's `attention_comm_s` is not a bound: which expert group feeds
+    /// which attention port depends on the ring's layer order.
+    pub fn step_lower_bound(&self, a: &SideOption, f: &SideOption) -> f64 {
+        let t = self.stage_times(a, f);
+        let attention_port = self.micro_batches * f.mean_exchange_bytes / a.port_bw;
+        t.attention_s.max(t.ffn_s).max(t.ffn_comm_s).max(attention_port)
     }
 
     /// The allocation described by a pair of options.

@@ -13,6 +13,17 @@ use std::collections::HashMap;
 pub trait StepTimeOracle {
     /// Step time in seconds.
     fn step_time(&mut self, allocation: &Allocation) -> Result<f64>;
+    /// Step times of several allocations, in order. The default asks one at a time; an oracle
+    /// that can judge allocations independently (the simulator) may answer them concurrently.
+    fn step_times(&mut self, allocations: &[Allocation]) -> Result<Vec<f64>> {
+        allocations.iter().map(|a| self.step_time(a)).collect()
+    }
+    /// Whether every step time this oracle reports is at least
+    /// [`AllocationProblem::step_lower_bound`] (true of the simulator, which runs the modelled
+    /// ops; not assumed of measurements). The search then skips allocations that cannot win.
+    fn respects_lower_bound(&self) -> bool {
+        false
+    }
     /// Short name for reports (`simulator`, `measured`).
     fn name(&self) -> &str;
 }
@@ -103,6 +114,12 @@ pub fn neighbours(problem: &AllocationProblem, alloc: &Allocation) -> Vec<Alloca
 /// Hill-climbs from the best of `starts`: evaluates every start, then every neighbour of the
 /// current best with the oracle, moves to the best neighbour while it is faster, and stops after
 /// `max_evals` oracle calls or at a local optimum. `starts` must not be empty.
+///
+/// With an oracle that [respects the lower bound](StepTimeOracle::respects_lower_bound), a
+/// neighbour whose [`AllocationProblem::step_lower_bound`] is not below the current best step
+/// time cannot improve on it and is not evaluated (nor counted against the budget). The starts,
+/// and then the neighbours of each step, go to the oracle as one batch
+/// ([`StepTimeOracle::step_times`]).
 pub fn local_search(
     problem: &AllocationProblem,
     starts: &[Allocation],
@@ -110,50 +127,50 @@ pub fn local_search(
     max_evals: usize,
 ) -> Result<SearchResult> {
     let mut seen: HashMap<Allocation, Candidate> = HashMap::new();
-    let mut order = Vec::new();
-    let mut eval = |alloc: Allocation, seen: &mut HashMap<Allocation, Candidate>| -> Result<Candidate> {
-        if let Some(c) = seen.get(&alloc) {
-            return Ok(*c);
-        }
-        let (a, f) = problem.options_of(&alloc).expect("starts and neighbours are feasible");
-        let c = Candidate {
-            allocation: alloc,
-            roofline_s: problem.stage_times(&a, &f).bottleneck_s(),
-            predicted_step_s: oracle.step_time(&alloc)?,
-        };
-        seen.insert(alloc, c);
-        order.push(c);
-        Ok(c)
-    };
-    let mut best = eval(starts[0], &mut seen)?;
-    let mut evals = 1;
-    for &s in &starts[1..] {
-        if evals >= max_evals {
-            break;
-        }
-        evals += usize::from(!seen.contains_key(&s));
-        let c = eval(s, &mut seen)?;
-        if c.predicted_step_s < best.predicted_step_s {
-            best = c;
-        }
-    }
-    loop {
-        let mut improved = None;
-        for n in neighbours(problem, &best.allocation) {
-            if evals >= max_evals {
+    let mut order: Vec<Candidate> = Vec::new();
+    let prune = oracle.respects_lower_bound();
+    // Asks the oracle, in one batch, for the allocations not seen yet whose lower bound is below
+    // `bound` (the others cannot beat the incumbent), while the budget lasts.
+    let mut evaluate = |allocs: &[Allocation], bound: f64, seen: &mut HashMap<Allocation, Candidate>| -> Result<()> {
+        let mut todo: Vec<(Allocation, f64)> = Vec::new();
+        for &alloc in allocs {
+            if order.len() + todo.len() >= max_evals {
                 break;
             }
-            if !seen.contains_key(&n) {
-                evals += 1;
+            if seen.contains_key(&alloc) || todo.iter().any(|(t, _)| *t == alloc) {
+                continue;
             }
-            let c = eval(n, &mut seen)?;
-            if c.predicted_step_s < improved.map_or(best.predicted_step_s, |b: Candidate| b.predicted_step_s) {
-                improved = Some(c);
+            let (a, f) = problem.options_of(&alloc).expect("starts and neighbours are feasible");
+            if !prune || problem.step_lower_bound(&a, &f) < bound {
+                todo.push((alloc, problem.stage_times(&a, &f).bottleneck_s()));
             }
         }
-        match improved {
-            Some(c) if evals <= max_evals => best = c,
-            _ => break,
+        let allocations: Vec<Allocation> = todo.iter().map(|(a, _)| *a).collect();
+        for ((allocation, roofline_s), predicted_step_s) in todo.into_iter().zip(oracle.step_times(&allocations)?) {
+            let c = Candidate { allocation, roofline_s, predicted_step_s };
+            seen.insert(allocation, c);
+            order.push(c);
+        }
+        Ok(())
+    };
+    // The best of `allocs` that were evaluated and beat `incumbent` (first of equals).
+    let best_of = |allocs: &[Allocation], incumbent: f64, seen: &HashMap<Allocation, Candidate>| {
+        let mut best: Option<Candidate> = None;
+        for c in allocs.iter().filter_map(|a| seen.get(a)) {
+            if c.predicted_step_s < best.map_or(incumbent, |b| b.predicted_step_s) {
+                best = Some(*c);
+            }
+        }
+        best
+    };
+    evaluate(starts, f64::INFINITY, &mut seen)?;
+    let mut best = best_of(starts, f64::INFINITY, &seen).expect("the first start is evaluated");
+    loop {
+        let around = neighbours(problem, &best.allocation);
+        evaluate(&around, best.predicted_step_s, &mut seen)?;
+        match best_of(&around, best.predicted_step_s, &seen) {
+            Some(c) => best = c,
+            None => break,
         }
     }
     Ok(SearchResult { best, candidates: order })
@@ -201,6 +218,28 @@ mod tests {
         let mut tight = Likes { calls: 0 };
         let limited = local_search(&problem, &[start], &mut tight, 3).unwrap();
         assert!(tight.calls <= 3 && limited.candidates.len() <= 3, "{} calls", tight.calls);
+    }
+
+    #[test]
+    fn simulated_step_times_respect_the_lower_bound_the_search_prunes_with() {
+        let w = Workload { seq: 4096, micro_batch: 4, global_batch: 64 };
+        let cost = CostModel::new(ModelShape::preset("qwen3-30b-a3b").unwrap(), Cluster::preset("h100x4").unwrap(), w)
+            .unwrap();
+        let problem = AllocationProblem::new(&cost, None).unwrap();
+        let mut oracle = crate::simulator::SimulatorOracle { cost };
+        assert!(oracle.respects_lower_bound());
+        let pairs: Vec<_> = problem
+            .attention
+            .iter()
+            .flat_map(|a| problem.ffn.iter().filter(|f| problem.compatible(a, f)).map(move |f| (*a, *f)))
+            .step_by(5)
+            .collect();
+        assert!(pairs.len() >= 10, "{} pairs", pairs.len());
+        for (a, f) in pairs {
+            let step = oracle.step_time(&AllocationProblem::allocation(&a, &f)).unwrap();
+            let bound = problem.step_lower_bound(&a, &f);
+            assert!(step >= bound * (1.0 - 1e-9), "{a:?} {f:?}: simulated {step} below the bound {bound}");
+        }
     }
 
     #[test]
