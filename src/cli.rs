@@ -8,7 +8,9 @@ use disagmoe_models::weights::{write_atomically, TensorSink};
 use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use disagmoe_train::{DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind};
+use disagmoe_train::{
+    DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind,
+};
 
 /// On or off.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]

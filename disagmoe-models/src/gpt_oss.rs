@@ -322,17 +322,26 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
         sink.put_param(format!("{prefix}.down_proj_bias"), &self.down_proj_bias);
     }
 
+    fn fused(&self) -> bool {
+        true
+    }
+
     fn shard(self, range: std::ops::Range<usize>) -> Result<Self> {
         let e = self.num_experts();
         if range.end > e {
             return Err(ModelError::InvalidInput(format!("expert shard {range:?} of {e} experts")));
         }
         let (start, n) = (range.start, range.len());
+        // A fresh leaf of the rows kept (through the host: a narrowed view is not a leaf).
+        fn rows<B: Backend, const D: usize>(p: &Param<Tensor<B, D>>, start: usize, n: usize) -> Param<Tensor<B, D>> {
+            let t = p.val().narrow(0, start, n);
+            Param::from_tensor(Tensor::from_data(t.to_data(), &t.device()))
+        }
         Ok(Self {
-            gate_up_proj: Param::from_tensor(self.gate_up_proj.val().narrow(0, start, n)),
-            gate_up_proj_bias: Param::from_tensor(self.gate_up_proj_bias.val().narrow(0, start, n)),
-            down_proj: Param::from_tensor(self.down_proj.val().narrow(0, start, n)),
-            down_proj_bias: Param::from_tensor(self.down_proj_bias.val().narrow(0, start, n)),
+            gate_up_proj: rows(&self.gate_up_proj, start, n),
+            gate_up_proj_bias: rows(&self.gate_up_proj_bias, start, n),
+            down_proj: rows(&self.down_proj, start, n),
+            down_proj_bias: rows(&self.down_proj_bias, start, n),
             alpha: self.alpha,
             limit: self.limit,
         })

@@ -46,6 +46,13 @@ pub trait Experts<B: Backend> {
     /// Saves the experts' weights under the names [`Experts::load`] reads.
     fn save(&self, sink: &mut TensorSink, prefix: &str);
 
+    /// Whether all experts live in shared tensors (a fused `[E, ...]` layout). An optimizer then
+    /// steps every expert of a layer whenever any of them saw a token (the others with a zero
+    /// gradient), and a holder of a shard must do the same to stay equivalent.
+    fn fused(&self) -> bool {
+        false
+    }
+
     /// Keeps experts `range` (local ids) and drops the others, for expert parallelism. Expert
     /// types that do not implement it run on one holder per layer only.
     fn shard(self, range: std::ops::Range<usize>) -> Result<Self>

@@ -228,7 +228,9 @@ pub trait SplitFeedForward<B: Backend>: Module<B> {
     fn split(self) -> (Option<Self::Router>, ExpertStage<B, Self::Experts>);
 }
 
-impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>> SplitFeedForward<B> for SparseMoeBlock<B, R, X> {
+impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>>
+    SplitFeedForward<B> for SparseMoeBlock<B, R, X>
+{
     type Router = R;
     type Experts = X;
     fn split(self) -> (Option<R>, ExpertStage<B, X>) {
@@ -237,7 +239,9 @@ impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + Module
     }
 }
 
-impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>> SplitFeedForward<B> for FeedForward<B, R, X> {
+impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>>
+    SplitFeedForward<B> for FeedForward<B, R, X>
+{
     type Router = R;
     type Experts = X;
     fn split(self) -> (Option<R>, ExpertStage<B, X>) {

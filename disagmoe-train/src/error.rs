@@ -68,6 +68,16 @@ pub enum TrainError {
         /// What went wrong.
         cause: String,
     },
+    /// A worker waited too long for its peers.
+    #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came; a peer has stopped or hangs")]
+    Stalled {
+        /// The waiting worker.
+        worker: usize,
+        /// How long it waited.
+        seconds: f64,
+        /// Where (e.g. `at step 3`).
+        at: String,
+    },
     /// The run config TOML is malformed.
     #[error("run config {path}: {message}")]
     RunConfig {

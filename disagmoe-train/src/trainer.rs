@@ -293,7 +293,12 @@ impl RunConfig {
                 format!("must divide batch ({}) evenly, got {k}", self.batch),
             ));
         }
-        for (field, v) in [("attn_workers", self.attn_workers), ("ffn_workers", self.ffn_workers), ("groups", self.groups), ("workers", self.workers)] {
+        for (field, v) in [
+            ("attn_workers", self.attn_workers),
+            ("ffn_workers", self.ffn_workers),
+            ("groups", self.groups),
+            ("workers", self.workers),
+        ] {
             positive(field, v)?;
         }
         if let Some(g) = self.link_gbps {

@@ -76,11 +76,17 @@ impl Layout {
         groups: usize,
     ) -> Result<Self> {
         if groups == 0 || groups > layers {
-            return Err(TrainError::option("groups", format!("must be between 1 and the model's {layers} layers, got {groups}")));
+            return Err(TrainError::option(
+                "groups",
+                format!("must be between 1 and the model's {layers} layers, got {groups}"),
+            ));
         }
         for (field, n) in [("attn_workers", attn), ("ffn_workers", ffn)] {
             if n == 0 || n % groups != 0 {
-                return Err(TrainError::option(field, format!("must be a positive multiple of groups ({groups}), got {n}")));
+                return Err(TrainError::option(
+                    field,
+                    format!("must be a positive multiple of groups ({groups}), got {n}"),
+                ));
             }
         }
         Ok(Self {
@@ -165,9 +171,7 @@ impl Layout {
 
     /// Layers whose experts `worker` holds, with its index among the holders.
     pub fn ffn_layers(&self, worker: usize) -> Vec<(usize, usize)> {
-        (0..self.layers)
-            .filter_map(|l| self.ffn_holders(l).iter().position(|&w| w == worker).map(|i| (l, i)))
-            .collect()
+        (0..self.layers).filter_map(|l| self.ffn_holders(l).iter().position(|&w| w == worker).map(|i| (l, i))).collect()
     }
 
     /// Whether `worker` holds the embedding, final norm and head.

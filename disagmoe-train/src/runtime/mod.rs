@@ -57,7 +57,8 @@ pub struct WorkerFault {
     /// Tasks it completes in that step before failing.
     #[serde(default)]
     pub after_tasks: usize,
-    /// Fail by ending the process at once (MPI runs), not with an error.
+    /// Die without a word: the process exits at once (MPI), or the thread ends without telling the
+    /// others (local), who then notice by their time-out.
     #[serde(default)]
     pub exit: bool,
 }
@@ -73,7 +74,12 @@ pub fn layout_of(cfg: &RunConfig, layers: usize, experts: usize) -> Result<Layou
 }
 
 /// The part of the model `rank` holds.
-fn part_for<B, F, A>(stages: &Stages<B, A, F>, layout: &Layout, rank: usize, device: &B::Device) -> Result<WorkerPart<B, A, F::Router, F::Experts>>
+pub(crate) fn part_for<B, F, A>(
+    stages: &Stages<B, A, F>,
+    layout: &Layout,
+    rank: usize,
+    device: &B::Device,
+) -> Result<WorkerPart<B, A, F::Router, F::Experts>>
 where
     B: AutodiffBackend,
     A: Module<B> + ModuleDisplay + AttentionLayer<B>,
@@ -91,7 +97,7 @@ where
 
 /// What a worker reports at the end: the global outcome of each step (the same on every worker),
 /// its own step times, and on rank 0 everyone's trace events.
-struct RankZero {
+pub(crate) struct RankZero {
     outcomes: Vec<StepOutcome>,
     step_s: Vec<f64>,
     checksum: f64,
@@ -100,7 +106,7 @@ struct RankZero {
 }
 
 /// Everything a worker needs besides its endpoint.
-struct Shared<B: AutodiffBackend> {
+pub(crate) struct Shared<B: AutodiffBackend> {
     cfg: RunConfig,
     layout: Layout,
     settings: StepSettings,
@@ -118,12 +124,18 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux_coef: f64, rank: usize) ->
         bias_update_rate: cfg.bias_update_rate,
         abort_on_nonfinite: cfg.on_nonfinite == crate::trainer::NonFinitePolicy::Abort,
         timeout: Duration::from_secs_f64(cfg.comm_timeout_s),
-        fail_at: cfg.fail_worker.as_ref().filter(|f| f.worker == rank).map(|f| (f.step, f.after_tasks)),
+        fail_at: cfg.fail_worker.as_ref().filter(|f| f.worker == rank).map(|f| (f.step, f.after_tasks, f.exit)),
+        own_process: cfg.transport != TransportKind::Local,
     }
 }
 
 /// One worker's whole run.
-fn worker_main<B, A, R, X>(shared: &Shared<B>, port: Port, part: WorkerPart<B, A, R, X>, device: B::Device) -> Result<RankZero>
+pub(crate) fn worker_main<B, A, R, X>(
+    shared: &Shared<B>,
+    port: Port,
+    part: WorkerPart<B, A, R, X>,
+    device: B::Device,
+) -> Result<RankZero>
 where
     B: AutodiffBackend,
     A: Module<B> + ModuleDisplay + AttentionLayer<B>,
@@ -140,7 +152,7 @@ where
     let cfg = &shared.cfg;
     let rank = port.rank();
     let mut settings = shared.settings.clone();
-    settings.fail_at = cfg.fail_worker.as_ref().filter(|f| f.worker == rank).map(|f| (f.step, f.after_tasks));
+    settings.fail_at = cfg.fail_worker.as_ref().filter(|f| f.worker == rank).map(|f| (f.step, f.after_tasks, f.exit));
     let opt = AdamW::<B>::new(AdamWSettings {
         beta1: cfg.beta1,
         beta2: cfg.beta2,
@@ -158,10 +170,6 @@ where
             let t0 = Instant::now();
             let batch = data.as_mut().map(|d| d.next_batch(cfg.batch)).unwrap_or_default();
             let out = worker.run_step(step, &batch, schedule.at(step))?;
-            if let Some(f) = cfg.fail_worker.as_ref().filter(|f| f.worker == rank && f.exit && f.step == step) {
-                tracing::warn!(worker = f.worker, "ending the process on purpose (fault injection)");
-                std::process::exit(3);
-            }
             step_s.push(t0.elapsed().as_secs_f64());
             if rank == 0 && cfg.progress && (step % cfg.log_every == 0 || step == 1 || step == cfg.steps) {
                 eprintln!(
@@ -190,9 +198,15 @@ where
         Err(TrainError::Worker { worker: rank, cause: format!("panicked: {what}") })
     });
     if let Err(e) = &result {
-        // Tell the others, unless this worker is stopping because another one failed.
-        if !matches!(e, TrainError::Worker { worker, .. } if *worker != rank) {
-            worker.abort(&e.to_string());
+        // Tell the others, unless this worker is stopping because another one failed (or plays
+        // dead for a test).
+        let silent = cfg.fail_worker.as_ref().is_some_and(|f| f.worker == rank && f.exit);
+        if !silent && !matches!(e, TrainError::Worker { worker, .. } if *worker != rank) {
+            let cause = match e {
+                TrainError::Worker { cause, .. } => cause.clone(),
+                other => other.to_string(),
+            };
+            worker.abort(&cause);
         }
     }
     result
@@ -237,20 +251,29 @@ where
             .collect();
         handles.into_iter().map(|h| h.join().expect("worker threads catch their panics")).collect()
     });
-    let mut root: Option<TrainError> = None;
+    // The cause of a failed run: a worker's own failure first, then any other error, then the
+    // time-outs of workers left waiting, then errors that only relay another worker's failure.
+    let rank_of = |rank: usize, e: &TrainError| match e {
+        TrainError::Worker { worker, .. } if *worker != rank => 3,
+        TrainError::Worker { .. } => 0,
+        TrainError::Stalled { .. } => 2,
+        _ => 1,
+    };
+    let mut root: Option<(usize, TrainError)> = None;
     let mut zero = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(z) if rank == 0 => zero = Some(z),
             Ok(_) => {}
             Err(e) => {
-                let secondary = matches!(&e, TrainError::Worker { worker, .. } if *worker != rank);
-                if root.is_none() || (!secondary && matches!(&root, Some(TrainError::Worker { worker, .. }) if *worker != rank)) {
-                    root = Some(e);
+                let p = rank_of(rank, &e);
+                if root.as_ref().is_none_or(|(q, _)| p < *q) {
+                    root = Some((p, e));
                 }
             }
         }
     }
+    let root = root.map(|(_, e)| e);
     match root {
         Some(e) => Err(e),
         None => Ok(zero.expect("rank 0 reports")),
@@ -266,7 +289,7 @@ pub fn is_primary(cfg: &RunConfig) -> bool {
     }
 }
 
-fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
+pub(crate) fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
     cfg.link_gbps.map(|gbps| LinkModel { gbps, latency_us: cfg.link_latency_us })
 }
 

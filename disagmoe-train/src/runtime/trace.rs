@@ -66,7 +66,9 @@ pub fn write_chrome_trace(path: &Path, workers: &[String], events: &[TraceEvent]
     for (pid, name) in workers.iter().enumerate() {
         out.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}));
         for (tid, t) in [(COMPUTE, "compute"), (COMM, "communication")] {
-            out.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": t}}));
+            out.push(
+                serde_json::json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": t}}),
+            );
         }
     }
     for e in events {
@@ -76,5 +78,9 @@ pub fn write_chrome_trace(path: &Path, workers: &[String], events: &[TraceEvent]
     }
     let text = serde_json::to_string(&serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"}))
         .expect("trace events serialise");
-    std::fs::write(path, text).map_err(|source| TrainError::Io { action: "cannot write trace", path: path.into(), source })
+    std::fs::write(path, text).map_err(|source| TrainError::Io {
+        action: "cannot write trace",
+        path: path.into(),
+        source,
+    })
 }

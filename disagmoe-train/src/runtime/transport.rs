@@ -300,7 +300,11 @@ pub struct LocalEndpoint {
 /// Endpoints for `n` workers in this process.
 pub fn local_endpoints(n: usize) -> Vec<LocalEndpoint> {
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
-    receivers.into_iter().enumerate().map(|(rank, inbox)| LocalEndpoint { rank, peers: senders.clone(), inbox }).collect()
+    receivers
+        .into_iter()
+        .enumerate()
+        .map(|(rank, inbox)| LocalEndpoint { rank, peers: senders.clone(), inbox })
+        .collect()
 }
 
 impl Endpoint for LocalEndpoint {

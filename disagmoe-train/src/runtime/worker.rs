@@ -69,8 +69,11 @@ pub struct StepSettings {
     pub abort_on_nonfinite: bool,
     /// Longest wait for any message before the worker gives up on its peers.
     pub timeout: Duration,
-    /// Testing: this worker fails at this step, after its first task.
-    pub fail_at: Option<(usize, usize)>,
+    /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
+    /// process exits under MPI, the thread ends silently in-process).
+    pub fail_at: Option<(usize, usize, bool)>,
+    /// Whether workers are processes of their own (then a silent failure ends the process).
+    pub own_process: bool,
 }
 
 /// What a step measured, the same on every worker after the step's global reduction.
@@ -96,11 +99,31 @@ pub struct StepOutcome {
 
 #[derive(Debug)]
 enum Task {
-    AttnFwd { mb: usize, layer: usize },
-    Head { mb: usize },
-    AttnBwd { mb: usize, layer: usize },
-    FfnFwd { src: usize, mb: usize, layer: usize, tokens: Vec<u32>, y: HostTensor, w: Option<HostTensor>, ids: Vec<u32> },
-    FfnBwd { mb: usize, layer: usize, g: HostTensor },
+    AttnFwd {
+        mb: usize,
+        layer: usize,
+    },
+    Head {
+        mb: usize,
+    },
+    AttnBwd {
+        mb: usize,
+        layer: usize,
+    },
+    FfnFwd {
+        src: usize,
+        mb: usize,
+        layer: usize,
+        tokens: Vec<u32>,
+        y: HostTensor,
+        w: Option<HostTensor>,
+        ids: Vec<u32>,
+    },
+    FfnBwd {
+        mb: usize,
+        layer: usize,
+        g: HostTensor,
+    },
 }
 
 /// Inputs of a layer (or of the head) arriving from the previous layer.
@@ -255,6 +278,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
     }
 }
 
+/// Gives parameters without a gradient a zero one (fused expert shards that saw no token).
+struct ZeroFill<'a> {
+    grads: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ZeroFill<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.grads.get::<B::InnerBackend, D>(param.id).is_none() {
+            let v = param.val();
+            self.grads.register::<B::InnerBackend, D>(param.id, Tensor::zeros(v.dims(), &v.device()));
+        }
+    }
+}
+
 struct Restore<'a> {
     grads: &'a mut GradientsParams,
     data: &'a [f64],
@@ -388,17 +425,19 @@ where
             while let Some(env) = self.port.recv(Duration::ZERO)? {
                 self.accept(env)?;
             }
-            let task = self.ready_bwd.pop_front().or_else(|| self.ready_ffn.pop_front()).or_else(|| self.ready_fwd.pop_front());
+            let task = self
+                .ready_bwd
+                .pop_front()
+                .or_else(|| self.ready_ffn.pop_front())
+                .or_else(|| self.ready_fwd.pop_front());
             match task {
                 Some(task) => self.run_task(task)?,
                 None => {
                     let t0 = now_us();
-                    let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+                    let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
                         worker: self.rank,
-                        cause: format!(
-                            "waited {:.0} s at step {step} for data that never came; a peer has stopped or hangs",
-                            self.settings.timeout.as_secs_f64()
-                        ),
+                        seconds: self.settings.timeout.as_secs_f64(),
+                        at: format!("at step {step}"),
                     })?;
                     let t1 = now_us();
                     let in_flight_from = env.sent_us.clamp(t0, t1);
@@ -476,11 +515,19 @@ where
     }
 
     fn run_task(&mut self, task: Task) -> Result<()> {
-        if let Some((_, at)) = self.settings.fail_at.filter(|(s, _)| *s == self.step) {
+        if let Some((_, at, silent)) = self.settings.fail_at.filter(|(s, _, _)| *s == self.step) {
             if self.tasks_run >= at {
+                if silent && self.settings.own_process {
+                    eprintln!("worker {}: ending the process mid-step on purpose (fault injection)", self.rank);
+                    std::process::exit(3);
+                }
                 return Err(TrainError::Worker {
                     worker: self.rank,
-                    cause: format!("failed on purpose at step {} (fault injection)", self.step),
+                    cause: format!(
+                        "{} at step {} (fault injection)",
+                        if silent { "stopped without a word" } else { "failed on purpose" },
+                        self.step
+                    ),
                 });
             }
         }
@@ -539,7 +586,12 @@ where
         let device = self.device.clone();
         let (h, mut aux, from, ends) = if layer == 0 {
             let ids = self.ids(mb)?;
-            let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(&mut Fork { device: &device });
+            let ends = self
+                .part()
+                .ends
+                .clone()
+                .expect("the embedding worker holds the ends")
+                .map(&mut Fork { device: &device });
             (ends.embed(ids), AuxSums::default(), Vec::new(), Some(ends))
         } else {
             let (h, aux, from, _) = self.assemble(mb, layer);
@@ -583,11 +635,23 @@ where
                         .filter(|&tok| all || route.ids[tok * k..(tok + 1) * k].iter().any(|e| range.contains(e)))
                         .map(|tok| tok as u32)
                         .collect();
-                    let ids: Vec<u32> =
-                        tokens.iter().flat_map(|&tok| route.ids[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as u32)).collect();
+                    let ids: Vec<u32> = tokens
+                        .iter()
+                        .flat_map(|&tok| route.ids[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as u32))
+                        .collect();
                     if tokens.is_empty() {
                         sent.push(SentDispatch { holder, y: None, w: None });
-                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: HostTensor { shape: vec![0, m], data: vec![] }, weights: Some(HostTensor { shape: vec![0, k], data: vec![] }), ids }));
+                        msgs.push((
+                            holder,
+                            Msg::Dispatch {
+                                mb,
+                                layer,
+                                tokens,
+                                y: HostTensor { shape: vec![0, m], data: vec![] },
+                                weights: Some(HostTensor { shape: vec![0, k], data: vec![] }),
+                                ids,
+                            },
+                        ));
                         continue;
                     }
                     let idx = index::<B>(&tokens, &self.device);
@@ -602,10 +666,23 @@ where
                 for (i, &holder) in holders.iter().enumerate() {
                     if i == 0 {
                         let tokens: Vec<u32> = (0..t as u32).collect();
-                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: host(&out.normed), weights: None, ids: vec![] }));
+                        msgs.push((
+                            holder,
+                            Msg::Dispatch { mb, layer, tokens, y: host(&out.normed), weights: None, ids: vec![] },
+                        ));
                         sent.push(SentDispatch { holder, y: Some(out.normed.clone()), w: None });
                     } else {
-                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens: vec![], y: HostTensor { shape: vec![0, m], data: vec![] }, weights: None, ids: vec![] }));
+                        msgs.push((
+                            holder,
+                            Msg::Dispatch {
+                                mb,
+                                layer,
+                                tokens: vec![],
+                                y: HostTensor { shape: vec![0, m], data: vec![] },
+                                weights: None,
+                                ids: vec![],
+                            },
+                        ));
                         sent.push(SentDispatch { holder, y: None, w: None });
                     }
                 }
@@ -656,7 +733,8 @@ where
         let m = y.shape.last().copied().unwrap_or(0);
         if rows == 0 {
             self.ffn_saved.insert((mb, layer), FfnSaved { stage: None, dst: src, rows, y: None, w: None, out: None });
-            return self.send(dst, Msg::Combine { mb, layer, tokens, out: HostTensor { shape: vec![0, m], data: vec![] } });
+            return self
+                .send(dst, Msg::Combine { mb, layer, tokens, out: HostTensor { shape: vec![0, m], data: vec![] } });
         }
         let y = leaf::<B, 2>(&y, &self.device);
         let w = w.map(|w| leaf::<B, 2>(&w, &self.device));
@@ -665,7 +743,8 @@ where
         let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device });
         let out = stage.forward(y.clone(), w.clone(), &ids);
         self.send(dst, Msg::Combine { mb, layer, tokens, out: host(&out) })?;
-        self.ffn_saved.insert((mb, layer), FfnSaved { stage: Some(stage), dst: src, rows, y: Some(y), w, out: Some(out) });
+        self.ffn_saved
+            .insert((mb, layer), FfnSaved { stage: Some(stage), dst: src, rows, y: Some(y), w, out: Some(out) });
         Ok(())
     }
 
@@ -695,18 +774,31 @@ where
 
     /// Sends the gradient of a layer input `h` back: all of it to the previous attention worker
     /// (the residual), each holder's rows to that holder.
-    fn send_input_grad(&mut self, mb: usize, layer: usize, gh: HostTensor, from: &[(usize, Vec<u32>)], aux_coef: Vec<f32>) -> Result<()> {
+    fn send_input_grad(
+        &mut self,
+        mb: usize,
+        layer: usize,
+        gh: HostTensor,
+        from: &[(usize, Vec<u32>)],
+        aux_coef: Vec<f32>,
+    ) -> Result<()> {
         let m = *gh.shape.last().expect("[B, S, M]");
         for (holder, tokens) in from {
             let mut data = Vec::with_capacity(tokens.len() * m);
             for &t in tokens {
                 data.extend_from_slice(&gh.data[t as usize * m..(t as usize + 1) * m]);
             }
-            self.send(*holder, Msg::GradCombine { mb, layer: layer - 1, g: HostTensor { shape: vec![tokens.len(), m], data } })?;
+            self.send(
+                *holder,
+                Msg::GradCombine { mb, layer: layer - 1, g: HostTensor { shape: vec![tokens.len(), m], data } },
+            )?;
         }
         let prev = self.layout.attn_worker(mb, layer - 1);
         let t = gh.data.len() / m;
-        self.send(prev, Msg::GradResidual { mb, layer: layer - 1, g: HostTensor { shape: vec![t, m], data: gh.data }, aux_coef })
+        self.send(
+            prev,
+            Msg::GradResidual { mb, layer: layer - 1, g: HostTensor { shape: vec![t, m], data: gh.data }, aux_coef },
+        )
     }
 
     fn head(&mut self, mb: usize) -> Result<()> {
@@ -796,12 +888,10 @@ where
                 }
             }
             let t0 = now_us();
-            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
                 worker: self.rank,
-                cause: format!(
-                    "waited {:.0} s at the end of step {step} for the other workers; a peer has stopped or hangs",
-                    self.settings.timeout.as_secs_f64()
-                ),
+                seconds: self.settings.timeout.as_secs_f64(),
+                at: format!("in the all-reduce of step {step}"),
             })?;
             self.tracer.span(|| "wait (collective)".into(), "wait", COMPUTE, t0, now_us());
             if let Msg::Abort { worker, cause } = env.msg {
@@ -870,8 +960,14 @@ where
                 pos += e;
             }
         }
-        // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
+        // A fused expert tensor is stepped whenever its layer saw tokens, on every holder.
         let part = self.part.as_ref().expect("part");
+        for stage in &part.experts {
+            if let Some(x) = stage.experts.as_ref().filter(|x| x.fused()) {
+                x.visit(&mut ZeroFill { grads: &mut grads });
+            }
+        }
+        // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
         let mut sq = grad_norm::<B, _>(&part.experts, &grads).total.powi(2);
         if replicas.first() == Some(&self.rank) {
             sq += grad_norm::<B, _>(&part.ends, &grads).total.powi(2);
@@ -946,9 +1042,10 @@ where
         let mut all = mine;
         let mut got = 1;
         while got < self.layout.workers {
-            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Worker {
+            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
                 worker: self.rank,
-                cause: "waited in vain for the other workers' trace events".into(),
+                seconds: self.settings.timeout.as_secs_f64(),
+                at: "gathering trace events".into(),
             })?;
             match env.msg {
                 Msg::Trace(events) => {

@@ -1,0 +1,202 @@
+//! The `mpi` transport: one process per worker, started by `mpirun -np <workers>` (any MPI; CI uses
+//! Debian's OpenMPI). MPI rank = worker rank.
+//!
+//! Each process builds the model from the seed, keeps its own part and drops the rest. Its endpoint
+//! has two communication threads: one sends (so a large send never holds up compute), one receives
+//! with `MPI_Recv` from any source and hands envelopes to the worker. Envelopes travel as bincode.
+//! When a worker fails it tells the others (an `Abort` message) and the process exits with an error;
+//! if a process dies outright, `mpirun` ends the job.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, Module, ModuleDisplay};
+use burn::tensor::backend::AutodiffBackend;
+use mpi::collective::CommunicatorCollectives;
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::Threading;
+
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage, SplitFeedForward, Stages};
+
+use super::transport::{Endpoint, Envelope, Msg, Port};
+use super::worker::WorkerPart;
+use super::{link_model, part_for, worker_main, RankZero, Shared};
+use crate::error::{Result, TrainError};
+
+static WORLD_RANK: AtomicUsize = AtomicUsize::new(0);
+
+/// This process's MPI rank (0 before MPI was started).
+pub fn world_rank() -> usize {
+    WORLD_RANK.load(Ordering::SeqCst)
+}
+
+fn encode(env: &Envelope) -> Vec<u8> {
+    bincode::serde::encode_to_vec(env, bincode::config::standard()).expect("envelopes serialise")
+}
+
+fn decode(bytes: &[u8]) -> Option<Envelope> {
+    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
+}
+
+/// A worker's MPI connection.
+pub struct MpiEndpoint {
+    rank: usize,
+    size: usize,
+    outbox: Option<Sender<(usize, Vec<u8>)>>,
+    inbox: Receiver<Envelope>,
+    to_self: Sender<Envelope>,
+    sender: Option<JoinHandle<()>>,
+    receiver: Option<JoinHandle<()>>,
+}
+
+impl MpiEndpoint {
+    fn start() -> Self {
+        let world = SimpleCommunicator::world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let (outbox, outgoing) = channel::<(usize, Vec<u8>)>();
+        let (to_self, inbox) = channel::<Envelope>();
+        let sender = std::thread::Builder::new()
+            .name("mpi-send".into())
+            .spawn(move || {
+                let world = SimpleCommunicator::world();
+                for (dst, bytes) in outgoing {
+                    world.process_at_rank(dst as i32).send(&bytes[..]);
+                }
+            })
+            .expect("spawn the MPI send thread");
+        let deliver = to_self.clone();
+        let receiver = std::thread::Builder::new()
+            .name("mpi-recv".into())
+            .spawn(move || {
+                let world = SimpleCommunicator::world();
+                loop {
+                    let (bytes, _status) = world.any_process().receive_vec::<u8>();
+                    match decode(&bytes) {
+                        Some(env) if matches!(env.msg, Msg::Shutdown) => break,
+                        Some(env) => {
+                            if deliver.send(env).is_err() {
+                                break;
+                            }
+                        }
+                        None => tracing::error!(bytes = bytes.len(), "undecodable MPI message dropped"),
+                    }
+                }
+            })
+            .expect("spawn the MPI receive thread");
+        Self { rank, size, outbox: Some(outbox), inbox, to_self, sender: Some(sender), receiver: Some(receiver) }
+    }
+}
+
+impl Drop for MpiEndpoint {
+    /// Flushes the send thread and stops the receive thread.
+    fn drop(&mut self) {
+        if let Some(outbox) = self.outbox.take() {
+            let stop = Envelope { src: self.rank, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::Shutdown };
+            let _ = outbox.send((self.rank, encode(&stop)));
+        }
+        if let Some(h) = self.sender.take() {
+            let _ = h.join();
+        }
+        if let Some(h) = self.receiver.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Endpoint for MpiEndpoint {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
+        if dst == self.rank {
+            let _ = self.to_self.send(env);
+            return Ok(());
+        }
+        let outbox = self.outbox.as_ref().ok_or_else(|| TrainError::Worker {
+            worker: self.rank,
+            cause: "sent after the endpoint was closed".into(),
+        })?;
+        outbox
+            .send((dst, encode(&env)))
+            .map_err(|_| TrainError::Worker { worker: self.rank, cause: "the MPI send thread has stopped".into() })
+    }
+    fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
+        match self.inbox.recv_timeout(timeout) {
+            Ok(env) => Ok(Some(env)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(TrainError::Worker { worker: self.rank, cause: "the MPI receive thread has stopped".into() })
+            }
+        }
+    }
+}
+
+fn start_mpi() -> Result<Universe> {
+    let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
+        TrainError::option("transport", "MPI is already initialised in this process; run one training per process")
+    })?;
+    if threading != Threading::Multiple {
+        return Err(TrainError::option(
+            "transport",
+            format!("the MPI library gives thread support {threading:?}; the mpi transport needs MPI_THREAD_MULTIPLE"),
+        ));
+    }
+    Ok(universe)
+}
+
+/// Runs this process's worker of an MPI job.
+pub(crate) fn run_mpi<B, A, F>(shared: Shared<B>, stages: Stages<B, A, F>, device: &B::Device) -> Result<RankZero>
+where
+    B: AutodiffBackend,
+    A: Module<B> + ModuleDisplay + AttentionLayer<B> + Send + 'static,
+    F: SplitFeedForward<B>,
+    WorkerPart<B, A, F::Router, F::Experts>: AutodiffModule<B> + Send + 'static,
+    Option<Ends<B>>: AutodiffModule<B>,
+    Vec<AttentionStage<B, A, F::Router>>: AutodiffModule<B>,
+    Vec<ExpertStage<B, F::Experts>>: AutodiffModule<B>,
+    ExpertStage<B, F::Experts>: AutodiffModule<B>,
+    AttentionStage<B, A, F::Router>: AutodiffModule<B>,
+    Ends<B>: AutodiffModule<B>,
+{
+    let universe = start_mpi()?;
+    let world = universe.world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    WORLD_RANK.store(rank, Ordering::SeqCst);
+    if size != shared.layout.workers {
+        let err = TrainError::option(
+            "transport",
+            format!(
+                "mpirun started {size} processes but placement {} needs {} workers (mpirun -np {})",
+                shared.cfg.placement.name(),
+                shared.layout.workers,
+                shared.layout.workers
+            ),
+        );
+        drop(universe);
+        return Err(err);
+    }
+    let part = part_for(&stages, &shared.layout, rank, device)?;
+    drop(stages);
+    // The worker owns the endpoint; dropping it (when the worker ends) flushes the sends.
+    let port = Port::new(Box::new(MpiEndpoint::start()), link_model(&shared.cfg));
+    match worker_main(&shared, port, part, device.clone()) {
+        Ok(report) => {
+            world.barrier();
+            drop(universe);
+            Ok(report)
+        }
+        Err(e) => {
+            // The others have been told; take the whole job down so nothing waits for this rank.
+            eprintln!("error: {e}");
+            world.abort(2);
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The AF-Pipe runtime end to end: `disagg` and `ep` reproduce `single` (losses and parameters) for
+//! every model family, in-process and under `mpirun`; failing workers end the run quickly with an
+//! error that names them; bad placements are refused clearly.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_disagmoe"))
+}
+
+const COMMON: &[&str] = &["train", "--steps", "5", "--batch", "8", "--seq", "32", "--micro-batches", "4", "--quiet"];
+
+fn summary(out: &Output) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "run failed: {}\n{}", String::from_utf8_lossy(&out.stderr), text);
+    let last =
+        text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
+}
+
+fn train(preset: &str, extra: &[&str]) -> serde_json::Value {
+    summary(&bin().args(COMMON).args(["--model-preset", preset]).args(extra).output().unwrap())
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Per-step losses and the final parameter checksum agree within 1e-5 relative.
+fn assert_same_run(what: &str, got: &serde_json::Value, want: &serde_json::Value) {
+    let (g, w) = (got["losses"].as_array().unwrap(), want["losses"].as_array().unwrap());
+    assert_eq!(g.len(), 5, "{what}: {got}");
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (i, (a, b)) in g.iter().zip(w).enumerate() {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!(rel(a, b) < 1e-5, "{what}: step {} loss {a} vs single {b}", i + 1);
+    }
+    let (a, b) = (got["param_checksum"].as_f64().unwrap(), want["param_checksum"].as_f64().unwrap());
+    assert!(rel(a, b) < 1e-5, "{what}: param_checksum {a} vs single {b}");
+}
+
+const DISAGG: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"];
+const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
+
+#[test]
+fn disagg_and_ep_reproduce_single_for_every_family() {
+    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
+        let single = train(preset, &["--placement", "single"]);
+        let disagg = train(preset, DISAGG);
+        assert_eq!(disagg["workers"], 4);
+        assert_same_run(&format!("{preset} disagg"), &disagg, &single);
+        let ep = train(preset, EP);
+        assert_same_run(&format!("{preset} ep"), &ep, &single);
+        // More experts holders than one per group, and data parallel attention, also agree.
+        let wide =
+            train(preset, &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "1"]);
+        assert_same_run(&format!("{preset} disagg 2+4 in one group"), &wide, &single);
+    }
+}
+
+#[test]
+fn a_trace_shows_every_worker_s_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.json");
+    let out = train("tiny-qwen3-moe", &[DISAGG, &["--trace", path.to_str().unwrap(), "--link-gbps", "50"]].concat());
+    assert!(out["exposed_comm_s"].as_f64().unwrap() >= 0.0 && out["step_s"].as_f64().unwrap() > 0.0);
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for cat in ["forward", "backward", "send", "wait", "optimizer"] {
+        assert!(events.iter().any(|e| e["cat"] == cat), "no {cat} span");
+    }
+    let pids: std::collections::BTreeSet<u64> =
+        events.iter().filter(|e| e["ph"] == "X").map(|e| e["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids.len(), 4, "one process per worker");
+}
+
+fn fault_config(dir: &std::path::Path, exit: bool) -> std::path::PathBuf {
+    let path = dir.join("fault.toml");
+    std::fs::write(
+        &path,
+        format!("comm_timeout_s = 5.0\n[fail_worker]\nworker = 2\nstep = 2\nafter_tasks = 3\nexit = {exit}\n"),
+    )
+    .unwrap();
+    path
+}
+
+fn fails_naming_worker_2(out: &Output, took: Duration) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the run should fail: {err}");
+    assert!(err.contains("worker 2"), "the error names the failed worker: {err}");
+    assert!(!err.contains("panicked"), "no panic: {err}");
+    assert!(took < Duration::from_secs(30), "ended in {took:?}");
+}
+
+#[test]
+fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for exit in [false, true] {
+        let cfg = fault_config(dir.path(), exit);
+        let t0 = Instant::now();
+        let out = bin().args(COMMON).args(DISAGG).arg("--run-config").arg(&cfg).output().unwrap();
+        fails_naming_worker_2(&out, t0.elapsed());
+    }
+}
+
+#[test]
+fn bad_placements_are_refused_with_the_allowed_values() {
+    for (args, needle) in [
+        (&["--placement", "disagg", "--attn-workers", "3", "--groups", "2"][..], "attn_workers"),
+        (&["--placement", "disagg", "--groups", "9"][..], "groups"),
+        (&["--placement", "ep", "--workers", "3", "--micro-batches", "4"][..], "micro_batches"),
+        (&["--placement", "single", "--micro-batches", "3"][..], "micro_batches"),
+        (&["--placement", "single", "--link-gbps", "10"][..], "link_gbps"),
+        (&["--placement", "disagg", "--transport", "nccl"][..], "nccl"),
+    ] {
+        let out = bin()
+            .args(["train", "--steps", "1", "--batch", "8", "--seq", "16", "--quiet"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?} should mention {needle}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[cfg(feature = "mpi")]
+mod mpi {
+    use super::*;
+
+    fn mpirun() -> Option<Command> {
+        let found = Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+        if !found {
+            assert!(std::env::var("CI").is_err(), "CI must have mpirun (.ci/run installs openmpi-bin)");
+            eprintln!("skipped: no mpirun on this machine");
+            return None;
+        }
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--oversubscribe", "-np", "4"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+        Some(cmd)
+    }
+
+    #[test]
+    fn mpi_runs_reproduce_single() {
+        for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
+            let single = train(preset, &["--placement", "single"]);
+            for placement in [DISAGG, EP] {
+                let Some(mut cmd) = mpirun() else { return };
+                let out = cmd
+                    .arg(env!("CARGO_BIN_EXE_disagmoe"))
+                    .args(COMMON)
+                    .args(["--model-preset", preset, "--transport", "mpi"])
+                    .args(placement)
+                    .output()
+                    .unwrap();
+                assert_same_run(&format!("{preset} {} under mpirun", placement[1]), &summary(&out), &single);
+            }
+        }
+    }
+
+    #[test]
+    fn a_dead_rank_ends_the_mpi_job() {
+        let dir = tempfile::tempdir().unwrap();
+        for exit in [false, true] {
+            let Some(mut cmd) = mpirun() else { return };
+            let cfg = fault_config(dir.path(), exit);
+            let t0 = Instant::now();
+            let out = cmd
+                .arg(env!("CARGO_BIN_EXE_disagmoe"))
+                .args(COMMON)
+                .args(DISAGG)
+                .args(["--transport", "mpi", "--run-config"])
+                .arg(&cfg)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "the job should fail: {err}");
+            assert!(err.contains("worker 2") || err.contains("rank 2"), "names the dead rank: {err}");
+            assert!(t0.elapsed() < Duration::from_secs(30), "ended in {:?}", t0.elapsed());
+        }
+    }
+
+    #[test]
+    fn mpi_without_mpirun_says_how_to_launch() {
+        let out = bin().args(COMMON).args(DISAGG).args(["--transport", "mpi"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains("mpirun -np 4"), "{err}");
+    }
+}
