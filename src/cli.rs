@@ -123,6 +123,9 @@ pub struct TrainArgs {
     /// Micro-batches per step (divides --batch) [default: 1 single, 4 disagg, W ep].
     #[arg(long, value_name = "K")]
     pub micro_batches: Option<usize>,
+    /// disagg: micro-batches each embedding worker keeps in flight [default: all of the step's].
+    #[arg(long, value_name = "N")]
+    pub in_flight: Option<usize>,
     /// How workers talk: local (threads of this process) or mpi (one process per worker under
     /// mpirun; build with --features mpi) [default: local].
     #[arg(long, value_enum)]
@@ -239,6 +242,9 @@ impl TrainArgs {
         if self.micro_batches.is_some() {
             cfg.micro_batches = self.micro_batches;
         }
+        if self.in_flight.is_some() {
+            cfg.in_flight = self.in_flight;
+        }
         if self.link_gbps.is_some() {
             cfg.link_gbps = self.link_gbps;
         }
@@ -258,9 +264,11 @@ static STOP: AtomicBool = AtomicBool::new(false);
 pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     let cfg = args.run_config()?;
     let device = Default::default();
-    // A second signal while the step finishes exits at once.
-    let _ = ctrlc::set_handler(|| {
-        if STOP.swap(true, Ordering::SeqCst) {
+    // A second signal while the step finishes exits at once. Distributed runs keep no checkpoint
+    // yet, so the first signal ends them at once.
+    let distributed = cfg.placement != Placement::Single;
+    let _ = ctrlc::set_handler(move || {
+        if STOP.swap(true, Ordering::SeqCst) || distributed {
             std::process::exit(130);
         }
     });
@@ -274,6 +282,72 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(summary)
+}
+
+/// `disagmoe compare`: the same training job under `ep` and `disagg`, side by side.
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    /// Every `disagmoe train` option; --placement is ignored (both run). The ep run gets as many
+    /// workers as the disagg run (--attn-workers + --ffn-workers) unless --workers says otherwise.
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// Runs `ep` then `disagg` with the same model, data, batch, micro-batches and links, prints a
+/// table on stderr and one JSON line with both summaries and their ratios on stdout.
+pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
+    let mut train = args.train.clone();
+    train.placement = Some(PlacementArg::Disagg);
+    let base = train.run_config()?;
+    let device = Default::default();
+    let mut disagg = base.clone();
+    disagg.placement = Placement::Disagg;
+    let mut ep = base.clone();
+    ep.placement = Placement::Ep;
+    if args.train.workers.is_none() {
+        ep.workers = disagg.attn_workers + disagg.ffn_workers;
+    }
+    // Same micro-batches for both, whatever each placement's default.
+    let k = base.micro_batches.unwrap_or(ep.workers * 4);
+    ep.micro_batches = Some(k);
+    disagg.micro_batches = Some(k);
+    if ep.trace.is_some() {
+        bail!("--trace is not available with compare; trace each placement with disagmoe train");
+    }
+    ep.validate()?;
+    disagg.validate()?;
+    let e = disagmoe_train::train_distributed::<TrainBackend>(&ep, &device)?;
+    let d = disagmoe_train::train_distributed::<TrainBackend>(&disagg, &device)?;
+    let ratio = d.exposed_comm_s / e.exposed_comm_s.max(1e-12);
+    let speedup = e.step_s / d.step_s.max(1e-12);
+    eprintln!(
+        "{:<8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>10}",
+        "", "workers", "step_s", "exposed_comm_s", "in_flight_wait_s", "compute_s", "link_s", "tokens/s"
+    );
+    for s in [&e, &d] {
+        eprintln!(
+            "{:<8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>10.0}",
+            s.placement,
+            s.workers,
+            s.step_s,
+            s.exposed_comm_s,
+            s.in_flight_wait_s,
+            s.compute_s,
+            s.link_s,
+            s.tokens_per_s
+        );
+    }
+    eprintln!(
+        "disagg/ep exposed communication {ratio:.3}, step speed-up {speedup:.2}x; ep link time / compute time {:.2}",
+        e.link_s / e.compute_s.max(1e-12)
+    );
+    let out = serde_json::json!({
+        "ep": e, "disagg": d,
+        "exposed_comm_ratio": ratio, "step_speedup": speedup,
+        "ep_link_to_compute": e.link_s / e.compute_s.max(1e-12),
+    });
+    println!("{out}");
+    Ok(out)
 }
 
 /// `disagmoe forward`.

@@ -1,7 +1,7 @@
 //! The `disagmoe` command.
 
 use clap::{Parser, Subcommand};
-use disagmoe::cli::{init_logging, report, run_forward, run_train, ForwardArgs, TrainArgs};
+use disagmoe::cli::{init_logging, report, run_compare, run_forward, run_train, CompareArgs, ForwardArgs, TrainArgs};
 use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
 
 /// DisagMoE: disaggregated attention/expert training for Mixture-of-Experts models.
@@ -18,6 +18,9 @@ enum Command {
     Forward(ForwardArgs),
     /// Train a model (the embedded default with no model option) and print a JSON summary.
     Train(TrainArgs),
+    /// Train under ep and disagg side by side (emulated links) and compare step time and exposed
+    /// communication.
+    Compare(CompareArgs),
     /// Choose GPUs and NICs per attention/expert group (roofline MILP + simulated local search).
     Plan(PlanArgs),
     /// Simulate AF-Pipe and the baselines (1f1b-interleaved, tutel, comet, dualpipe).
@@ -28,10 +31,14 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(matches!(&cli.command, Command::Train(a) if a.quiet));
+    init_logging(
+        matches!(&cli.command, Command::Train(a) if a.quiet)
+            || matches!(&cli.command, Command::Compare(a) if a.train.quiet),
+    );
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
         Command::Train(args) => run_train(args).map(|_| ()),
+        Command::Compare(args) => run_compare(args).map(|_| ()),
         Command::Plan(args) => run_plan(args),
         Command::Simulate(args) => run_simulate(args),
         Command::ReproducePaper(args) => run_reproduce(args),

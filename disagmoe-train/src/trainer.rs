@@ -146,6 +146,9 @@ pub struct RunConfig {
     /// `disagg`, `workers` for `ep`. Each micro-batch's loss (with its own load-balancing term) is
     /// averaged, so runs with the same value compare across placements.
     pub micro_batches: Option<usize>,
+    /// `disagg`: micro-batches each embedding worker keeps in flight (started, backward not done);
+    /// default: all of its micro-batches of the step at once.
+    pub in_flight: Option<usize>,
     /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`).
     pub transport: TransportKind,
     /// Emulate links of this many Gbit/s per worker (off when absent).
@@ -198,6 +201,7 @@ impl Default for RunConfig {
             groups: 2,
             workers: 4,
             micro_batches: None,
+            in_flight: None,
             transport: TransportKind::Local,
             link_gbps: None,
             link_latency_us: 0.0,
@@ -301,6 +305,9 @@ impl RunConfig {
         ] {
             positive(field, v)?;
         }
+        if self.in_flight == Some(0) {
+            return Err(TrainError::option("in_flight", "must be at least 1"));
+        }
         if let Some(g) = self.link_gbps {
             if !(g.is_finite() && g > 0.0) {
                 return Err(TrainError::option("link_gbps", format!("must be a finite number > 0, got {g}")));
@@ -374,13 +381,16 @@ pub struct TrainSummary {
     pub micro_batches: usize,
     /// Mean wall time of a step, seconds.
     pub step_s: f64,
-    /// Mean per step of the time compute streams waited for data in flight, summed over workers.
+    /// Mean per step of the time compute streams sat waiting for data (task inputs and gradient
+    /// all-reduce), summed over workers.
     pub exposed_comm_s: f64,
-    /// Mean per step of the time compute streams waited for data not computed yet (pipeline
-    /// bubbles), summed over workers.
-    pub bubble_s: f64,
+    /// The part of `exposed_comm_s` during which the awaited data was already on the wire.
+    pub in_flight_wait_s: f64,
     /// Mean per step of the time compute streams computed, summed over workers.
     pub compute_s: f64,
+    /// Mean per step of the time transfers spent on emulated links, summed over workers (0 without
+    /// `link_gbps`).
+    pub link_s: f64,
 }
 
 struct SquareSum<'a, B: Backend> {
@@ -727,8 +737,9 @@ pub fn train_until<B: AutodiffBackend>(
         micro_batches: cfg.effective_micro_batches(),
         step_s: train_s / steps_run.max(1) as f64,
         exposed_comm_s: 0.0,
-        bubble_s: 0.0,
+        in_flight_wait_s: 0.0,
         compute_s: train_s / steps_run.max(1) as f64,
+        link_s: 0.0,
         losses,
     };
     Ok((summary, model))

@@ -126,6 +126,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux_coef: f64, rank: usize) ->
         timeout: Duration::from_secs_f64(cfg.comm_timeout_s),
         fail_at: cfg.fail_worker.as_ref().filter(|f| f.worker == rank).map(|f| (f.step, f.after_tasks, f.exit)),
         own_process: cfg.transport != TransportKind::Local,
+        in_flight: cfg.in_flight.unwrap_or(usize::MAX),
     }
 }
 
@@ -173,8 +174,8 @@ where
             step_s.push(t0.elapsed().as_secs_f64());
             if rank == 0 && cfg.progress && (step % cfg.log_every == 0 || step == 1 || step == cfg.steps) {
                 eprintln!(
-                    "step {step:>5}/{} loss {:.4} lm {:.4} grad_norm {:.3} step {:.3}s exposed comm {:.3}s bubble {:.3}s",
-                    cfg.steps, out.loss, out.lm_loss, out.grad_norm, step_s[step - 1], out.exposed_comm_s, out.bubble_s
+                    "step {step:>5}/{} loss {:.4} lm {:.4} grad_norm {:.3} step {:.3}s exposed comm {:.3}s (on the wire {:.3}s)",
+                    cfg.steps, out.loss, out.lm_loss, out.grad_norm, step_s[step - 1], out.exposed_comm_s, out.in_flight_wait_s
                 );
             }
             outcomes.push(out);
@@ -389,7 +390,8 @@ fn summarise(cfg: &RunConfig, zero: RankZero, params: usize, train_s: f64) -> Tr
         micro_batches: cfg.effective_micro_batches(),
         step_s: run_s / steps.max(1) as f64,
         exposed_comm_s: mean(&|o| o.exposed_comm_s),
-        bubble_s: mean(&|o| o.bubble_s),
+        in_flight_wait_s: mean(&|o| o.in_flight_wait_s),
         compute_s: mean(&|o| o.compute_s),
+        link_s: mean(&|o| o.link_s),
     }
 }

@@ -154,7 +154,8 @@ impl Msg {
             Msg::GradCombine { g, .. } => t(g),
             Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.len() * 4,
             Msg::GradDispatch { gy, gw, .. } => t(gy) + gw.as_ref().map(t).unwrap_or(0),
-            Msg::Reduce { data, .. } => data.len() * 8,
+            // Gradients and sums travel as f32 in a real all-reduce; f64 is only how we add them.
+            Msg::Reduce { data, .. } => data.len() * 4,
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
             Msg::Shutdown => 0,
@@ -193,8 +194,9 @@ pub struct Envelope {
     pub msg: Msg,
 }
 
-/// An emulated link: every worker's NIC sends at `gbps` gigabits per second, one message at a
-/// time, and each message arrives `latency_us` after its last byte left.
+/// An emulated link: every worker's NIC sends and receives at `gbps` gigabits per second, one
+/// message at a time each way, and a message arrives `latency_us` after its last byte left (and
+/// not before the receiving NIC has taken in all of it).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LinkModel {
     /// Bandwidth per worker, Gbit/s.
@@ -227,6 +229,7 @@ pub struct Port {
     inner: Box<dyn Endpoint>,
     link: Option<LinkModel>,
     nic_free_us: f64,
+    rx_free_us: f64,
     due: BinaryHeap<Reverse<(u64, u64)>>,
     held: HashMap<u64, Envelope>,
     seq: u64,
@@ -235,7 +238,7 @@ pub struct Port {
 impl Port {
     /// Wraps an endpoint; `link` turns on emulation.
     pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>) -> Self {
-        Self { inner, link, nic_free_us: 0.0, due: BinaryHeap::new(), held: HashMap::new(), seq: 0 }
+        Self { inner, link, nic_free_us: 0.0, rx_free_us: 0.0, due: BinaryHeap::new(), held: HashMap::new(), seq: 0 }
     }
 
     /// This worker's rank.
@@ -248,21 +251,23 @@ impl Port {
         self.inner.size()
     }
 
-    /// Sends `msg` to `dst`; returns (sent, delivered) times in microseconds. Aborts and messages
-    /// to oneself skip the emulated link.
-    pub fn send(&mut self, dst: usize, step: usize, msg: Msg) -> Result<(u64, u64)> {
+    /// Sends `msg` to `dst`; returns the times it was sent and delivered and the microseconds it
+    /// occupied the sender's link (queueing excluded). Aborts and messages to oneself skip the
+    /// emulated link.
+    pub fn send(&mut self, dst: usize, step: usize, msg: Msg) -> Result<(u64, u64, u64)> {
         let now = now_us();
-        let deliver = match self.link {
+        let (deliver, wire) = match self.link {
             Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. }) => {
                 let start = (now as f64).max(self.nic_free_us);
-                self.nic_free_us = start + link.transfer_us(msg.payload_bytes());
-                (self.nic_free_us + link.latency_us) as u64
+                let wire = link.transfer_us(msg.payload_bytes());
+                self.nic_free_us = start + wire;
+                ((self.nic_free_us + link.latency_us) as u64, wire as u64)
             }
-            _ => now,
+            _ => (now, 0),
         };
         let env = Envelope { src: self.rank(), step, sent_us: now, deliver_us: deliver, msg };
         self.inner.transmit(dst, env)?;
-        Ok((now, deliver))
+        Ok((now, deliver, wire))
     }
 
     /// The next delivered envelope (in delivery-time order), waiting at most `timeout`; `None` on
@@ -281,7 +286,14 @@ impl Port {
                 return Ok(None);
             }
             let until = self.due.peek().map(|Reverse((due, _))| (*due).min(deadline)).unwrap_or(deadline);
-            if let Some(env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
+            if let Some(mut env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
+                if let Some(link) = self.link.filter(|_| env.deliver_us > env.sent_us) {
+                    // The receiving NIC takes messages in one at a time, in the order they came.
+                    let wire = link.transfer_us(env.msg.payload_bytes());
+                    let tx_start = env.deliver_us as f64 - link.latency_us - wire;
+                    self.rx_free_us = tx_start.max(self.rx_free_us) + wire;
+                    env.deliver_us = env.deliver_us.max((self.rx_free_us + link.latency_us) as u64);
+                }
                 self.seq += 1;
                 self.due.push(Reverse((env.deliver_us, self.seq)));
                 self.held.insert(self.seq, env);

@@ -17,8 +17,9 @@
 //! Burn's autodiff graph: a received tensor becomes a leaf that requires a gradient, and a stage's
 //! backward is `sum(output * received gradient)`.
 //!
-//! Time the compute stream waits is split at each arrival: the part after the message was sent is
-//! exposed communication (data in flight), the part before is pipeline bubble (data not computed yet).
+//! Every wait of the compute stream for data is exposed communication (`exposed_comm_s`); each is
+//! also split at the arrival that ends it: the part after the message was sent waited for data on
+//! the wire (`in_flight_wait_s`), the part before for data a peer had not computed yet.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -69,6 +70,9 @@ pub struct StepSettings {
     pub abort_on_nonfinite: bool,
     /// Longest wait for any message before the worker gives up on its peers.
     pub timeout: Duration,
+    /// Micro-batches an embedding worker keeps in flight (started, backward not finished):
+    /// `ep` runs 1F1B with one; AF-Pipe starts a new one whenever one finishes.
+    pub in_flight: usize,
     /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
     /// process exits under MPI, the thread ends silently in-process).
     pub fail_at: Option<(usize, usize, bool)>,
@@ -89,12 +93,16 @@ pub struct StepOutcome {
     pub grad_norm: f64,
     /// The update was skipped (non-finite).
     pub skipped: bool,
-    /// Seconds compute streams waited for data in flight, summed over workers.
+    /// Seconds compute streams sat waiting for data (task inputs and the gradient all-reduce),
+    /// summed over workers.
     pub exposed_comm_s: f64,
-    /// Seconds compute streams waited for data not yet computed, summed over workers.
-    pub bubble_s: f64,
+    /// The part of it during which the awaited data was already on the wire (the rest waited for
+    /// data a peer had not computed yet).
+    pub in_flight_wait_s: f64,
     /// Seconds compute streams computed, summed over workers.
     pub compute_s: f64,
+    /// Seconds transfers spent on the (emulated) links, summed over workers.
+    pub link_s: f64,
 }
 
 #[derive(Debug)]
@@ -200,6 +208,7 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     wait_comm_us: u64,
     wait_bubble_us: u64,
     compute_us: u64,
+    link_us: u64,
     tasks_run: usize,
     later: Vec<Envelope>,
     opt: AdamW<B>,
@@ -372,6 +381,7 @@ where
             wait_comm_us: 0,
             wait_bubble_us: 0,
             compute_us: 0,
+            link_us: 0,
             tasks_run: 0,
             later: Vec::new(),
             opt,
@@ -384,7 +394,8 @@ where
 
     fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
         let kind = msg.kind();
-        let (sent, delivered) = self.port.send(dst, self.step, msg)?;
+        let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
+        self.link_us += wire;
         self.tracer.span(|| format!("{kind} -> {dst}"), "send", COMM, sent, delivered);
         Ok(())
     }
@@ -395,7 +406,7 @@ where
     pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepOutcome> {
         self.step = step;
         self.tasks_run = 0;
-        let (wait_c, wait_b, comp) = (self.wait_comm_us, self.wait_bubble_us, self.compute_us);
+        let (wait_c, wait_b, comp, link) = (self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us);
         let mine = self.layout.own_micro_batches(self.rank);
         let rows_per = self.settings.mb_rows;
         self.rows = mine.iter().map(|&m| (m, batch[m * rows_per..(m + 1) * rows_per].to_vec())).collect();
@@ -405,17 +416,14 @@ where
             .map(|m| self.attn_index.keys().filter(|&&l| self.layout.attn_worker(m, l) == self.rank).count())
             .sum();
         self.bwd_left = attn_tasks + self.layout.micro_batches * self.ffn_index.len();
-        match self.layout.placement {
-            Placement::Ep => {
-                self.waiting_mbs = mine.into_iter().collect();
-                if let Some(m) = self.waiting_mbs.pop_front() {
-                    self.ready_fwd.push_back(Task::AttnFwd { mb: m, layer: 0 });
-                }
-            }
-            _ => {
-                for m in mine {
-                    self.ready_fwd.push_back(Task::AttnFwd { mb: m, layer: 0 });
-                }
+        let in_flight = match self.layout.placement {
+            Placement::Ep => 1,
+            _ => self.settings.in_flight.max(1),
+        };
+        self.waiting_mbs = mine.into_iter().collect();
+        for _ in 0..in_flight.min(self.waiting_mbs.len()) {
+            if let Some(m) = self.waiting_mbs.pop_front() {
+                self.ready_fwd.push_back(Task::AttnFwd { mb: m, layer: 0 });
             }
         }
         for env in std::mem::take(&mut self.later) {
@@ -448,12 +456,7 @@ where
                 }
             }
         }
-        self.end_of_step(
-            lr,
-            (self.wait_comm_us - wait_c) as f64 * 1e-6,
-            (self.wait_bubble_us - wait_b) as f64 * 1e-6,
-            (self.compute_us - comp) as f64 * 1e-6,
-        )
+        self.end_of_step(lr, [wait_c, wait_b, comp, link])
     }
 
     fn accept(&mut self, env: Envelope) -> Result<()> {
@@ -863,7 +866,8 @@ where
         match gh {
             Some(gh) => self.send_input_grad(mb, layer, gh, &saved.from, aux_coef)?,
             None => {
-                // Layer 0: the embedding's gradient is already in `grads`; 1F1B starts the next one.
+                // Layer 0: the embedding's gradient is already in `grads`; this micro-batch is done,
+                // so the next one starts.
                 if let Some(next) = self.waiting_mbs.pop_front() {
                     self.ready_fwd.push_back(Task::AttnFwd { mb: next, layer: 0 });
                 }
@@ -893,7 +897,11 @@ where
                 seconds: self.settings.timeout.as_secs_f64(),
                 at: format!("in the all-reduce of step {step}"),
             })?;
-            self.tracer.span(|| "wait (collective)".into(), "wait", COMPUTE, t0, now_us());
+            let t1 = now_us();
+            let in_flight_from = env.sent_us.clamp(t0, t1);
+            self.wait_comm_us += t1 - in_flight_from;
+            self.wait_bubble_us += in_flight_from - t0;
+            self.tracer.span(|| "wait (collective)".into(), "wait", COMPUTE, t0, t1);
             if let Msg::Abort { worker, cause } = env.msg {
                 return Err(TrainError::Worker { worker, cause });
             }
@@ -929,7 +937,8 @@ where
         Ok(acc)
     }
 
-    fn end_of_step(&mut self, lr: f64, comm_s: f64, bubble_s: f64, compute_s: f64) -> Result<StepOutcome> {
+    /// Waits for a collective's message (counted like any wait for data).
+    fn end_of_step(&mut self, lr: f64, start: [u64; 4]) -> Result<StepOutcome> {
         let t0 = now_us();
         let mut grads = self.grads.grads();
         let replicas = self.layout.replicas(self.rank);
@@ -975,7 +984,14 @@ where
         }
         let (loss, lm, aux) = self.losses;
         let all: Vec<usize> = (0..self.layout.workers).collect();
-        let g = self.allreduce(&all, TAG_GLOBAL, vec![sq, loss, lm, aux, comm_s, bubble_s, compute_s])?;
+        // The step's waits, compute and link time so far (the final reduction is the step's barrier
+        // and is not counted).
+        let [wait_c, wait_b, comp, link0] = start;
+        let wire_s = (self.wait_comm_us - wait_c) as f64 * 1e-6;
+        let waits_s = wire_s + (self.wait_bubble_us - wait_b) as f64 * 1e-6;
+        let compute_s = (self.compute_us - comp) as f64 * 1e-6;
+        let link_s = (self.link_us - link0) as f64 * 1e-6;
+        let g = self.allreduce(&all, TAG_GLOBAL, vec![sq, loss, lm, aux, waits_s, wire_s, compute_s, link_s])?;
         let k = self.layout.micro_batches as f64;
         let norm = g[0].sqrt();
         let out = StepOutcome {
@@ -985,8 +1001,9 @@ where
             grad_norm: norm,
             skipped: !(g[1].is_finite() && norm.is_finite()),
             exposed_comm_s: g[4],
-            bubble_s: g[5],
+            in_flight_wait_s: g[5],
             compute_s: g[6],
+            link_s: g[7],
         };
         if out.skipped && self.settings.abort_on_nonfinite {
             return Err(TrainError::NonFinite {
