@@ -10,6 +10,8 @@
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod trace;
 pub mod transport;
 pub mod worker;
@@ -42,7 +44,7 @@ pub enum TransportKind {
     Local,
     /// One process per worker under `mpirun` (feature `mpi`).
     Mpi,
-    /// GPU to GPU through NCCL (feature `cuda`); not available yet.
+    /// GPU to GPU through NCCL, one process per worker under `mpirun` (feature `nccl`).
     Nccl,
 }
 
@@ -286,6 +288,8 @@ pub fn is_primary(cfg: &RunConfig) -> bool {
     match cfg.transport {
         #[cfg(feature = "mpi")]
         TransportKind::Mpi if cfg.placement != Placement::Single => mpi::world_rank() == 0,
+        #[cfg(feature = "nccl")]
+        TransportKind::Nccl if cfg.placement != Placement::Single => mpi::world_rank() == 0,
         _ => true,
     }
 }
@@ -309,10 +313,11 @@ fn check_distributed(cfg: &RunConfig) -> Result<()> {
             format!("is only supported with placement single for now, got placement {}", cfg.placement.name()),
         ));
     }
+    #[cfg(not(feature = "nccl"))]
     if cfg.transport == TransportKind::Nccl {
         return Err(TrainError::option(
             "transport",
-            "nccl is not implemented yet; allowed: local, mpi (build with --features mpi)",
+            "nccl needs a build with the `nccl` feature (cargo build --features nccl, on a machine with CUDA); allowed here: local, mpi (feature mpi)",
         ));
     }
     Ok(())
@@ -350,6 +355,9 @@ pub fn train_distributed<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device
                         "mpi needs a build with the `mpi` feature (cargo build --features mpi); allowed here: local",
                     ))
                 }
+                #[cfg(feature = "nccl")]
+                TransportKind::Nccl => mpi::run_mpi(shared, stages, device)?,
+                #[cfg(not(feature = "nccl"))]
                 TransportKind::Nccl => unreachable!("rejected above"),
             }
         }};

@@ -1,5 +1,6 @@
 //! The `mpi` transport: one process per worker, started by `mpirun -np <workers>` (any MPI; CI uses
-//! Debian's OpenMPI). MPI rank = worker rank.
+//! Debian's OpenMPI). MPI rank = worker rank. The `nccl` transport starts the same way and only
+//! moves the envelopes differently ([`super::nccl`]).
 //!
 //! Each process builds the model from the seed, keeps its own part and drops the rest. Its endpoint
 //! has two communication threads: one sends (so a large send never holds up compute), one receives
@@ -186,7 +187,12 @@ where
     let part = part_for(&stages, &shared.layout, rank, device)?;
     drop(stages);
     // The worker owns the endpoint; dropping it (when the worker ends) flushes the sends.
-    let port = Port::new(Box::new(MpiEndpoint::start()), link_model(&shared.cfg));
+    let endpoint: Box<dyn Endpoint> = match shared.cfg.transport {
+        #[cfg(feature = "nccl")]
+        super::TransportKind::Nccl => Box::new(super::nccl::NcclEndpoint::start(&world)?),
+        _ => Box::new(MpiEndpoint::start()),
+    };
+    let port = Port::new(endpoint, link_model(&shared.cfg));
     match worker_main(&shared, port, part, device.clone()) {
         Ok(report) => {
             world.barrier();

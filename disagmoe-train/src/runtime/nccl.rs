@@ -1,0 +1,212 @@
+//! The `nccl` transport (feature `nccl` = `cuda` + `mpi`): envelopes move GPU to GPU through NCCL,
+//! one process per worker under `mpirun`, bootstrapped over MPI.
+//!
+//! NCCL has no receive-from-any-source and wants one thread per communicator, so every ordered
+//! pair of workers gets its own two-rank communicator (`i -> j`), driven by one send thread on `i`
+//! and one receive thread on `j`, each on its own CUDA stream. A message is its length (8 bytes),
+//! then its bytes. The unique ids are made by the sender of each pair and sent over MPI before any
+//! communicator is created. Worker `r` uses GPU `r mod` (GPUs on the machine); NCCL refuses two
+//! ranks of one communicator on the same GPU, so a run needs one GPU per worker.
+//!
+//! Status: compiled in CI; not yet run, since no machine with several GPUs has been available.
+
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use cudarc::nccl::safe::{Comm, Id};
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use super::transport::{Endpoint, Envelope, Msg};
+use crate::error::{Result, TrainError};
+
+fn encode(env: &Envelope) -> Vec<u8> {
+    bincode::serde::encode_to_vec(env, bincode::config::standard()).expect("envelopes serialise")
+}
+
+fn decode(bytes: &[u8]) -> Option<Envelope> {
+    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
+}
+
+fn nccl_error(rank: usize, what: String) -> TrainError {
+    TrainError::Worker { worker: rank, cause: format!("nccl: {what}") }
+}
+
+/// A worker's NCCL connections.
+pub struct NcclEndpoint {
+    rank: usize,
+    size: usize,
+    outboxes: Vec<Option<Sender<Vec<u8>>>>,
+    inbox: Receiver<Envelope>,
+    to_self: Sender<Envelope>,
+    senders: Vec<JoinHandle<()>>,
+}
+
+/// Sends `bytes` (length first) on `comm` to its rank 1.
+fn send_bytes(comm: &Comm, bytes: &[u8]) -> std::result::Result<(), String> {
+    let stream = comm.stream();
+    let len = stream.clone_htod(&(bytes.len() as u64).to_le_bytes()).map_err(|e| format!("{e:?}"))?;
+    comm.send(&len, 1).map_err(|e| format!("{e:?}"))?;
+    if !bytes.is_empty() {
+        let payload = stream.clone_htod(bytes).map_err(|e| format!("{e:?}"))?;
+        comm.send(&payload, 1).map_err(|e| format!("{e:?}"))?;
+    }
+    stream.synchronize().map_err(|e| format!("{e:?}"))
+}
+
+/// Receives one message (length first) on `comm` from its rank 0.
+fn recv_bytes(comm: &Comm) -> std::result::Result<Vec<u8>, String> {
+    let stream = comm.stream();
+    let mut len = stream.alloc_zeros::<u8>(8).map_err(|e| format!("{e:?}"))?;
+    comm.recv(&mut len, 0).map_err(|e| format!("{e:?}"))?;
+    let len = stream.clone_dtoh(&len).map_err(|e| format!("{e:?}"))?;
+    let n = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut payload = stream.alloc_zeros::<u8>(n).map_err(|e| format!("{e:?}"))?;
+    comm.recv(&mut payload, 0).map_err(|e| format!("{e:?}"))?;
+    stream.clone_dtoh(&payload).map_err(|e| format!("{e:?}"))
+}
+
+impl NcclEndpoint {
+    /// Exchanges the pairs' ids over MPI and starts one send thread per peer and one receive thread
+    /// per peer; each creates its communicator (which waits for the peer's matching thread).
+    pub fn start(world: &SimpleCommunicator) -> Result<Self> {
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let gpus = CudaContext::device_count().map_err(|e| nccl_error(rank, format!("no CUDA device: {e:?}")))?;
+        if gpus < 1 {
+            return Err(nccl_error(rank, "no CUDA device".into()));
+        }
+        let ctx = CudaContext::new(rank % gpus as usize).map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+        // 1. Ids: the sender of each pair makes it and tells the receiver.
+        let mut out_ids = Vec::new();
+        for peer in (0..size).filter(|&p| p != rank) {
+            let id = Id::new().map_err(|e| nccl_error(rank, format!("unique id: {e:?}")))?;
+            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            world.process_at_rank(peer as i32).send(&bytes[..]);
+            out_ids.push((peer, id));
+        }
+        let mut in_ids = Vec::new();
+        for peer in (0..size).filter(|&p| p != rank) {
+            let (bytes, _) = world.process_at_rank(peer as i32).receive_vec::<u8>();
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (d, s) in internal.iter_mut().zip(&bytes) {
+                *d = *s as std::ffi::c_char;
+            }
+            in_ids.push((peer, Id::uninit(internal)));
+        }
+        // 2. Threads, each with its own stream and communicator.
+        let (to_self, inbox) = channel::<Envelope>();
+        let mut outboxes: Vec<Option<Sender<Vec<u8>>>> = (0..size).map(|_| None).collect();
+        let mut senders = Vec::new();
+        for (peer, id) in out_ids {
+            let (tx, rx) = channel::<Vec<u8>>();
+            outboxes[peer] = Some(tx);
+            let ctx = ctx.clone();
+            senders.push(
+                std::thread::Builder::new()
+                    .name(format!("nccl-send-{peer}"))
+                    .spawn(move || {
+                        let stream = match ctx.new_stream() {
+                            Ok(s) => s,
+                            Err(e) => return tracing::error!(peer, "nccl: no stream: {e:?}"),
+                        };
+                        let comm = match Comm::from_rank(stream, 0, 2, id) {
+                            Ok(c) => c,
+                            Err(e) => return tracing::error!(peer, "nccl: communicator to {peer}: {e:?}"),
+                        };
+                        for bytes in rx {
+                            if let Err(e) = send_bytes(&comm, &bytes) {
+                                tracing::error!(peer, "nccl: send failed: {e}");
+                                return;
+                            }
+                        }
+                    })
+                    .expect("spawn an NCCL send thread"),
+            );
+        }
+        for (peer, id) in in_ids {
+            let ctx = ctx.clone();
+            let deliver = to_self.clone();
+            // Receive threads end with their peer's `Shutdown`; they are not joined, so a dead peer
+            // cannot hold this process.
+            std::thread::Builder::new()
+                .name(format!("nccl-recv-{peer}"))
+                .spawn(move || {
+                    let stream = match ctx.new_stream() {
+                        Ok(s) => s,
+                        Err(e) => return tracing::error!(peer, "nccl: no stream: {e:?}"),
+                    };
+                    let comm = match Comm::from_rank(stream, 1, 2, id) {
+                        Ok(c) => c,
+                        Err(e) => return tracing::error!(peer, "nccl: communicator from {peer}: {e:?}"),
+                    };
+                    loop {
+                        match recv_bytes(&comm).map(|b| decode(&b)) {
+                            Ok(Some(env)) if matches!(env.msg, Msg::Shutdown) => break,
+                            Ok(Some(env)) => {
+                                if deliver.send(env).is_err() {
+                                    break;
+                                }
+                            }
+                            Ok(None) => tracing::error!(peer, "nccl: undecodable message dropped"),
+                            Err(e) => {
+                                tracing::error!(peer, "nccl: receive failed: {e}");
+                                break;
+                            }
+                        }
+                    }
+                })
+                .expect("spawn an NCCL receive thread");
+        }
+        Ok(Self { rank, size, outboxes, inbox, to_self, senders })
+    }
+}
+
+impl Drop for NcclEndpoint {
+    /// Tells every peer's receive thread to stop and flushes the sends.
+    fn drop(&mut self) {
+        for outbox in self.outboxes.iter_mut() {
+            if let Some(tx) = outbox.take() {
+                let stop = Envelope { src: self.rank, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::Shutdown };
+                let _ = tx.send(encode(&stop));
+            }
+        }
+        for h in self.senders.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Endpoint for NcclEndpoint {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
+        if dst == self.rank {
+            let _ = self.to_self.send(env);
+            return Ok(());
+        }
+        let outbox = self.outboxes[dst]
+            .as_ref()
+            .ok_or_else(|| nccl_error(self.rank, format!("no connection to worker {dst}")))?;
+        outbox
+            .send(encode(&env))
+            .map_err(|_| nccl_error(self.rank, format!("the send thread to worker {dst} has stopped")))
+    }
+    fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
+        match self.inbox.recv_timeout(timeout) {
+            Ok(env) => Ok(Some(env)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(nccl_error(self.rank, "every receive thread has stopped".into()))
+            }
+        }
+    }
+}
