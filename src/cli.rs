@@ -9,7 +9,7 @@ use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use disagmoe_train::{
-    DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind,
+    AllocationMode, DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind,
 };
 
 /// On or off.
@@ -117,6 +117,11 @@ pub struct TrainArgs {
     /// disagg: groups; group g holds layers g, g+P, ... [default: 2].
     #[arg(long, value_name = "P")]
     pub groups: Option<usize>,
+    /// disagg: manual (the counts above) or auto (the planner splits --attn-workers +
+    /// --ffn-workers workers into attention, expert workers and groups; measured step times of a
+    /// few candidates refine its choice) [default: manual].
+    #[arg(long, value_enum)]
+    pub allocation: Option<AllocationArg>,
     /// ep: workers [default: 4].
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
@@ -139,6 +144,9 @@ pub struct TrainArgs {
     /// Write a Chrome trace (open in Perfetto) of every worker's streams.
     #[arg(long, value_name = "FILE.json")]
     pub trace: Option<PathBuf>,
+    /// A worker that hears nothing for this long ends the run with an error [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub comm_timeout_s: Option<f64>,
 }
 
 /// `--placement` values.
@@ -150,6 +158,15 @@ pub enum PlacementArg {
     Disagg,
     /// Colocated expert parallelism (the baseline).
     Ep,
+}
+
+/// `--allocation` values.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum AllocationArg {
+    /// As given.
+    Manual,
+    /// Planner plus measured refinement.
+    Auto,
 }
 
 /// `--transport` values.
@@ -231,6 +248,12 @@ impl TrainArgs {
                 PlacementArg::Ep => Placement::Ep,
             };
         }
+        if let Some(a) = self.allocation {
+            cfg.allocation = match a {
+                AllocationArg::Manual => AllocationMode::Manual,
+                AllocationArg::Auto => AllocationMode::Auto,
+            };
+        }
         if let Some(t) = self.transport {
             cfg.transport = match t {
                 TransportArg::Local => TransportKind::Local,
@@ -238,7 +261,7 @@ impl TrainArgs {
                 TransportArg::Nccl => TransportKind::Nccl,
             };
         }
-        set!(attn_workers, ffn_workers, groups, workers, link_latency_us);
+        set!(attn_workers, ffn_workers, groups, workers, link_latency_us, comm_timeout_s);
         if self.micro_batches.is_some() {
             cfg.micro_batches = self.micro_batches;
         }
@@ -272,6 +295,7 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
             std::process::exit(130);
         }
     });
+    let cfg = if cfg.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
     let summary = if cfg.placement == Placement::Single {
         disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?.0
     } else {

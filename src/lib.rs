@@ -10,13 +10,15 @@
 //! - [`core`]: cost model, roofline, placement, allocator, schedules, simulator (no tensor code);
 //! - [`models`]: the MoE model families in Burn, Hugging Face config and safetensors I/O;
 //! - [`kernels`]: CubeCL kernels as Burn custom operations;
-//! - [`train`]: data, optimizer, trainer, metrics (and the AF-Pipe runtime).
+//! - [`train`]: data, optimizer, trainer, metrics, and the AF-Pipe runtime.
 
 pub use disagmoe_core as core;
 pub use disagmoe_kernels as kernels;
 pub use disagmoe_models as models;
 pub use disagmoe_train as train;
 
+/// `--allocation auto`: the planner's choice of workers, refined by measured step times.
+pub mod auto;
 pub mod cli;
 /// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
 pub mod cli_plan;

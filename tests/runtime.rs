@@ -75,6 +75,24 @@ fn a_trace_shows_every_worker_s_streams() {
     assert_eq!(pids.len(), 4, "one process per worker");
 }
 
+#[test]
+fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
+    let out = bin()
+        .args(COMMON)
+        .args(["--placement", "disagg", "--allocation", "auto", "--attn-workers", "2", "--ffn-workers", "2"])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("planner's choice"), "{err}");
+    assert!(err.matches("measured candidate").count() >= 2, "the choice is refined by measurement: {err}");
+    assert!(err.contains("allocation chosen"), "{err}");
+    let w = s["workers"].as_u64().unwrap();
+    assert!((2..=4).contains(&w), "within the budget of 4 workers: {s}");
+    assert_eq!(s["losses"].as_array().unwrap().len(), 5);
+}
+
 fn fault_config(dir: &std::path::Path, exit: bool) -> std::path::PathBuf {
     let path = dir.join("fault.toml");
     std::fs::write(
@@ -113,6 +131,7 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "single", "--micro-batches", "3"][..], "micro_batches"),
         (&["--placement", "single", "--link-gbps", "10"][..], "link_gbps"),
         (&["--placement", "disagg", "--transport", "nccl"][..], "nccl"),
+        (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
     ] {
         let out = bin()
             .args(["train", "--steps", "1", "--batch", "8", "--seq", "16", "--quiet"])

@@ -313,6 +313,18 @@ pub fn top_k_rows(values: &[f32], rows: usize, cols: usize, k: usize) -> Vec<usi
     out
 }
 
+/// Where each group starts when groups of `counts` rows are laid out one after another.
+pub fn exclusive_prefix_sum(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let start = *acc;
+            *acc += c;
+            Some(start)
+        })
+        .collect()
+}
+
 /// Step 2 and 4: the expert-sorted order of the `N = T * k` routed copies.
 #[derive(Debug, Clone)]
 pub struct Dispatch {
@@ -331,14 +343,7 @@ impl Dispatch {
         for &e in ids {
             counts[e] += 1;
         }
-        let mut next: Vec<usize> = counts
-            .iter()
-            .scan(0, |acc, &c| {
-                let start = *acc;
-                *acc += c;
-                Some(start)
-            })
-            .collect();
+        let mut next = exclusive_prefix_sum(&counts);
         let mut slots = vec![0usize; ids.len()];
         for (slot, &e) in ids.iter().enumerate() {
             slots[next[e]] = slot;

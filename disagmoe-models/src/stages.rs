@@ -25,7 +25,7 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::decoder::{AttentionLayer, CausalLm, DecoderLayer, FamilyConfig, FeedForward, FeedForwardLayer};
 use crate::error::{ModelError, Result};
-use crate::moe::{Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
+use crate::moe::{exclusive_prefix_sum, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 
@@ -179,14 +179,7 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
             for &e in ids.iter().filter(|e| local.contains(e)) {
                 counts[e - local.start] += 1;
             }
-            let mut next: Vec<usize> = counts
-                .iter()
-                .scan(0, |acc, &c| {
-                    let start = *acc;
-                    *acc += c;
-                    Some(start)
-                })
-                .collect();
+            let mut next = exclusive_prefix_sum(&counts);
             let total: usize = counts.iter().sum();
             if total > 0 {
                 let mut slots = vec![0usize; total];

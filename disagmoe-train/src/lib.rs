@@ -20,6 +20,6 @@ pub use error::{Result, TrainError};
 pub use runtime::layout::Placement;
 pub use runtime::{train_distributed, TransportKind, WorkerFault};
 pub use trainer::{
-    build_model, model_preset, train, train_until, FaultInjection, NonFinitePolicy, RunConfig, TrainSummary,
-    DEFAULT_MODEL_CONFIG, MODEL_PRESETS,
+    build_model, model_preset, train, train_until, AllocationMode, FaultInjection, NonFinitePolicy, RunConfig,
+    TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS,
 };

@@ -43,6 +43,17 @@ pub fn model_preset(name: &str) -> Result<&'static str> {
     })
 }
 
+/// How a disaggregated run's workers are split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocationMode {
+    /// As given: `attn_workers`, `ffn_workers`, `groups`.
+    #[default]
+    Manual,
+    /// Chosen by the planner and refined with measured step times.
+    Auto,
+}
+
 /// What to do when a loss or gradient is NaN or infinite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -140,6 +151,9 @@ pub struct RunConfig {
     pub ffn_workers: usize,
     /// `disagg`: groups `p`; group `g` holds layers `g, g+p, ...`.
     pub groups: usize,
+    /// `disagg`: `manual` (the three counts above) or `auto` (the planner chooses them within
+    /// `attn_workers + ffn_workers` workers and measured step times refine its choice).
+    pub allocation: AllocationMode,
     /// `ep`: workers.
     pub workers: usize,
     /// Micro-batches per step (`batch` must be a multiple). Default: 1 for `single`, 4 for
@@ -199,6 +213,7 @@ impl Default for RunConfig {
             attn_workers: 2,
             ffn_workers: 2,
             groups: 2,
+            allocation: AllocationMode::Manual,
             workers: 4,
             micro_batches: None,
             in_flight: None,
@@ -304,6 +319,9 @@ impl RunConfig {
             ("workers", self.workers),
         ] {
             positive(field, v)?;
+        }
+        if self.allocation == AllocationMode::Auto && self.placement != Placement::Disagg {
+            return Err(TrainError::option("allocation", "auto needs placement disagg"));
         }
         if self.in_flight == Some(0) {
             return Err(TrainError::option("in_flight", "must be at least 1"));

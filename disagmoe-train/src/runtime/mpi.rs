@@ -9,7 +9,7 @@
 //! if a process dies outright, `mpirun` ends the job.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ use mpi::Threading;
 use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage, SplitFeedForward, Stages};
 
-use super::transport::{Endpoint, Envelope, Msg, Port};
+use super::transport::{receive_within, Endpoint, Envelope, Msg, Port};
 use super::worker::WorkerPart;
 use super::{link_model, part_for, worker_main, RankZero, Shared};
 use crate::error::{Result, TrainError};
@@ -130,13 +130,7 @@ impl Endpoint for MpiEndpoint {
             .map_err(|_| TrainError::Worker { worker: self.rank, cause: "the MPI send thread has stopped".into() })
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
-        match self.inbox.recv_timeout(timeout) {
-            Ok(env) => Ok(Some(env)),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => {
-                Err(TrainError::Worker { worker: self.rank, cause: "the MPI receive thread has stopped".into() })
-            }
-        }
+        receive_within(&self.inbox, self.rank, timeout, "the MPI receive thread and this worker's sends")
     }
 }
 

@@ -10,7 +10,7 @@
 //!
 //! Status: compiled in CI; not yet run, since no machine with several GPUs has been available.
 
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use cudarc::nccl::safe::{Comm, Id};
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use super::transport::{Endpoint, Envelope, Msg};
+use super::transport::{receive_within, Endpoint, Envelope, Msg};
 use crate::error::{Result, TrainError};
 
 fn encode(env: &Envelope) -> Vec<u8> {
@@ -201,12 +201,6 @@ impl Endpoint for NcclEndpoint {
             .map_err(|_| nccl_error(self.rank, format!("the send thread to worker {dst} has stopped")))
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
-        match self.inbox.recv_timeout(timeout) {
-            Ok(env) => Ok(Some(env)),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => {
-                Err(nccl_error(self.rank, "every receive thread has stopped".into()))
-            }
-        }
+        receive_within(&self.inbox, self.rank, timeout, "the NCCL receive threads and this worker's sends")
     }
 }

@@ -302,6 +302,23 @@ impl Port {
     }
 }
 
+/// The next envelope of a channel inbox within `timeout` (`None` on time-out); `what` names the
+/// senders in the error when they have all gone.
+pub(crate) fn receive_within(
+    inbox: &Receiver<Envelope>,
+    rank: usize,
+    timeout: Duration,
+    what: &str,
+) -> Result<Option<Envelope>> {
+    match inbox.recv_timeout(timeout) {
+        Ok(env) => Ok(Some(env)),
+        Err(RecvTimeoutError::Timeout) => Ok(None),
+        Err(RecvTimeoutError::Disconnected) => {
+            Err(TrainError::Worker { worker: rank, cause: format!("{what} have stopped") })
+        }
+    }
+}
+
 /// The in-process transport: workers are threads, messages move through channels.
 pub struct LocalEndpoint {
     rank: usize,
@@ -332,12 +349,6 @@ impl Endpoint for LocalEndpoint {
         Ok(())
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
-        match self.inbox.recv_timeout(timeout) {
-            Ok(env) => Ok(Some(env)),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => {
-                Err(TrainError::Worker { worker: self.rank, cause: "every peer has gone".into() })
-            }
-        }
+        receive_within(&self.inbox, self.rank, timeout, "all peers")
     }
 }

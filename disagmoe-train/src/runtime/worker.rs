@@ -441,17 +441,7 @@ where
             match task {
                 Some(task) => self.run_task(task)?,
                 None => {
-                    let t0 = now_us();
-                    let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
-                        worker: self.rank,
-                        seconds: self.settings.timeout.as_secs_f64(),
-                        at: format!("at step {step}"),
-                    })?;
-                    let t1 = now_us();
-                    let in_flight_from = env.sent_us.clamp(t0, t1);
-                    self.wait_comm_us += t1 - in_flight_from;
-                    self.wait_bubble_us += in_flight_from - t0;
-                    self.tracer.span(|| format!("wait ({})", env.msg.kind()), "wait", COMPUTE, t0, t1);
+                    let env = self.wait_for_message(|| format!("at step {step}"))?;
                     self.accept(env)?;
                 }
             }
@@ -891,17 +881,7 @@ where
                     return Ok((env.src, data));
                 }
             }
-            let t0 = now_us();
-            let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
-                worker: self.rank,
-                seconds: self.settings.timeout.as_secs_f64(),
-                at: format!("in the all-reduce of step {step}"),
-            })?;
-            let t1 = now_us();
-            let in_flight_from = env.sent_us.clamp(t0, t1);
-            self.wait_comm_us += t1 - in_flight_from;
-            self.wait_bubble_us += in_flight_from - t0;
-            self.tracer.span(|| "wait (collective)".into(), "wait", COMPUTE, t0, t1);
+            let env = self.wait_for_message(|| format!("in the all-reduce of step {step}"))?;
             if let Msg::Abort { worker, cause } = env.msg {
                 return Err(TrainError::Worker { worker, cause });
             }
@@ -937,7 +917,23 @@ where
         Ok(acc)
     }
 
-    /// Waits for a collective's message (counted like any wait for data).
+    /// Waits for the next message, counting the wait as exposed communication (the part after the
+    /// message was sent as time on the wire); a worker that hears nothing for the time-out stops.
+    fn wait_for_message(&mut self, at: impl FnOnce() -> String) -> Result<Envelope> {
+        let t0 = now_us();
+        let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
+            worker: self.rank,
+            seconds: self.settings.timeout.as_secs_f64(),
+            at: at(),
+        })?;
+        let t1 = now_us();
+        let in_flight_from = env.sent_us.clamp(t0, t1);
+        self.wait_comm_us += t1 - in_flight_from;
+        self.wait_bubble_us += in_flight_from - t0;
+        self.tracer.span(|| format!("wait ({})", env.msg.kind()), "wait", COMPUTE, t0, t1);
+        Ok(env)
+    }
+
     fn end_of_step(&mut self, lr: f64, start: [u64; 4]) -> Result<StepOutcome> {
         let t0 = now_us();
         let mut grads = self.grads.grads();
