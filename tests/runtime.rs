@@ -59,6 +59,49 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
     }
 }
 
+fn forward_loss(dir: &std::path::Path) -> f64 {
+    let ids = dir.join("ids.json");
+    std::fs::write(&ids, "[[1,2,3,4,5,6,7,8,9,10,11,12],[40,50,60,70,80,90,100,110,120,130,140,150]]").unwrap();
+    let out = bin()
+        .arg("forward")
+        .arg("--model-dir")
+        .arg(dir.join("final"))
+        .arg("--input-ids")
+        .arg(&ids)
+        .arg("--out")
+        .arg(dir.join("logits.safetensors"))
+        .output()
+        .unwrap();
+    summary(&out)["loss"].as_f64().unwrap()
+}
+
+#[test]
+fn distributed_runs_save_the_model_single_would_have_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {
+        let runs: [(&str, &[&str]); 3] = [
+            ("single", &["--placement", "single"]),
+            ("disagg", &["--placement", "disagg", "--ffn-workers", "4"]),
+            ("ep", EP),
+        ];
+        let mut losses = Vec::new();
+        for (name, args) in runs {
+            let out = dir.path().join(format!("{preset}-{name}"));
+            train(preset, &[args, &["--out", out.to_str().unwrap()]].concat());
+            let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+            assert_eq!(lines.lines().count(), 5, "{name}: one metrics line per step");
+            losses.push((name, forward_loss(&out)));
+        }
+        for (name, l) in &losses[1..] {
+            assert!(
+                rel(*l, losses[0].1) < 1e-5,
+                "{preset} {name}: the saved model's loss {l} vs single {}",
+                losses[0].1
+            );
+        }
+    }
+}
+
 #[test]
 fn a_trace_shows_every_worker_s_streams() {
     let dir = tempfile::tempdir().unwrap();
@@ -132,6 +175,7 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "single", "--link-gbps", "10"][..], "link_gbps"),
         (&["--placement", "disagg", "--transport", "nccl"][..], "nccl"),
         (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
+        (&["--placement", "disagg", "--checkpoint-dir", "/tmp/never"][..], "checkpoint_dir"),
     ] {
         let out = bin()
             .args(["train", "--steps", "1", "--batch", "8", "--seq", "16", "--quiet"])
@@ -168,16 +212,20 @@ mod mpi {
     fn mpi_runs_reproduce_single() {
         for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
             let single = train(preset, &["--placement", "single"]);
+            let dir = tempfile::tempdir().unwrap();
             for placement in [DISAGG, EP] {
                 let Some(mut cmd) = mpirun() else { return };
+                let out_dir = dir.path().join(placement[1]);
                 let out = cmd
                     .arg(env!("CARGO_BIN_EXE_disagmoe"))
                     .args(COMMON)
-                    .args(["--model-preset", preset, "--transport", "mpi"])
+                    .args(["--model-preset", preset, "--transport", "mpi", "--out", out_dir.to_str().unwrap()])
                     .args(placement)
                     .output()
                     .unwrap();
                 assert_same_run(&format!("{preset} {} under mpirun", placement[1]), &summary(&out), &single);
+                assert!(out_dir.join("final/config.json").exists(), "rank 0 saves the gathered model");
+                assert_eq!(std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap().lines().count(), 5);
             }
         }
     }

@@ -332,10 +332,11 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
             return Err(ModelError::InvalidInput(format!("expert shard {range:?} of {e} experts")));
         }
         let (start, n) = (range.start, range.len());
-        // A fresh leaf of the rows kept (through the host: a narrowed view is not a leaf).
+        // A fresh leaf of the rows kept (through the host: a narrowed view is not a leaf), under the
+        // fused tensor's id so the shard is still known by its checkpoint name.
         fn rows<B: Backend, const D: usize>(p: &Param<Tensor<B, D>>, start: usize, n: usize) -> Param<Tensor<B, D>> {
             let t = p.val().narrow(0, start, n);
-            Param::from_tensor(Tensor::from_data(t.to_data(), &t.device()))
+            Param::initialized(p.id, Tensor::from_data(t.to_data(), &t.device()).require_grad())
         }
         Ok(Self {
             gate_up_proj: rows(&self.gate_up_proj, start, n),

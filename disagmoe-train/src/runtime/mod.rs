@@ -32,8 +32,10 @@ use self::layout::{Layout, Placement};
 use self::transport::{local_endpoints, Endpoint, LinkModel, Port};
 use self::worker::{Fork, StepOutcome, StepSettings, Worker, WorkerPart};
 use crate::error::{Result, TrainError};
+use crate::metrics::JsonlWriter;
 use crate::optim::{AdamW, AdamWSettings};
 use crate::trainer::{build_data, build_model, RunConfig, TrainSummary};
+use disagmoe_models::{HfCheckpoint, TensorSink};
 
 /// How workers talk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -105,6 +107,9 @@ pub(crate) struct RankZero {
     checksum: f64,
     traces: Vec<trace::TraceEvent>,
     names: Vec<String>,
+    /// On rank 0 with `out`: every parameter by checkpoint name.
+    weights: Vec<transport::NamedTensor>,
+    rank: usize,
 }
 
 /// Everything a worker needs besides its endpoint.
@@ -114,6 +119,8 @@ pub(crate) struct Shared<B: AutodiffBackend> {
     settings: StepSettings,
     rope: (Tensor<B, 4>, Tensor<B, 4>),
     vocab: usize,
+    /// Checkpoint name of every parameter of the whole model.
+    param_names: std::collections::HashMap<burn::module::ParamId, String>,
 }
 
 fn step_settings(cfg: &RunConfig, with_aux: bool, aux_coef: f64, rank: usize) -> StepSettings {
@@ -166,6 +173,10 @@ where
     let mut worker =
         Worker::new(shared.layout.clone(), settings, port, part, shared.rope.clone(), device, cfg.trace.is_some(), opt);
     let schedule = cfg.schedule();
+    let mut metrics = match (&cfg.out, rank) {
+        (Some(dir), 0) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
+        _ => None,
+    };
     let mut body = |worker: &mut Worker<B, A, R, X>| -> Result<RankZero> {
         let mut outcomes = Vec::new();
         let mut step_s = Vec::new();
@@ -174,6 +185,16 @@ where
             let batch = data.as_mut().map(|d| d.next_batch(cfg.batch)).unwrap_or_default();
             let out = worker.run_step(step, &batch, schedule.at(step))?;
             step_s.push(t0.elapsed().as_secs_f64());
+            if let Some(w) = &mut metrics {
+                let tokens = cfg.batch * cfg.seq;
+                w.write(&serde_json::json!({
+                    "step": step, "loss": out.loss, "lm_loss": out.lm_loss, "aux_loss": out.aux_loss,
+                    "lr": schedule.at(step), "grad_norm": out.grad_norm, "skipped": out.skipped, "tokens": tokens,
+                    "step_s": step_s[step - 1], "tokens_per_s": tokens as f64 / step_s[step - 1],
+                    "exposed_comm_s": out.exposed_comm_s, "in_flight_wait_s": out.in_flight_wait_s,
+                    "compute_s": out.compute_s, "link_s": out.link_s,
+                }))?;
+            }
             if rank == 0 && cfg.progress && (step % cfg.log_every == 0 || step == 1 || step == cfg.steps) {
                 eprintln!(
                     "step {step:>5}/{} loss {:.4} lm {:.4} grad_norm {:.3} step {:.3}s exposed comm {:.3}s (on the wire {:.3}s)",
@@ -183,6 +204,7 @@ where
             outcomes.push(out);
         }
         let checksum = worker.param_checksum()?;
+        let weights = if cfg.out.is_some() { worker.gather_weights(&shared.param_names)? } else { Vec::new() };
         let traces = if cfg.trace.is_some() { worker.gather_traces()? } else { Vec::new() };
         Ok(RankZero {
             outcomes,
@@ -190,6 +212,8 @@ where
             checksum,
             traces,
             names: (0..shared.layout.workers).map(|w| shared.layout.worker_name(w)).collect(),
+            weights,
+            rank,
         })
     };
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| body(&mut worker))).unwrap_or_else(|panic| {
@@ -301,7 +325,6 @@ pub(crate) fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
 /// Checks the options a distributed run cannot honour yet.
 fn check_distributed(cfg: &RunConfig) -> Result<()> {
     let unsupported = [
-        ("out", cfg.out.is_some()),
         ("checkpoint_dir", cfg.checkpoint_dir.is_some()),
         ("resume", cfg.resume.is_some()),
         ("stop_after", cfg.stop_after.is_some()),
@@ -332,6 +355,7 @@ pub fn train_distributed<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device
     let mconf = model.config();
     let with_aux = cfg.aux_loss.unwrap_or(mconf.output_router_logits()) && !mconf.sparse_layers().is_empty();
     let vocab = mconf.vocab_size();
+    let param_names = model.state_dict_names();
     let start = Instant::now();
     macro_rules! go {
         ($m:expr) => {{
@@ -342,8 +366,14 @@ pub fn train_distributed<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device
             let mut layout = layout_of(cfg, layers, experts)?;
             layout.shared_experts = stages.experts.iter().map(|x| x.shared_experts.is_some()).collect();
             let rope = stages.rope.tables::<B>(cfg.seq, device);
-            let shared =
-                Shared { cfg: cfg.clone(), settings: step_settings(cfg, with_aux, aux_coef, 0), layout, rope, vocab };
+            let shared = Shared {
+                cfg: cfg.clone(),
+                settings: step_settings(cfg, with_aux, aux_coef, 0),
+                layout,
+                rope,
+                vocab,
+                param_names: param_names.clone(),
+            };
             match cfg.transport {
                 TransportKind::Local => run_local(shared, stages, device)?,
                 #[cfg(feature = "mpi")]
@@ -368,10 +398,37 @@ pub fn train_distributed<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device
         MoeCausalLm::DeepseekV3(m) => go!(m),
     };
     let train_s = start.elapsed().as_secs_f64();
-    if let Some(path) = &cfg.trace {
-        trace::write_chrome_trace(path, &zero.names, &zero.traces)?;
+    if zero.rank == 0 {
+        if let Some(path) = &cfg.trace {
+            trace::write_chrome_trace(path, &zero.names, &zero.traces)?;
+        }
+        if let Some(dir) = &cfg.out {
+            save_gathered(&dir.join("final"), &zero.weights, &mconf.to_hf_json())?;
+        }
     }
     Ok(summarise(cfg, zero, params, train_s))
+}
+
+/// Writes the gathered parameters as a Hugging Face checkpoint; expert shards of a fused tensor are
+/// put back together in row order.
+fn save_gathered(dir: &std::path::Path, weights: &[transport::NamedTensor], config: &serde_json::Value) -> Result<()> {
+    let mut sink = TensorSink::new();
+    let mut shards: std::collections::BTreeMap<&str, Vec<&transport::NamedTensor>> = Default::default();
+    for w in weights {
+        match w.offset {
+            None => sink.put_raw(w.name.clone(), w.tensor.shape.clone(), w.tensor.data.clone()),
+            Some(_) => shards.entry(&w.name).or_default().push(w),
+        }
+    }
+    for (name, mut parts) in shards {
+        parts.sort_by_key(|p| p.offset);
+        let mut shape = parts[0].tensor.shape.clone();
+        shape[0] = parts.iter().map(|p| p.tensor.rows()).sum();
+        let data: Vec<f32> = parts.iter().flat_map(|p| p.tensor.data.iter().copied()).collect();
+        sink.put_raw(name.to_owned(), shape, data);
+    }
+    disagmoe_models::causal_lm::write_pretrained(dir, &sink, config, 2 << 30)?;
+    Ok(())
 }
 
 fn summarise(cfg: &RunConfig, zero: RankZero, params: usize, train_s: f64) -> TrainSummary {

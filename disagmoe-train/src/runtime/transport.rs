@@ -37,6 +37,18 @@ impl HostTensor {
     }
 }
 
+/// A parameter (or the rows `offset..` of one, for an expert shard of a fused tensor) under its
+/// checkpoint name.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NamedTensor {
+    /// Hugging Face name.
+    pub name: String,
+    /// First row along dimension 0 when this is a shard of the named tensor.
+    pub offset: Option<usize>,
+    /// Values.
+    pub tensor: HostTensor,
+}
+
 /// Per micro-batch sums the load-balancing loss needs, carried along the layers of the forward pass.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct AuxSums {
@@ -137,6 +149,8 @@ pub enum Msg {
     },
     /// Trace events of a worker, gathered at the end.
     Trace(Vec<super::trace::TraceEvent>),
+    /// A worker's parameters by checkpoint name, gathered at the end to save the model.
+    Weights(Vec<NamedTensor>),
     /// Stops an endpoint's receiving thread.
     Shutdown,
 }
@@ -158,6 +172,7 @@ impl Msg {
             Msg::Reduce { data, .. } => data.len() * 4,
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
+            Msg::Weights(ts) => ts.iter().map(|t| t.tensor.data.len() * 4 + t.name.len()).sum(),
             Msg::Shutdown => 0,
         }
     }
@@ -174,6 +189,7 @@ impl Msg {
             Msg::Reduce { .. } => "reduce",
             Msg::Abort { .. } => "abort",
             Msg::Trace(_) => "trace",
+            Msg::Weights(_) => "weights",
             Msg::Shutdown => "shutdown",
         }
     }

@@ -24,7 +24,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use burn::module::{AutodiffModule, Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -36,7 +36,7 @@ use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 
 use super::layout::{Layout, Placement};
 use super::trace::{Tracer, COMM, COMPUTE};
-use super::transport::{now_us, AuxSums, Envelope, HostTensor, Msg, Port};
+use super::transport::{now_us, AuxSums, Envelope, HostTensor, Msg, NamedTensor, Port};
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, AdamW};
 
@@ -287,6 +287,21 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
     }
 }
 
+/// Collects parameters under their checkpoint names.
+struct Named<'a> {
+    names: &'a HashMap<ParamId, String>,
+    offset: Option<usize>,
+    out: &'a mut Vec<NamedTensor>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Named<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(name) = self.names.get(&param.id) {
+            self.out.push(NamedTensor { name: name.clone(), offset: self.offset, tensor: host(&param.val()) });
+        }
+    }
+}
+
 /// Gives parameters without a gradient a zero one (fused expert shards that saw no token).
 struct ZeroFill<'a> {
     grads: &'a mut GradientsParams,
@@ -479,7 +494,7 @@ where
                 self.grad_inputs.entry((mb, layer)).or_default().dispatch.push((src, gy, gw));
                 self.check_grad_input(mb, layer);
             }
-            Msg::Trace(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
+            Msg::Trace(_) | Msg::Weights(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
         }
         Ok(())
     }
@@ -1045,31 +1060,61 @@ where
         Ok(self.allreduce(&all, TAG_CHECKSUM, vec![own])?[0])
     }
 
-    /// Gathers every worker's trace events on worker 0 (others return an empty list).
-    pub fn gather_traces(&mut self) -> Result<Vec<super::trace::TraceEvent>> {
-        let mine = std::mem::take(&mut self.tracer.events);
+    /// Sends `msg` to worker 0; worker 0 returns it with every other worker's message of the same
+    /// kind (the others return an empty list).
+    fn collect_on_zero(&mut self, msg: Msg, what: &str) -> Result<Vec<Msg>> {
         if self.rank != 0 {
-            self.send(0, Msg::Trace(mine))?;
+            self.send(0, msg)?;
             return Ok(Vec::new());
         }
-        let mut all = mine;
-        let mut got = 1;
-        while got < self.layout.workers {
+        let kind = std::mem::discriminant(&msg);
+        let mut all = vec![msg];
+        let (early, mut later): (Vec<Envelope>, Vec<Envelope>) =
+            std::mem::take(&mut self.later).into_iter().partition(|e| std::mem::discriminant(&e.msg) == kind);
+        all.extend(early.into_iter().map(|e| e.msg));
+        while all.len() < self.layout.workers {
             let env = self.port.recv(self.settings.timeout)?.ok_or_else(|| TrainError::Stalled {
                 worker: self.rank,
                 seconds: self.settings.timeout.as_secs_f64(),
-                at: "gathering trace events".into(),
+                at: format!("gathering {what}"),
             })?;
             match env.msg {
-                Msg::Trace(events) => {
-                    all.extend(events);
-                    got += 1;
-                }
                 Msg::Abort { worker, cause } => return Err(TrainError::Worker { worker, cause }),
-                _ => {}
+                m if std::mem::discriminant(&m) == kind => all.push(m),
+                m => later.push(Envelope { msg: m, ..env }),
             }
         }
+        self.later.extend(later);
         Ok(all)
+    }
+
+    /// Gathers every worker's trace events on worker 0 (others return an empty list).
+    pub fn gather_traces(&mut self) -> Result<Vec<super::trace::TraceEvent>> {
+        let mine = std::mem::take(&mut self.tracer.events);
+        let all = self.collect_on_zero(Msg::Trace(mine), "trace events")?;
+        Ok(all.into_iter().flat_map(|m| if let Msg::Trace(e) = m { e } else { Vec::new() }).collect())
+    }
+
+    /// Gathers every parameter under its checkpoint name (`names`, from the whole model) on worker 0,
+    /// each once (the first copy of each attention group); expert shards of fused tensors come
+    /// with their first row. Others return an empty list.
+    pub fn gather_weights(&mut self, names: &HashMap<ParamId, String>) -> Result<Vec<NamedTensor>> {
+        let part = self.part();
+        let mut mine = Vec::new();
+        if self.layout.replicas(self.rank).first() == Some(&self.rank) {
+            part.ends.visit(&mut Named { names, offset: None, out: &mut mine });
+            part.attention.visit(&mut Named { names, offset: None, out: &mut mine });
+        }
+        for stage in &part.experts {
+            if let Some(x) = &stage.experts {
+                let offset = x.fused().then_some(stage.first_expert);
+                x.visit(&mut Named { names, offset, out: &mut mine });
+            }
+            stage.shared_experts.visit(&mut Named { names, offset: None, out: &mut mine });
+            stage.dense.visit(&mut Named { names, offset: None, out: &mut mine });
+        }
+        let all = self.collect_on_zero(Msg::Weights(mine), "the weights")?;
+        Ok(all.into_iter().flat_map(|m| if let Msg::Weights(w) = m { w } else { Vec::new() }).collect())
     }
 
     /// Tells every other worker that this one failed.
