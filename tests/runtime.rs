@@ -175,6 +175,7 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "single", "--link-gbps", "10"][..], "link_gbps"),
         (&["--placement", "disagg", "--transport", "nccl"][..], "nccl"),
         (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
+        (&["--placement", "disagg", "--allocation", "auto", "--transport", "mpi"][..], "transport local"),
         (&["--placement", "disagg", "--checkpoint-dir", "/tmp/never"][..], "checkpoint_dir"),
     ] {
         let out = bin()

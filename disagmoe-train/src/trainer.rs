@@ -323,6 +323,12 @@ impl RunConfig {
         if self.allocation == AllocationMode::Auto && self.placement != Placement::Disagg {
             return Err(TrainError::option("allocation", "auto needs placement disagg"));
         }
+        if self.allocation == AllocationMode::Auto && self.transport != TransportKind::Local {
+            return Err(TrainError::option(
+                "allocation",
+                "auto measures its candidates in this process and needs transport local; run the counts it chooses under mpirun with allocation manual",
+            ));
+        }
         if self.in_flight == Some(0) {
             return Err(TrainError::option("in_flight", "must be at least 1"));
         }
