@@ -88,6 +88,10 @@ impl StepTimeOracle for MeasuredOracle<'_> {
         cfg.steps = PROBE_STEPS;
         cfg.warmup_steps = None;
         cfg.progress = false;
+        // Probes leave nothing behind: no metrics, model or trace of their own, no injected faults.
+        cfg.out = None;
+        cfg.trace = None;
+        cfg.fail_worker = None;
         let device = Default::default();
         // A candidate the runtime refuses (or that fails) is simply not chosen.
         let step_s = match disagmoe_train::train_distributed::<TrainBackend>(&cfg, &device) {

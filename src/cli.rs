@@ -131,8 +131,8 @@ pub struct TrainArgs {
     /// disagg: micro-batches each embedding worker keeps in flight [default: all of the step's].
     #[arg(long, value_name = "N")]
     pub in_flight: Option<usize>,
-    /// How workers talk: local (threads of this process) or mpi (one process per worker under
-    /// mpirun; build with --features mpi) [default: local].
+    /// How workers talk: local (threads of this process), mpi (one process per worker under
+    /// mpirun; build with --features mpi) or nccl (GPUs; --features nccl) [default: local].
     #[arg(long, value_enum)]
     pub transport: Option<TransportArg>,
     /// Emulate links of X Gbit/s per worker (transfers take that long without using CPU).
@@ -176,7 +176,7 @@ pub enum TransportArg {
     Local,
     /// One process per worker under mpirun.
     Mpi,
-    /// NCCL between GPUs (not implemented yet).
+    /// NCCL between GPUs, one process per worker under mpirun (build with --features nccl).
     Nccl,
 }
 
@@ -335,8 +335,11 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     let k = base.micro_batches.unwrap_or(ep.workers * 4);
     ep.micro_batches = Some(k);
     disagg.micro_batches = Some(k);
-    if ep.trace.is_some() {
-        bail!("--trace is not available with compare; trace each placement with disagmoe train");
+    if ep.trace.is_some() || ep.out.is_some() {
+        bail!("--trace and --out are not available with compare (both runs would write them); use disagmoe train per placement");
+    }
+    if ep.transport != TransportKind::Local {
+        bail!("compare runs both placements in this process and needs --transport local (MPI starts once per process)");
     }
     ep.validate()?;
     disagg.validate()?;

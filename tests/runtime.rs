@@ -56,6 +56,12 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
         let wide =
             train(preset, &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "1"]);
         assert_same_run(&format!("{preset} disagg 2+4 in one group"), &wide, &single);
+        if preset == "tiny-qwen3-moe" {
+            // Data-parallel attention copies in each of two groups, two micro-batches in flight.
+            let args = ["--placement", "disagg", "--attn-workers", "4", "--ffn-workers", "2", "--groups", "2"];
+            let dp = train(preset, &[&args[..], &["--in-flight", "2"]].concat());
+            assert_same_run("disagg 4+2 in two groups, 2 in flight", &dp, &single);
+        }
     }
 }
 

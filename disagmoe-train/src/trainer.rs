@@ -163,7 +163,8 @@ pub struct RunConfig {
     /// `disagg`: micro-batches each embedding worker keeps in flight (started, backward not done);
     /// default: all of its micro-batches of the step at once.
     pub in_flight: Option<usize>,
-    /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`).
+    /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`), `nccl`
+    /// (processes under mpirun, messages through NCCL; feature `nccl`).
     pub transport: TransportKind,
     /// Emulate links of this many Gbit/s per worker (off when absent).
     pub link_gbps: Option<f64>,

@@ -169,15 +169,16 @@ where
         eps: cfg.eps,
         weight_decay: cfg.weight_decay,
     });
-    let mut data = if shared.layout.holds_ends(rank) { Some(build_data(cfg, shared.vocab)?) } else { None };
     let mut worker =
         Worker::new(shared.layout.clone(), settings, port, part, shared.rope.clone(), device, cfg.trace.is_some(), opt);
     let schedule = cfg.schedule();
-    let mut metrics = match (&cfg.out, rank) {
-        (Some(dir), 0) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
-        _ => None,
-    };
-    let mut body = |worker: &mut Worker<B, A, R, X>| -> Result<RankZero> {
+    let body = |worker: &mut Worker<B, A, R, X>| -> Result<RankZero> {
+        // Inside the guarded part, so that a failure here also tells the other workers.
+        let mut data = if shared.layout.holds_ends(rank) { Some(build_data(cfg, shared.vocab)?) } else { None };
+        let mut metrics = match (&cfg.out, rank) {
+            (Some(dir), 0) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
+            _ => None,
+        };
         let mut outcomes = Vec::new();
         let mut step_s = Vec::new();
         for step in 1..=cfg.steps {

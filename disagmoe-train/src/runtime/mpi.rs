@@ -125,8 +125,19 @@ impl Endpoint for MpiEndpoint {
             worker: self.rank,
             cause: "sent after the endpoint was closed".into(),
         })?;
+        let bytes = encode(&env);
+        if bytes.len() > i32::MAX as usize {
+            return Err(TrainError::Worker {
+                worker: self.rank,
+                cause: format!(
+                    "a {} message of {} bytes exceeds MPI's 2 GiB per message (the mpi transport does not split messages yet)",
+                    env.msg.kind(),
+                    bytes.len()
+                ),
+            });
+        }
         outbox
-            .send((dst, encode(&env)))
+            .send((dst, bytes))
             .map_err(|_| TrainError::Worker { worker: self.rank, cause: "the MPI send thread has stopped".into() })
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
@@ -183,7 +194,13 @@ where
     // The worker owns the endpoint; dropping it (when the worker ends) flushes the sends.
     let endpoint: Box<dyn Endpoint> = match shared.cfg.transport {
         #[cfg(feature = "nccl")]
-        super::TransportKind::Nccl => Box::new(super::nccl::NcclEndpoint::start(&world)?),
+        super::TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&world) {
+            Ok(e) => Box::new(e),
+            Err(e) => {
+                eprintln!("error: {e}");
+                world.abort(2);
+            }
+        },
         _ => Box::new(MpiEndpoint::start()),
     };
     let port = Port::new(endpoint, link_model(&shared.cfg));

@@ -1,14 +1,20 @@
-//! The `nccl` transport (feature `nccl` = `cuda` + `mpi`): envelopes move GPU to GPU through NCCL,
-//! one process per worker under `mpirun`, bootstrapped over MPI.
+//! The `nccl` transport (feature `nccl` = `cuda` + `mpi`): one process per worker under `mpirun`,
+//! bootstrapped over MPI, envelopes moved between GPUs by NCCL.
 //!
 //! NCCL has no receive-from-any-source and wants one thread per communicator, so every ordered
 //! pair of workers gets its own two-rank communicator (`i -> j`), driven by one send thread on `i`
 //! and one receive thread on `j`, each on its own CUDA stream. A message is its length (8 bytes),
-//! then its bytes. The unique ids are made by the sender of each pair and sent over MPI before any
-//! communicator is created. Worker `r` uses GPU `r mod` (GPUs on the machine); NCCL refuses two
-//! ranks of one communicator on the same GPU, so a run needs one GPU per worker.
+//! then its bytes. The unique ids are made by the sender of each pair and sent over MPI;
+//! [`NcclEndpoint::start`] returns only when every communicator is up (or fails). NCCL refuses two
+//! ranks of one communicator on the same GPU: give each rank its own GPU, e.g. by launching through
+//! a wrapper that sets `CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK`, so that the backend's
+//! default device and NCCL's buffers are that GPU.
 //!
-//! Status: compiled in CI; not yet run, since no machine with several GPUs has been available.
+//! Status and known limits: compiled in CI, never run (no machine with several GPUs has been
+//! available). Messages are host tensors, so each goes device -> host -> device -> NCCL -> host.
+//! Many communicators used concurrently from independent threads is a pattern NCCL warns can
+//! deadlock; a single communicator with MPI-exchanged headers and grouped send/receive is the
+//! sturdier design, to do when a multi-GPU machine can test it.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
@@ -98,7 +104,9 @@ impl NcclEndpoint {
             }
             in_ids.push((peer, Id::uninit(internal)));
         }
-        // 2. Threads, each with its own stream and communicator.
+        // 2. Threads, each with its own stream and communicator; each reports whether its
+        // communicator came up.
+        let (ready_tx, ready_rx) = channel::<std::result::Result<(), String>>();
         let (to_self, inbox) = channel::<Envelope>();
         let mut outboxes: Vec<Option<Sender<Vec<u8>>>> = (0..size).map(|_| None).collect();
         let mut senders = Vec::new();
@@ -106,17 +114,22 @@ impl NcclEndpoint {
             let (tx, rx) = channel::<Vec<u8>>();
             outboxes[peer] = Some(tx);
             let ctx = ctx.clone();
+            let ready = ready_tx.clone();
             senders.push(
                 std::thread::Builder::new()
                     .name(format!("nccl-send-{peer}"))
                     .spawn(move || {
-                        let stream = match ctx.new_stream() {
-                            Ok(s) => s,
-                            Err(e) => return tracing::error!(peer, "nccl: no stream: {e:?}"),
-                        };
-                        let comm = match Comm::from_rank(stream, 0, 2, id) {
-                            Ok(c) => c,
-                            Err(e) => return tracing::error!(peer, "nccl: communicator to {peer}: {e:?}"),
+                        let comm = match ctx.new_stream().map_err(|e| format!("{e:?}")).and_then(|stream| {
+                            Comm::from_rank(stream, 0, 2, id).map_err(|e| format!("communicator to {peer}: {e:?}"))
+                        }) {
+                            Ok(c) => {
+                                let _ = ready.send(Ok(()));
+                                c
+                            }
+                            Err(e) => {
+                                let _ = ready.send(Err(e));
+                                return;
+                            }
                         };
                         for bytes in rx {
                             if let Err(e) = send_bytes(&comm, &bytes) {
@@ -130,19 +143,24 @@ impl NcclEndpoint {
         }
         for (peer, id) in in_ids {
             let ctx = ctx.clone();
+            let ready = ready_tx.clone();
             let deliver = to_self.clone();
             // Receive threads end with their peer's `Shutdown`; they are not joined, so a dead peer
             // cannot hold this process.
             std::thread::Builder::new()
                 .name(format!("nccl-recv-{peer}"))
                 .spawn(move || {
-                    let stream = match ctx.new_stream() {
-                        Ok(s) => s,
-                        Err(e) => return tracing::error!(peer, "nccl: no stream: {e:?}"),
-                    };
-                    let comm = match Comm::from_rank(stream, 1, 2, id) {
-                        Ok(c) => c,
-                        Err(e) => return tracing::error!(peer, "nccl: communicator from {peer}: {e:?}"),
+                    let comm = match ctx.new_stream().map_err(|e| format!("{e:?}")).and_then(|stream| {
+                        Comm::from_rank(stream, 1, 2, id).map_err(|e| format!("communicator from {peer}: {e:?}"))
+                    }) {
+                        Ok(c) => {
+                            let _ = ready.send(Ok(()));
+                            c
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
                     };
                     loop {
                         match recv_bytes(&comm).map(|b| decode(&b)) {
@@ -161,6 +179,14 @@ impl NcclEndpoint {
                     }
                 })
                 .expect("spawn an NCCL receive thread");
+        }
+        // 3. Every communicator up, or an error (the caller then ends the job).
+        for _ in 0..2 * (size - 1) {
+            match ready_rx.recv_timeout(Duration::from_secs(120)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(nccl_error(rank, e)),
+                Err(_) => return Err(nccl_error(rank, "a communicator did not come up within 120 s".into())),
+            }
         }
         Ok(Self { rank, size, outboxes, inbox, to_self, senders })
     }

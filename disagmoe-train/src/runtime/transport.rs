@@ -268,12 +268,12 @@ impl Port {
     }
 
     /// Sends `msg` to `dst`; returns the times it was sent and delivered and the microseconds it
-    /// occupied the sender's link (queueing excluded). Aborts and messages to oneself skip the
-    /// emulated link.
+    /// occupied the sender's link (queueing excluded). Messages to oneself and the run's
+    /// bookkeeping (aborts, trace events, the final weights) skip the emulated link.
     pub fn send(&mut self, dst: usize, step: usize, msg: Msg) -> Result<(u64, u64, u64)> {
         let now = now_us();
         let (deliver, wire) = match self.link {
-            Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. }) => {
+            Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. } | Msg::Trace(_) | Msg::Weights(_)) => {
                 let start = (now as f64).max(self.nic_free_us);
                 let wire = link.transfer_us(msg.payload_bytes());
                 self.nic_free_us = start + wire;
@@ -286,33 +286,47 @@ impl Port {
         Ok((now, deliver, wire))
     }
 
-    /// The next delivered envelope (in delivery-time order), waiting at most `timeout`; `None` on
-    /// time-out.
+    /// Holds an envelope until its delivery time (the receiving NIC takes messages in one at a
+    /// time, in the order they came).
+    fn hold(&mut self, mut env: Envelope) {
+        if let Some(link) = self.link.filter(|_| env.deliver_us > env.sent_us) {
+            let wire = link.transfer_us(env.msg.payload_bytes());
+            let tx_start = env.deliver_us as f64 - link.latency_us - wire;
+            self.rx_free_us = tx_start.max(self.rx_free_us) + wire;
+            env.deliver_us = env.deliver_us.max((self.rx_free_us + link.latency_us) as u64);
+        }
+        self.seq += 1;
+        self.due.push(Reverse((env.deliver_us, self.seq)));
+        self.held.insert(self.seq, env);
+    }
+
+    /// The next delivered envelope (in delivery-time order), waiting at most `timeout` (zero: just
+    /// look); `None` on time-out. A message that has arrived but is still on the emulated wire is
+    /// waited for past the time-out: it is not a stall.
     pub fn recv(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         let deadline = now_us() + timeout.as_micros() as u64;
         loop {
+            while let Some(env) = self.inner.arrive(Duration::ZERO)? {
+                self.hold(env);
+            }
             let now = now_us();
-            if let Some(&Reverse((due, seq))) = self.due.peek() {
+            let next_due = self.due.peek().map(|Reverse((due, _))| *due);
+            if let (Some(due), Some(&Reverse((_, seq)))) = (next_due, self.due.peek()) {
                 if due <= now {
                     self.due.pop();
                     return Ok(self.held.remove(&seq));
                 }
             }
-            if now >= deadline {
+            if now >= deadline && (next_due.is_none() || timeout.is_zero()) {
                 return Ok(None);
             }
-            let until = self.due.peek().map(|Reverse((due, _))| (*due).min(deadline)).unwrap_or(deadline);
-            if let Some(mut env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
-                if let Some(link) = self.link.filter(|_| env.deliver_us > env.sent_us) {
-                    // The receiving NIC takes messages in one at a time, in the order they came.
-                    let wire = link.transfer_us(env.msg.payload_bytes());
-                    let tx_start = env.deliver_us as f64 - link.latency_us - wire;
-                    self.rx_free_us = tx_start.max(self.rx_free_us) + wire;
-                    env.deliver_us = env.deliver_us.max((self.rx_free_us + link.latency_us) as u64);
-                }
-                self.seq += 1;
-                self.due.push(Reverse((env.deliver_us, self.seq)));
-                self.held.insert(self.seq, env);
+            let until = match next_due {
+                Some(due) if now >= deadline => due,
+                Some(due) => due.min(deadline),
+                None => deadline,
+            };
+            if let Some(env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
+                self.hold(env);
             }
         }
     }
