@@ -443,7 +443,8 @@ pub struct WorkerUsage {
     pub compute_utilisation: f64,
     /// Fraction of the step its port moves data (either direction).
     pub port_utilisation: f64,
-    /// Time communication is in flight while its GPUs are idle, seconds.
+    /// Time its GPUs idle while communication its compute waits on is pending, seconds (see
+    /// [`SimReport::from_trace`]).
     pub exposed_comm_s: f64,
     /// Time neither computing nor communicating, seconds.
     pub bubble_s: f64,
@@ -513,31 +514,68 @@ fn difference_len(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
 
 impl SimReport {
     /// Summarises a trace of `schedule`.
+    ///
+    /// Exposed communication has one definition for every schedule: the time a worker's GPUs
+    /// idle while communication that its own compute waits on is pending, from the moment the
+    /// data is ready to go (queueing behind other transfers on the port counts) until it has
+    /// arrived. A transfer is waited on by the worker whose compute op consumes it, directly or
+    /// through a chain of communication ops (a receive feeding a dispatch, say); a send's
+    /// sender does not wait on it. A gradient all-reduce is waited on by its own worker (the
+    /// optimizer step needs it).
     pub fn from_trace(schedule: &Schedule, trace: &Trace) -> Self {
         let w = schedule.workers.len();
         let mut compute: Vec<Vec<(f64, f64)>> = vec![Vec::new(); w];
-        let mut comm: Vec<Vec<(f64, f64)>> = vec![Vec::new(); w];
+        let mut port: Vec<Vec<(f64, f64)>> = vec![Vec::new(); w];
+        let mut waited: Vec<Vec<(f64, f64)>> = vec![Vec::new(); w];
+        let ready = |i: OpId| schedule.ops[i].deps.iter().map(|&d| trace.end[d]).fold(0.0, f64::max);
+        // Comm op `c` waited on by worker `wk`, once per (worker, op).
+        let mut seen: std::collections::HashSet<(usize, OpId)> = std::collections::HashSet::new();
+        let mut stack: Vec<OpId> = Vec::new();
         for (i, o) in schedule.ops.iter().enumerate() {
             let iv = (trace.start[i], trace.end[i]);
-            if iv.1 <= iv.0 {
-                continue;
-            }
             match o.kind {
                 OpKind::Recv { .. } => {}
-                OpKind::Send { to, .. } => {
-                    comm[o.worker].push(iv);
-                    comm[to].push(iv);
+                OpKind::Send { to, .. } if iv.1 > iv.0 => {
+                    port[o.worker].push(iv);
+                    port[to].push(iv);
                 }
-                k if k.is_comm() => comm[o.worker].push(iv),
-                _ => compute[o.worker].push(iv),
+                OpKind::AllReduce => {
+                    if iv.1 > iv.0 {
+                        port[o.worker].push(iv);
+                        waited[o.worker].push((ready(i), iv.1));
+                    }
+                }
+                k if k.is_comm() => {
+                    if iv.1 > iv.0 {
+                        port[o.worker].push(iv);
+                    }
+                }
+                _ => {
+                    if iv.1 > iv.0 {
+                        compute[o.worker].push(iv);
+                    }
+                    // Walk back through the communication this compute op waits on.
+                    let wk = o.worker;
+                    stack.extend(o.deps.iter().copied().filter(|&d| schedule.ops[d].kind.is_comm()));
+                    while let Some(c) = stack.pop() {
+                        if !seen.insert((wk, c)) {
+                            continue;
+                        }
+                        if trace.end[c] > ready(c) && !matches!(schedule.ops[c].kind, OpKind::Recv { .. }) {
+                            waited[wk].push((ready(c), trace.end[c]));
+                        }
+                        stack.extend(schedule.ops[c].deps.iter().copied().filter(|&d| schedule.ops[d].kind.is_comm()));
+                    }
+                }
             }
         }
         let step = trace.step_s.max(f64::MIN_POSITIVE);
         let mut workers = Vec::new();
         for (i, worker) in schedule.workers.iter().enumerate() {
             let (busy, cm) = union_len(std::mem::take(&mut compute[i]));
-            let (port, mm) = union_len(std::mem::take(&mut comm[i]));
-            let exposed = difference_len(&mm, &cm);
+            let (port, _) = union_len(std::mem::take(&mut port[i]));
+            let (_, wm) = union_len(std::mem::take(&mut waited[i]));
+            let exposed = difference_len(&wm, &cm);
             workers.push(WorkerUsage {
                 worker: worker.name.clone(),
                 gpus: worker.gpus,
