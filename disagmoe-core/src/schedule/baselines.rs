@@ -14,7 +14,9 @@
 //!
 //! Layout: tensor parallelism 1, the smallest power-of-two `pp` whose memory fits, `dp = G / pp`,
 //! expert parallelism `ep` = the largest power of two dividing both the expert count and `dp`,
-//! one sequence per rank per micro-batch, and the same global batch as AF-Pipe.
+//! one sequence per rank per micro-batch, and the same global batch as AF-Pipe. Under full
+//! recomputation (chosen only when activations would not fit) a layer's backward re-runs its
+//! forward, including the dispatch all-to-all, since only the layer input is kept.
 
 use super::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind as K, Transfer, WorkerRole, NO_LAYER};
 use crate::cost::CostModel;
@@ -359,6 +361,15 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                             c.a2a_bytes / n as f64,
                         ));
                     }
+                    // Full recomputation keeps only the layer input, so recomputing the expert
+                    // forward first re-runs the dispatch (the expert inputs live on other ranks).
+                    // The combine is not re-run: an implementation can skip it.
+                    let e_deps = if backward && layout.recompute {
+                        let kind = OpKind::Dispatch { backward: false };
+                        vec![b.op(w, K::Comm, kind, mb, lu, i as u16, vec![d1], a2a, 0.0, c.a2a_bytes / n as f64)]
+                    } else {
+                        vec![d1]
+                    };
                     let e = b.op(
                         w,
                         stream,
@@ -366,7 +377,7 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                         mb,
                         lu,
                         i as u16,
-                        vec![d1],
+                        e_deps,
                         scale * piece,
                         scale * c.ffn_flops / n as f64,
                         0.0,
