@@ -323,6 +323,11 @@ impl Versus {
 const HONEST_ACCOUNT: &str = r#"
 ## Where and why the numbers differ from the paper
 
+- **The simulated speedups are larger than the paper's** (the summary table puts them side by side). The
+  simulator has none of a real system's costs on AF-Pipe's side (kernel launches, the copies that pack and
+  unpack M2N/N2M buffers, uneven expert load across ranks), while the baselines that must recompute pay their
+  dispatch all-to-all again in backward on a cluster that is network-bound (next point). Read the ratios as
+  what the schedules allow on this model of the cluster, not as a prediction of measured speedups.
 - **The modelled cluster is network-bound for all three models.** With one 400 Gb/s NIC per GPU at 80%
   efficiency and top-k routing, a token's exchange per MoE layer (dispatch + combine, or M2N + N2M, forward and
   backward) takes longer than its attention and expert compute from 4K to 32K. Every schedule then converges
