@@ -36,14 +36,6 @@ pub fn world_rank() -> usize {
     WORLD_RANK.load(Ordering::SeqCst)
 }
 
-fn encode(env: &Envelope) -> Vec<u8> {
-    bincode::serde::encode_to_vec(env, bincode::config::standard()).expect("envelopes serialise")
-}
-
-fn decode(bytes: &[u8]) -> Option<Envelope> {
-    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
-}
-
 /// A worker's MPI connection.
 pub struct MpiEndpoint {
     rank: usize,
@@ -77,7 +69,7 @@ impl MpiEndpoint {
                 let world = SimpleCommunicator::world();
                 loop {
                     let (bytes, _status) = world.any_process().receive_vec::<u8>();
-                    match decode(&bytes) {
+                    match Envelope::from_bytes(&bytes) {
                         Some(env) if matches!(env.msg, Msg::Shutdown) => break,
                         Some(env) => {
                             if deliver.send(env).is_err() {
@@ -98,7 +90,7 @@ impl Drop for MpiEndpoint {
     fn drop(&mut self) {
         if let Some(outbox) = self.outbox.take() {
             let stop = Envelope { src: self.rank, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::Shutdown };
-            let _ = outbox.send((self.rank, encode(&stop)));
+            let _ = outbox.send((self.rank, stop.to_bytes()));
         }
         if let Some(h) = self.sender.take() {
             let _ = h.join();
@@ -125,7 +117,7 @@ impl Endpoint for MpiEndpoint {
             worker: self.rank,
             cause: "sent after the endpoint was closed".into(),
         })?;
-        let bytes = encode(&env);
+        let bytes = env.to_bytes();
         if bytes.len() > i32::MAX as usize {
             return Err(TrainError::Worker {
                 worker: self.rank,

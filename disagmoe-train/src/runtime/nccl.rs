@@ -28,14 +28,6 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use super::transport::{receive_within, Endpoint, Envelope, Msg};
 use crate::error::{Result, TrainError};
 
-fn encode(env: &Envelope) -> Vec<u8> {
-    bincode::serde::encode_to_vec(env, bincode::config::standard()).expect("envelopes serialise")
-}
-
-fn decode(bytes: &[u8]) -> Option<Envelope> {
-    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
-}
-
 fn nccl_error(rank: usize, what: String) -> TrainError {
     TrainError::Worker { worker: rank, cause: format!("nccl: {what}") }
 }
@@ -163,7 +155,7 @@ impl NcclEndpoint {
                         }
                     };
                     loop {
-                        match recv_bytes(&comm).map(|b| decode(&b)) {
+                        match recv_bytes(&comm).map(|b| Envelope::from_bytes(&b)) {
                             Ok(Some(env)) if matches!(env.msg, Msg::Shutdown) => break,
                             Ok(Some(env)) => {
                                 if deliver.send(env).is_err() {
@@ -198,7 +190,7 @@ impl Drop for NcclEndpoint {
         for outbox in self.outboxes.iter_mut() {
             if let Some(tx) = outbox.take() {
                 let stop = Envelope { src: self.rank, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::Shutdown };
-                let _ = tx.send(encode(&stop));
+                let _ = tx.send(stop.to_bytes());
             }
         }
         for h in self.senders.drain(..) {
@@ -223,7 +215,7 @@ impl Endpoint for NcclEndpoint {
             .as_ref()
             .ok_or_else(|| nccl_error(self.rank, format!("no connection to worker {dst}")))?;
         outbox
-            .send(encode(&env))
+            .send(env.to_bytes())
             .map_err(|_| nccl_error(self.rank, format!("the send thread to worker {dst} has stopped")))
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {

@@ -210,6 +210,19 @@ pub struct Envelope {
     pub msg: Msg,
 }
 
+#[cfg(feature = "mpi")]
+impl Envelope {
+    /// The envelope as bytes for a process transport (bincode).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("envelopes serialise")
+    }
+
+    /// An envelope from [`Envelope::to_bytes`] (`None` if the bytes are not one).
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
+    }
+}
+
 /// An emulated link: every worker's NIC sends and receives at `gbps` gigabits per second, one
 /// message at a time each way, and a message arrives `latency_us` after its last byte left (and
 /// not before the receiving NIC has taken in all of it).

@@ -118,14 +118,10 @@ enum Task {
         mb: usize,
         layer: usize,
     },
+    /// A `Dispatch` from attention worker `src`.
     FfnFwd {
         src: usize,
-        mb: usize,
-        layer: usize,
-        tokens: Vec<u32>,
-        y: HostTensor,
-        w: Option<HostTensor>,
-        ids: Vec<u32>,
+        dispatch: Msg,
     },
     FfnBwd {
         mb: usize,
@@ -475,7 +471,8 @@ where
         let src = env.src;
         match env.msg {
             Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
-                self.ready_ffn.push_back(Task::FfnFwd { src, mb, layer, tokens, y, w: weights, ids })
+                let dispatch = Msg::Dispatch { mb, layer, tokens, y, weights, ids };
+                self.ready_ffn.push_back(Task::FfnFwd { src, dispatch })
             }
             Msg::GradCombine { mb, layer, g } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer, g }),
             Msg::Combine { mb, layer, tokens, out } => {
@@ -554,8 +551,9 @@ where
                 self.attention_backward(mb, layer)?;
                 (format!("bwd attn L{layer} mb{mb}"), "backward")
             }
-            Task::FfnFwd { src, mb, layer, tokens, y, w, ids } => {
-                self.ffn_forward(src, mb, layer, tokens, y, w, ids)?;
+            Task::FfnFwd { src, dispatch } => {
+                let Msg::Dispatch { mb, layer, .. } = dispatch else { unreachable!("expert tasks hold dispatches") };
+                self.ffn_forward(src, dispatch)?;
                 (format!("fwd experts L{layer} mb{mb}"), "forward")
             }
             Task::FfnBwd { mb, layer, g } => {
@@ -725,17 +723,11 @@ where
         Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn ffn_forward(
-        &mut self,
-        src: usize,
-        mb: usize,
-        layer: usize,
-        tokens: Vec<u32>,
-        y: HostTensor,
-        w: Option<HostTensor>,
-        ids: Vec<u32>,
-    ) -> Result<()> {
+    /// Runs this holder's share of a layer on a `Dispatch` from attention worker `src`.
+    fn ffn_forward(&mut self, src: usize, dispatch: Msg) -> Result<()> {
+        let Msg::Dispatch { mb, layer, tokens, y, weights: w, ids } = dispatch else {
+            unreachable!("expert tasks hold dispatches")
+        };
         let rows = tokens.len();
         let dst = self.next_attn_worker(mb, layer);
         let m = y.shape.last().copied().unwrap_or(0);
