@@ -42,7 +42,8 @@ pub struct MpiEndpoint {
     size: usize,
     outbox: Option<Sender<(usize, Vec<u8>)>>,
     inbox: Receiver<Envelope>,
-    to_self: Sender<Envelope>,
+    /// Keeps the inbox open while no receive thread is running (a worker alone, or closing).
+    _inbox_open: Sender<Envelope>,
     sender: Option<JoinHandle<()>>,
     receiver: Option<JoinHandle<()>>,
 }
@@ -52,7 +53,7 @@ impl MpiEndpoint {
         let world = SimpleCommunicator::world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let (outbox, outgoing) = channel::<(usize, Vec<u8>)>();
-        let (to_self, inbox) = channel::<Envelope>();
+        let (inbox_tx, inbox) = channel::<Envelope>();
         let sender = std::thread::Builder::new()
             .name("mpi-send".into())
             .spawn(move || {
@@ -62,7 +63,7 @@ impl MpiEndpoint {
                 }
             })
             .expect("spawn the MPI send thread");
-        let deliver = to_self.clone();
+        let deliver = inbox_tx.clone();
         let receiver = std::thread::Builder::new()
             .name("mpi-recv".into())
             .spawn(move || {
@@ -81,7 +82,15 @@ impl MpiEndpoint {
                 }
             })
             .expect("spawn the MPI receive thread");
-        Self { rank, size, outbox: Some(outbox), inbox, to_self, sender: Some(sender), receiver: Some(receiver) }
+        Self {
+            rank,
+            size,
+            outbox: Some(outbox),
+            inbox,
+            _inbox_open: inbox_tx,
+            sender: Some(sender),
+            receiver: Some(receiver),
+        }
     }
 }
 
@@ -109,10 +118,6 @@ impl Endpoint for MpiEndpoint {
         self.size
     }
     fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
-        if dst == self.rank {
-            let _ = self.to_self.send(env);
-            return Ok(());
-        }
         let outbox = self.outbox.as_ref().ok_or_else(|| TrainError::Worker {
             worker: self.rank,
             cause: "sent after the endpoint was closed".into(),
@@ -157,9 +162,6 @@ where
     A: Module<B> + ModuleDisplay + AttentionLayer<B> + Send + 'static,
     F: SplitFeedForward<B>,
     WorkerPart<B, A, F::Router, F::Experts>: AutodiffModule<B> + Send + 'static,
-    Option<Ends<B>>: AutodiffModule<B>,
-    Vec<AttentionStage<B, A, F::Router>>: AutodiffModule<B>,
-    Vec<ExpertStage<B, F::Experts>>: AutodiffModule<B>,
     ExpertStage<B, F::Experts>: AutodiffModule<B>,
     AttentionStage<B, A, F::Router>: AutodiffModule<B>,
     Ends<B>: AutodiffModule<B>,

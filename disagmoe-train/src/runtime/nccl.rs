@@ -38,7 +38,8 @@ pub struct NcclEndpoint {
     size: usize,
     outboxes: Vec<Option<Sender<Vec<u8>>>>,
     inbox: Receiver<Envelope>,
-    to_self: Sender<Envelope>,
+    /// Keeps the inbox open while no receive thread is running (a worker alone, or closing).
+    _inbox_open: Sender<Envelope>,
     senders: Vec<JoinHandle<()>>,
 }
 
@@ -99,7 +100,7 @@ impl NcclEndpoint {
         // 2. Threads, each with its own stream and communicator; each reports whether its
         // communicator came up.
         let (ready_tx, ready_rx) = channel::<std::result::Result<(), String>>();
-        let (to_self, inbox) = channel::<Envelope>();
+        let (inbox_tx, inbox) = channel::<Envelope>();
         let mut outboxes: Vec<Option<Sender<Vec<u8>>>> = (0..size).map(|_| None).collect();
         let mut senders = Vec::new();
         for (peer, id) in out_ids {
@@ -136,7 +137,7 @@ impl NcclEndpoint {
         for (peer, id) in in_ids {
             let ctx = ctx.clone();
             let ready = ready_tx.clone();
-            let deliver = to_self.clone();
+            let deliver = inbox_tx.clone();
             // Receive threads end with their peer's `Shutdown`; they are not joined, so a dead peer
             // cannot hold this process.
             std::thread::Builder::new()
@@ -180,7 +181,7 @@ impl NcclEndpoint {
                 Err(_) => return Err(nccl_error(rank, "a communicator did not come up within 120 s".into())),
             }
         }
-        Ok(Self { rank, size, outboxes, inbox, to_self, senders })
+        Ok(Self { rank, size, outboxes, inbox, _inbox_open: inbox_tx, senders })
     }
 }
 
@@ -207,10 +208,6 @@ impl Endpoint for NcclEndpoint {
         self.size
     }
     fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
-        if dst == self.rank {
-            let _ = self.to_self.send(env);
-            return Ok(());
-        }
         let outbox = self.outboxes[dst]
             .as_ref()
             .ok_or_else(|| nccl_error(self.rank, format!("no connection to worker {dst}")))?;

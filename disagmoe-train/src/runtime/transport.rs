@@ -247,7 +247,8 @@ pub trait Endpoint: Send {
     fn rank(&self) -> usize;
     /// Number of workers.
     fn size(&self) -> usize;
-    /// Hands `env` to the transport for `dst` (never waits for the receiver).
+    /// Hands `env` to the transport for another worker `dst` (never waits for the receiver;
+    /// [`Port`] keeps messages to oneself).
     fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()>;
     /// The next envelope that arrived, waiting at most `timeout`; `None` on time-out.
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>>;
@@ -295,7 +296,12 @@ impl Port {
             _ => (now, 0),
         };
         let env = Envelope { src: self.rank(), step, sent_us: now, deliver_us: deliver, msg };
-        self.inner.transmit(dst, env)?;
+        if dst == self.rank() {
+            // A message to oneself never leaves the worker, whatever the transport.
+            self.hold(env);
+        } else {
+            self.inner.transmit(dst, env)?;
+        }
         Ok((now, deliver, wire))
     }
 
