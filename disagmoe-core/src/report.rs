@@ -14,6 +14,7 @@ fn colour(kind: &OpKind) -> &'static str {
         OpKind::AttentionBackward => "#1f3d73",
         OpKind::ExpertForward => "#dd8452",
         OpKind::ExpertBackward => "#8c4a1c",
+        OpKind::WeightGradient => "#5a5a5a",
         OpKind::HeadForward | OpKind::HeadBackward => "#8172b3",
         OpKind::Send { .. } | OpKind::Recv { .. } => "#55a868",
         OpKind::Dispatch { .. } | OpKind::Combine { .. } => "#c44e52",
@@ -115,6 +116,7 @@ pub fn write_timeline_svg(path: &Path, schedule: &Schedule, trace: &Trace, windo
         ("attention bwd", OpKind::AttentionBackward),
         ("expert fwd", OpKind::ExpertForward),
         ("expert bwd", OpKind::ExpertBackward),
+        ("weight grad", OpKind::WeightGradient),
         ("M2N / N2M / P2P", OpKind::Recv { from: 0 }),
         ("all-to-all", OpKind::Dispatch { backward: false }),
         ("all-reduce", OpKind::AllReduce),
@@ -122,7 +124,7 @@ pub fn write_timeline_svg(path: &Path, schedule: &Schedule, trace: &Trace, windo
     .iter()
     .enumerate()
     {
-        let x = left + k as f64 * 150.0;
+        let x = left + k as f64 * 130.0;
         let _ = writeln!(svg, r#"<rect x="{x}" y="{legend_y}" width="12" height="12" fill="{}"/>"#, colour(kind));
         let _ = writeln!(svg, r#"<text x="{}" y="{}">{label}</text>"#, x + 16.0, legend_y + 10.0);
     }

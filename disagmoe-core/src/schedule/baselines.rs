@@ -9,20 +9,28 @@
 //! - `comet`: the same pipeline with fine-grained (16-chunk, tile-level) overlap: weights are read
 //!   once, communication hides behind expert compute as far as it is shorter.
 //! - `dualpipe`: DeepSeek's bidirectional pipeline: every stage holds a chunk of each direction
-//!   (twice the parameters), forward and backward compute run on separate streams, so one
-//!   micro-batch's all-to-all overlaps another's compute.
+//!   (twice the parameters) and runs the fixed program of [`super::dualpipe`] one step at a time:
+//!   warm-up forwards, then pairs of one forward and one backward chunk of the other direction
+//!   whose compute hides each other's all-to-alls, then cool-down backwards with zero-bubble
+//!   weight steps. A step starts when the previous one has finished and its inputs have arrived;
+//!   within a step the two chunks share the GPUs (backward first) and one communication stream
+//!   (earliest-ready first), and backward chunks compute each block's weight gradients in an op
+//!   of their own, after its input gradients, at the lowest priority (DualPipe's ZeroBubble
+//!   split). Point-to-point sends are asynchronous.
 //!
 //! Layout: tensor parallelism 1, the smallest power-of-two `pp` whose memory fits, `dp = G / pp`,
 //! expert parallelism `ep` = the largest power of two dividing both the expert count and `dp`,
-//! one sequence per rank per micro-batch, and the same global batch as AF-Pipe. Under full
+//! one sequence per rank per micro-batch, and the same global batch as AF-Pipe (DualPipe also
+//! needs an even number of micro-batches, at least `2 pp`). Under full
 //! recomputation (chosen only when activations would not fit) a layer's backward re-runs its
 //! forward, including the dispatch all-to-all, since only the layer input is kept.
 
+use super::dualpipe::{check_dualpipe, dualpipe_program, DualStep};
 use super::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind as K, Transfer, WorkerRole, NO_LAYER};
 use crate::cost::CostModel;
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 /// A baseline schedule family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +129,7 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
     let usable = cost.cluster.gpu.usable_memory();
     let copies = if baseline == Baseline::DualPipe { 2 } else { 1 };
     let mut smallest = f64::INFINITY;
+    let mut unschedulable = None;
     let min_pp = if baseline == Baseline::DualPipe { 2 } else { 1 };
     for pp in (0..)
         .map(|e| 1usize << e)
@@ -135,6 +144,12 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
             .unwrap_or(1);
         let seqs = cost.workload.global_batch;
         let micro_batches = seqs.div_ceil(dp).max(1);
+        if baseline == Baseline::DualPipe {
+            if let Err(e) = check_dualpipe(pp, micro_batches) {
+                unschedulable = Some(e);
+                continue;
+            }
+        }
         let in_flight = pp.min(micro_batches) + 1;
         for recompute in [false, true] {
             let mem = ep_memory(cost, pp, dp, ep, copies, in_flight, recompute);
@@ -148,6 +163,9 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
                 return Ok(EpLayout { pp, dp, ep, chunks, micro_batches, seqs_per_micro_batch: 1, recompute });
             }
         }
+    }
+    if let (Some(e), true) = (unschedulable, smallest.is_infinite()) {
+        return Err(e);
     }
     Err(CoreError::Infeasible {
         constraint: format!("memory_{}", baseline.name()),
@@ -178,6 +196,33 @@ struct LayerCost {
     a2a_s: f64,
     a2a_bytes: f64,
     dense: bool,
+}
+
+/// Where a backward chunk computes its weight gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightGrads {
+    /// With the input gradients, one op per block (the EP baselines).
+    Inline,
+    /// In an op of their own after each block's input gradients, on the lowest-priority compute
+    /// stream, so that the input gradients release the next all-to-all sooner (DualPipe's
+    /// chunks, split as in ZeroBubble).
+    Split,
+    /// Left for a later weight step (DualPipe's zero-bubble backwards).
+    Deferred,
+}
+
+/// The ops of one chunk (a micro-batch's forward or backward through one virtual stage).
+struct Chunk {
+    /// The op every other op of the chunk depends on.
+    first: OpId,
+    /// The ops that end the chunk (its output is ready when they are done).
+    ends: Vec<OpId>,
+    /// The send of its output to the next virtual stage, if on another worker.
+    send: Option<OpId>,
+    /// The received input it waits for, if any: (micro-batch, virtual stage, backward).
+    input: Option<(usize, usize, bool)>,
+    /// Deferred weight gradients ([`WeightGrads::Deferred`]): seconds, FLOPs per GPU.
+    weight: (f64, f64),
 }
 
 /// Builds a baseline schedule.
@@ -211,7 +256,13 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     let dual = baseline == Baseline::DualPipe;
     let mut b = ScheduleBuilder::new(baseline.name());
     let streams: &[(K, bool)] = if dual {
-        &[(K::BackwardCompute, false), (K::ForwardCompute, false), (K::Comm, false), (K::Recv, false)]
+        &[
+            (K::BackwardCompute, true),
+            (K::ForwardCompute, true),
+            (K::WeightGradCompute, true),
+            (K::Comm, false),
+            (K::Recv, false),
+        ]
     } else {
         &[(K::Compute, true), (K::Comm, true), (K::Recv, false)]
     };
@@ -246,19 +297,20 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     };
     let stages_per_dir = if dual { pp } else { n_virtual };
 
-    // Forward or backward of one (micro-batch, virtual stage): returns the last op.
+    // Forward or backward of one (micro-batch, virtual stage).
     let mut recvs: HashMap<(usize, usize, bool), OpId> = HashMap::new();
     let mut pending: Vec<(OpId, (usize, usize, bool))> = Vec::new();
-    let mut fwd_last: HashMap<(usize, usize), OpId> = HashMap::new();
-    let mut first_bwd: HashMap<usize, OpId> = HashMap::new();
+    let mut head_fwd: HashMap<(usize, usize), OpId> = HashMap::new();
     let mut all_bwd: Vec<Vec<OpId>> = vec![Vec::new(); pp];
-    let mut chunk_op = |b: &mut ScheduleBuilder, mb: usize, vs: usize, backward: bool| {
+    let mut chunk_op = |b: &mut ScheduleBuilder, mb: usize, vs: usize, backward: bool, grads: WeightGrads| {
         let dir = if dual { mb % 2 } else { 0 };
         let w = worker_of(vs, dir);
         let range = stage_layers(m.layers, stages_per_dir, vs);
+        let last_stage = vs + 1 == stages_per_dir;
         let mut deps: Vec<OpId> = Vec::new();
         let key_in = (mb, vs, backward);
-        if (!backward && vs > 0) || (backward && vs + 1 < stages_per_dir) {
+        let has_input = (!backward && vs > 0) || (backward && !last_stage);
+        if has_input {
             match recvs.get(&key_in) {
                 Some(&r) => deps.push(r),
                 None => pending.push((usize::MAX, key_in)),
@@ -272,34 +324,57 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
             }
         };
         let list: Vec<usize> = if backward { range.clone().rev().collect() } else { range.clone().collect() };
-        if backward && vs + 1 == stages_per_dir {
+        if backward && last_stage {
+            // The loss ran at the end of this micro-batch's forward chunk.
             let w_ = head.backward();
-            let after_forward = vec![fwd_last[&(mb, vs)]];
-            let hf = b.op(
+            let after_forward = vec![head_fwd[&(mb, vs)]];
+            let hb = b.op(
                 w,
-                fwd_stream,
-                OpKind::HeadForward,
+                bwd_stream,
+                OpKind::HeadBackward,
                 mb,
                 NO_LAYER,
                 0,
                 after_forward,
-                cost.gpu_time(head),
-                head.flops,
+                cost.gpu_time(w_),
+                w_.flops,
                 0.0,
             );
-            note(hf, &mut first_op);
-            let hb =
-                b.op(w, bwd_stream, OpKind::HeadBackward, mb, NO_LAYER, 0, vec![hf], cost.gpu_time(w_), w_.flops, 0.0);
+            note(hb, &mut first_op);
             deps = vec![hb];
         }
+        // Backward: input gradients (1x forward), weight gradients (1x, unless apart) and the
+        // recomputed forward under full recomputation.
+        let scale = match backward {
+            false => 1.0,
+            true => 1.0 + f64::from(u8::from(grads == WeightGrads::Inline)) + f64::from(u8::from(layout.recompute)),
+        };
+        let mut weight = (0.0, 0.0);
+        let mut weight_ops: Vec<OpId> = Vec::new();
+        // The weight gradients (`secs`, `flops`) of a block whose input gradients `after` computes.
+        let mut weight_of =
+            |b: &mut ScheduleBuilder, after: OpId, lu: u32, piece: u16, secs: f64, flops: f64| match grads {
+                WeightGrads::Inline => {}
+                WeightGrads::Deferred => {
+                    weight.0 += secs;
+                    weight.1 += flops;
+                }
+                WeightGrads::Split => weight_ops.push(b.op(
+                    w,
+                    K::WeightGradCompute,
+                    OpKind::WeightGradient,
+                    mb,
+                    lu,
+                    piece,
+                    vec![after],
+                    secs,
+                    flops,
+                    0.0,
+                )),
+            };
         for l in list {
             let c = &layers[l];
             let lu = l as u32;
-            let scale = match (backward, layout.recompute) {
-                (false, _) => 1.0,
-                (true, false) => 2.0,
-                (true, true) => 3.0,
-            };
             let stream = if backward { bwd_stream } else { fwd_stream };
             let attn = |b: &mut ScheduleBuilder, deps: Vec<OpId>| {
                 let kind = if backward { OpKind::AttentionBackward } else { OpKind::AttentionForward };
@@ -325,6 +400,9 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                     0.0,
                 );
                 note(e, &mut first_op);
+                if backward {
+                    weight_of(b, e, lu, 0, c.ffn_s, c.ffn_flops);
+                }
                 deps = vec![e];
             } else {
                 // First all-to-all: dispatch (forward) or combine-gradient (backward).
@@ -382,6 +460,9 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                         scale * c.ffn_flops / n as f64,
                         0.0,
                     );
+                    if backward {
+                        weight_of(b, e, lu, i as u16, piece, c.ffn_flops / n as f64);
+                    }
                     comps.push(e);
                 }
                 let last = comps[n - 1];
@@ -390,8 +471,26 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
             }
             if backward {
                 let a = attn(b, std::mem::take(&mut deps));
+                weight_of(b, a, lu, 0, c.attn_s, c.attn_flops);
                 deps = vec![a];
             }
+        }
+        if !backward && last_stage {
+            // Final norm, output head and loss end the last stage's forward chunk.
+            let hf = b.op(
+                w,
+                fwd_stream,
+                OpKind::HeadForward,
+                mb,
+                NO_LAYER,
+                0,
+                std::mem::take(&mut deps),
+                cost.gpu_time(head),
+                head.flops,
+                0.0,
+            );
+            head_fwd.insert((mb, vs), hf);
+            deps = vec![hf];
         }
         let last = deps[0];
         let last = if deps.len() > 1 {
@@ -406,51 +505,106 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
             }
         }
         // Hand the activations (or gradients) to the next virtual stage.
-        let next = if backward { vs.checked_sub(1) } else { (vs + 1 < stages_per_dir).then_some(vs + 1) };
+        let next = if backward { vs.checked_sub(1) } else { (!last_stage).then_some(vs + 1) };
+        let mut send = None;
         if let Some(nv) = next {
             let to = worker_of(nv, dir);
             let r = if to == w {
                 last
             } else {
-                b.transfer(cost, w, to, Transfer::PipelineP2p, backward, mb, NO_LAYER, deps.clone(), p2p_bytes)
+                let r = b.transfer(cost, w, to, Transfer::PipelineP2p, backward, mb, NO_LAYER, deps.clone(), p2p_bytes);
+                send = Some(b.schedule.ops[r].deps[0]);
+                r
             };
             recvs.insert((mb, nv, backward), r);
         }
-        if !backward {
-            fwd_last.insert((mb, vs), last);
-        } else {
+        if backward {
             all_bwd[w].push(last);
-            if vs == 0 {
-                first_bwd.insert(mb, last);
-            }
+            all_bwd[w].extend(weight_ops.iter().copied());
         }
-        (first_op.expect("a chunk has ops"), deps)
+        deps.extend(weight_ops);
+        Chunk {
+            first: first_op.expect("a chunk has ops"),
+            ends: deps,
+            send,
+            input: has_input.then_some(key_in),
+            weight,
+        }
     };
 
     let mbs = layout.micro_batches;
+    // Extra waits for inputs (op, input key) and the weight-gradient ops of each stage.
+    let mut pair_waits: Vec<(OpId, (usize, usize, bool))> = Vec::new();
+    let mut weight_ops: Vec<(usize, OpId)> = Vec::new();
     if dual {
-        // Both directions inject micro-batches; at most `pp` per direction in flight.
-        for mb in 0..mbs {
-            for vs in 0..pp {
-                chunk_op(&mut b, mb, vs, false);
+        // DualPipe's fixed program per rank: each step starts when the rank's previous step has
+        // finished (computation and all-to-alls) and all of its own inputs have arrived; sends are
+        // asynchronous. A micro-batch of direction `d` has an id `2 i + d`.
+        for r in 0..pp {
+            let mut next = [[0usize; 2]; 2];
+            let mut prev_end: Vec<OpId> = Vec::new();
+            let mut late_send: Option<OpId> = None;
+            let mut weights: VecDeque<(usize, (f64, f64))> = VecDeque::new();
+            for step in dualpipe_program(pp, r, mbs)? {
+                let split = |zero_bubble: bool| if zero_bubble { WeightGrads::Deferred } else { WeightGrads::Split };
+                let parts: Vec<(usize, bool, WeightGrads)> = match step {
+                    DualStep::Forward { phase, .. } => vec![(phase, false, WeightGrads::Inline)],
+                    DualStep::Backward { phase, zero_bubble } => vec![(phase, true, split(zero_bubble))],
+                    DualStep::ForwardBackward { forward, backward } => {
+                        vec![(forward, false, WeightGrads::Inline), (backward, true, split(false))]
+                    }
+                    DualStep::Weight => vec![],
+                };
+                let mut chunks: Vec<Chunk> = Vec::with_capacity(2);
+                for (phase, backward, grads) in parts {
+                    let dir = phase ^ usize::from(r >= pp / 2);
+                    let i = &mut next[usize::from(backward)][dir];
+                    let mb = 2 * *i + dir;
+                    *i += 1;
+                    let vs = if dir == 0 { r } else { pp - 1 - r };
+                    let c = chunk_op(&mut b, mb, vs, backward, grads);
+                    b.schedule.ops[c.first].deps.extend(prev_end.iter().copied());
+                    if grads == WeightGrads::Deferred {
+                        weights.push_back((mb, c.weight));
+                    }
+                    chunks.push(c);
+                }
+                let end: Vec<OpId> = if step == DualStep::Weight {
+                    let (mb, (secs, flops)) =
+                        weights.pop_front().expect("a weight step follows a zero-bubble backward");
+                    let op = b.op(
+                        r,
+                        K::WeightGradCompute,
+                        OpKind::WeightGradient,
+                        mb,
+                        NO_LAYER,
+                        0,
+                        prev_end,
+                        secs,
+                        flops,
+                        0.0,
+                    );
+                    weight_ops.push((r, op));
+                    vec![op]
+                } else {
+                    // A pair starts when both of its inputs are there.
+                    for x in &chunks {
+                        for y in chunks.iter().filter(|y| y.first != x.first) {
+                            if let Some(key) = x.input {
+                                pair_waits.push((y.first, key));
+                            }
+                        }
+                    }
+                    chunks.iter().flat_map(|c| c.ends.iter().copied()).collect()
+                };
+                if let Some(s) = late_send.take() {
+                    b.schedule.ops[s].deps.extend(end.iter().copied());
+                }
+                if let DualStep::Forward { send_after_next: true, .. } = step {
+                    late_send = chunks[0].send;
+                }
+                prev_end = end;
             }
-            for vs in (0..pp).rev() {
-                chunk_op(&mut b, mb, vs, true);
-            }
-        }
-        let window = 2 * pp;
-        let mut patches = Vec::new();
-        for mb in window..mbs {
-            let first = b.schedule.workers[worker_of(0, mb % 2)].streams[1]
-                .ops
-                .iter()
-                .copied()
-                .find(|&o| b.schedule.ops[o].micro_batch as usize == mb)
-                .expect("micro-batch has a first op");
-            patches.push((first, first_bwd[&(mb - window)]));
-        }
-        for (op, dep) in patches {
-            b.schedule.ops[op].deps.push(dep);
         }
     } else {
         // Megatron's interleaved 1F1B order per stage.
@@ -484,10 +638,14 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
             }
             for (mb, vs, backward) in order {
                 if mb < mbs {
-                    chunk_op(&mut b, mb, vs, backward);
+                    chunk_op(&mut b, mb, vs, backward, WeightGrads::Inline);
                 }
             }
         }
+    }
+    pending.extend(pair_waits);
+    for (s, op) in weight_ops {
+        all_bwd[s].push(op);
     }
     // Cross-stage dependencies whose producer was generated after the consumer.
     for (op, key) in pending {

@@ -9,10 +9,12 @@
 //! communication stream owns its port, and receives complete when their send does.
 //! Every op carries its modelled duration (`duration_s`) and volume, which the runtime ignores.
 //!
-//! Builders: [`afpipe::build_afpipe`] and the baselines in [`baselines`].
+//! Builders: [`afpipe::build_afpipe`] and the baselines in [`baselines`] (DualPipe's per-rank
+//! program in [`dualpipe`]).
 
 pub mod afpipe;
 pub mod baselines;
+pub mod dualpipe;
 
 use crate::cost::CostModel;
 use crate::error::{CoreError, Result};
@@ -52,6 +54,8 @@ pub enum StreamKind {
     BackwardCompute,
     /// The only compute stream of a worker that does not split forward and backward.
     Compute,
+    /// Weight gradients split off the backward (DualPipe); the lowest priority for the GPUs.
+    WeightGradCompute,
     /// Sends and collectives.
     Comm,
     /// Sends of gradients, when a worker keeps them apart from activations (AF-Pipe).
@@ -63,7 +67,7 @@ pub enum StreamKind {
 impl StreamKind {
     /// Whether ops of this stream occupy the worker's GPUs.
     pub fn is_compute(self) -> bool {
-        matches!(self, Self::ForwardCompute | Self::BackwardCompute | Self::Compute)
+        matches!(self, Self::ForwardCompute | Self::BackwardCompute | Self::Compute | Self::WeightGradCompute)
     }
 }
 
@@ -124,6 +128,8 @@ pub enum OpKind {
     HeadForward,
     /// Head backward.
     HeadBackward,
+    /// Weight gradients computed apart from the input gradients (DualPipe).
+    WeightGradient,
     /// Point-to-point send to worker `to`.
     Send {
         /// Receiving worker.
@@ -162,6 +168,7 @@ impl OpKind {
             Self::ExpertBackward => "expert_bwd",
             Self::HeadForward => "head_fwd",
             Self::HeadBackward => "head_bwd",
+            Self::WeightGradient => "weight_grad",
             Self::Send { transfer: Transfer::M2n, .. } => "m2n",
             Self::Send { transfer: Transfer::N2m, .. } => "n2m",
             Self::Send { transfer: Transfer::PipelineP2p, .. } => "p2p",
