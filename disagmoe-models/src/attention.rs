@@ -98,6 +98,17 @@ impl<B: Backend> GqaAttention<B> {
             q = qn.forward(q);
             k = kn.forward(k);
         }
+        if self.sinks.is_none() {
+            // Fused path (chosen in disagmoe_kernels::fused): everything stays in [B, S, heads, D].
+            let v = self.v_proj.forward(x.clone()).reshape([b, s, g, d]);
+            let scale = (d as f64).powf(-0.5);
+            let fused = disagmoe_kernels::fused::rope(q.clone(), cos.clone(), sin.clone())
+                .zip(disagmoe_kernels::fused::rope(k.clone(), cos.clone(), sin.clone()))
+                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v, scale, self.window));
+            if let Some(out) = fused {
+                return self.o_proj.forward(out.reshape([b, s, h * d]));
+            }
+        }
         let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2)); // [B, H, S, D], [B, G, S, D]
         let v = self.v_proj.forward(x).reshape([b, s, g, d]).swap_dims(1, 2); // [B, G, S, D]
                                                                               // 2. Rotary embedding on q and k.

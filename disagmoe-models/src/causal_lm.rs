@@ -69,6 +69,19 @@ pub fn lm_logits<B: Backend>(x: Tensor<B, 3>, head: Option<&Linear<B>>, embed: &
 /// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
 pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [b, s, v] = logits.dims();
+    if disagmoe_kernels::fused::available::<B>() && s >= 2 {
+        let labels: Option<Vec<usize>> = ids
+            .clone()
+            .narrow(1, 1, s - 1)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .ok()
+            .map(|l| l.into_iter().map(|t| t as usize).collect());
+        if let Some(loss) = labels.and_then(|l| disagmoe_kernels::fused::next_token_cross_entropy(logits.clone(), &l)) {
+            return loss;
+        }
+    }
     let n = b * (s - 1);
     let logp = log_softmax(logits.narrow(1, 0, s - 1).reshape([n, v]), 1); // [N, V]
     let labels = ids.narrow(1, 1, s - 1).reshape([n, 1]);

@@ -109,7 +109,9 @@ impl<B: Backend> SwiGluMlp<B> {
     /// # Shapes
     /// - x: `[..., M]` -> `[..., M]`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        let (g, u) = (self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+        let h = disagmoe_kernels::fused::swiglu(g.clone(), u.clone()).unwrap_or_else(|| silu(g) * u);
+        self.down_proj.forward(h)
     }
 
     /// Loads `{prefix}.{gate,up,down}_proj.weight`.

@@ -38,8 +38,16 @@ impl<B: Backend> Linear<B> {
     /// - x: `[..., in]`
     /// - output: `[..., out]`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let w = self.weight.val().transpose().unsqueeze::<D>(); // [1.., in, out]
-        let y = x.matmul(w);
+        // One 2-D product over all leading dims: no copy of the transposed weight, one gemm call.
+        let mut out_shape = x.dims();
+        let d_in = out_shape[D - 1];
+        let (d_out, _) = self.dims();
+        out_shape[D - 1] = d_out;
+        let rows = out_shape[..D - 1].iter().product::<usize>();
+        let x = x.reshape([rows, d_in]);
+        let y = disagmoe_kernels::fused::linear(x.clone(), self.weight.val())
+            .unwrap_or_else(|| x.matmul(self.weight.val().transpose()))
+            .reshape(out_shape); // [.., out]
         match &self.bias {
             Some(b) => y + b.val().unsqueeze::<D>(),
             None => y,
@@ -89,6 +97,9 @@ impl<B: Backend> RmsNorm<B> {
     /// # Shapes
     /// - x: `[..., dim]` -> `[..., dim]`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if let Some(y) = disagmoe_kernels::fused::rms_norm(x.clone(), self.weight.val(), self.eps) {
+            return y;
+        }
         let inv_rms = x.clone().square().mean_dim(D - 1).add_scalar(self.eps).sqrt().recip(); // [..., 1]
         x * inv_rms * self.weight.val().unsqueeze::<D>()
     }

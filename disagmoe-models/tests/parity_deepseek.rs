@@ -40,6 +40,15 @@ fn logits_loss_and_gradients_match_transformers() {
     }
 }
 
+#[test]
+fn reference_operations_match_transformers_too() {
+    disagmoe_kernels::cpu::set_enabled_for_thread(Some(false));
+    for dir in fixtures() {
+        check_deepseek_fixture(&dir);
+    }
+    disagmoe_kernels::cpu::set_enabled_for_thread(None);
+}
+
 fn logits_of(model: &DeepseekV3ForCausalLM<Flex>, dir: &Path) -> Vec<f32> {
     let r = reference(dir);
     let ids = model.input_ids(&r.ids, &Default::default()).unwrap();

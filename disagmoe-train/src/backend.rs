@@ -53,3 +53,26 @@ pub type DefaultBackend = chosen::Backend;
 pub type TrainBackend = Autodiff<DefaultBackend>;
 /// Name of the compiled-in backend (`flex`, `ndarray`, `wgpu` or `cuda`).
 pub const BACKEND_NAME: &str = chosen::NAME;
+
+/// Keeps freed memory in the process instead of handing it back to the kernel after each tensor.
+///
+/// A training step on the CPU allocates and frees the same large activation buffers every step;
+/// with glibc's defaults each buffer over its adaptive mmap threshold is a fresh mapping whose
+/// pages the kernel zeroes on first touch (seen: a tenth of a step in page faults). Raising the
+/// thresholds makes those buffers come from the heap again. Called once by the trainers; a no-op
+/// off glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            const MIB: libc::c_int = 1 << 20;
+            // SAFETY: mallopt only changes allocator parameters; it is safe to call at any time.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * MIB);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 1024 * MIB);
+                libc::mallopt(libc::M_TOP_PAD, 64 * MIB);
+            }
+        });
+    }
+}

@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+#[cfg(feature = "flex")]
+use burn::tensor::DType;
 use burn::tensor::Tensor;
 
 /// Peak learning rate at the end of warm-up, then cosine decay to `min_lr` at `total` steps.
@@ -74,32 +76,38 @@ pub struct GradNorms {
 struct SquaresVisitor<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     squares: Vec<(ParamId, Tensor<B::InnerBackend, 1>)>,
+    /// Sums of squares already on the host (fused path).
+    host: Vec<(ParamId, f64)>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaresVisitor<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.squares.push((param.id, g.square().sum()));
+            match disagmoe_kernels::fused::sum_squares(&g) {
+                Some(sq) => self.host.push((param.id, sq)),
+                None => self.squares.push((param.id, g.square().sum())),
+            }
         }
     }
 }
 
 /// The global L2 norm of `grads` over the parameters of `model` (one host read).
 pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> GradNorms {
-    let mut v = SquaresVisitor::<B> { grads, squares: Vec::new() };
+    let mut v = SquaresVisitor::<B> { grads, squares: Vec::new(), host: Vec::new() };
     model.visit(&mut v);
-    if v.squares.is_empty() {
+    let (mut ids, mut host): (Vec<ParamId>, Vec<f64>) = v.host.into_iter().unzip();
+    if !v.squares.is_empty() {
+        ids.extend(v.squares.iter().map(|(id, _)| *id));
+        let all = Tensor::cat(v.squares.into_iter().map(|(_, t)| t).collect(), 0);
+        let read: Vec<f32> = all.into_data().convert::<f32>().to_vec().expect("f32 norms");
+        host.extend(read.into_iter().map(f64::from));
+    }
+    if host.is_empty() {
         return GradNorms { total: 0.0, per_param: Vec::new() };
     }
-    let ids: Vec<ParamId> = v.squares.iter().map(|(id, _)| *id).collect();
-    let all = Tensor::cat(v.squares.into_iter().map(|(_, t)| t).collect(), 0);
-    let host: Vec<f32> = all.into_data().convert::<f32>().to_vec().expect("f32 norms");
-    let total = host.iter().map(|&x| x as f64).sum::<f64>().sqrt();
-    let per_param = if total.is_finite() {
-        Vec::new()
-    } else {
-        ids.into_iter().zip(host.iter().map(|&x| (x as f64).sqrt())).collect()
-    };
+    let total = host.iter().sum::<f64>().sqrt();
+    let per_param =
+        if total.is_finite() { Vec::new() } else { ids.into_iter().zip(host.iter().map(|&x| x.sqrt())).collect() };
     GradNorms { total, per_param }
 }
 
@@ -118,6 +126,14 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
         };
         let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;
         let require_grad = tensor.is_require_grad();
+        #[cfg(feature = "flex")]
+        let (tensor, grad) = match self.fused_step(id, tensor, grad) {
+            Ok(out) => {
+                let out = if require_grad { out.require_grad() } else { out };
+                return Param::from_mapped_value(id, out, mapper);
+            }
+            Err(back) => back,
+        };
         let shape = tensor.dims();
         let n: usize = shape.iter().product();
         let mut p = tensor.inner().reshape([n]); // [n]
@@ -143,6 +159,51 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
             out = out.require_grad();
         }
         Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+impl<B: AutodiffBackend> StepMapper<'_, B> {
+    /// The same update in one fused pass (flex backend); gives the tensors back where it does not
+    /// apply.
+    #[cfg(feature = "flex")]
+    #[allow(clippy::type_complexity)]
+    fn fused_step<const D: usize>(
+        &mut self,
+        id: ParamId,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B::InnerBackend, D>,
+    ) -> std::result::Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B::InnerBackend, D>)> {
+        if !disagmoe_kernels::fused::available::<B::InnerBackend>() {
+            return Err((tensor, grad));
+        }
+        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;
+        let t = self.opt.step as i32;
+        let s = disagmoe_kernels::cpu::AdamWScalars {
+            grad_scale: self.grad_scale as f32,
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            bc1: (1.0 - beta1.powi(t)) as f32,
+            bc2: (1.0 - beta2.powi(t)) as f32,
+            eps: eps as f32,
+            lr: self.lr as f32,
+            decay: if D >= 2 && weight_decay > 0.0 { (1.0 - self.lr * weight_decay) as f32 } else { 1.0 },
+        };
+        let n: usize = tensor.dims().iter().product();
+        let f32s = tensor.dtype() == DType::F32 && grad.dtype() == DType::F32;
+        let moments_ok = self.opt.state.get(&id).is_none_or(|Moments { m, v }| {
+            m.dims() == [n] && v.dims() == [n] && m.dtype() == DType::F32 && v.dtype() == DType::F32
+        });
+        if !f32s || !moments_ok {
+            return Err((tensor, grad));
+        }
+        // Moved, not cloned: the update then runs in place in the parameter's and moments' buffers.
+        let moments = self.opt.state.remove(&id).map(|Moments { m, v }| (m, v));
+        let (p, m, v) = disagmoe_kernels::fused::adamw(tensor.inner(), grad, moments, s)
+            .expect("fused AdamW applies: backend, dtypes and shapes checked above");
+        self.opt.state.insert(id, Moments { m, v });
+        Ok(Tensor::from_inner(p))
     }
 }
 

@@ -502,6 +502,7 @@ pub fn train_until<B: AutodiffBackend>(
     stop: &AtomicBool,
 ) -> Result<(TrainSummary, MoeCausalLm<B>)> {
     cfg.validate()?;
+    crate::backend::keep_freed_memory();
     let settings = AdamWSettings { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
     let mut opt = AdamW::<B>::new(settings);
     let checkpoint_dir = cfg.checkpoint_dir.clone().or_else(|| cfg.resume.clone());

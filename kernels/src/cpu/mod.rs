@@ -1,0 +1,424 @@
+//! Fused operations for Burn's CPU backend `flex`, with their autodiff backward.
+//!
+//! Burn runs a layer as a chain of small tensor operations, each a pass over memory and a fresh
+//! allocation, most of them on one thread; its autodiff records each one. On a CPU that chain, not
+//! the matrix products, is where a training step's time went. These operations do one pass
+//! each, over rows or heads in parallel, and record one autodiff node:
+//!
+//! - [`attention`]: causal (optionally windowed) grouped-query attention in the `[B, S, H, D]`
+//!   layout the projections produce, so no head transpose is ever copied; tiles of 64 query rows
+//!   stop at their last key, softmax in place, probabilities kept for the backward;
+//! - [`rms_norm`], [`swiglu`] (`silu(g) * u`), [`rope`] (half-split rotary embedding);
+//! - [`next_token_cross_entropy`]: loss and its gradient in one pass over the logits.
+//!
+//! Each function returns `None` when it does not apply: the backend is not `Flex` or
+//! `Autodiff<Flex>`, the tensors are not f32, the shapes are outside what it handles, or fused
+//! operations are switched off ([`set_enabled`], [`set_enabled_for_thread`], or the environment
+//! variable `DISAGMOE_KERNELS=reference`). The caller then runs its reference composition of
+//! Burn operations, which stays the definition the tests hold these to.
+
+mod ops;
+pub mod vector;
+
+use std::any::{Any, TypeId};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::Autodiff;
+use burn::backend::flex::{Flex, FlexTensor};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+
+pub use ops::AttnShape;
+pub use vector::AdamWScalars;
+
+type Ad = Autodiff<Flex>;
+
+// 0 = not read yet, 1 = on, 2 = off.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+thread_local! {
+    static THREAD_OVERRIDE: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Switches the fused operations on or off for the whole process (default: on, unless the
+/// environment variable `DISAGMOE_KERNELS` is `reference`).
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Overrides [`set_enabled`] on the calling thread (`None` removes the override). Tests use it to
+/// run the reference and the fused path side by side.
+pub fn set_enabled_for_thread(on: Option<bool>) {
+    THREAD_OVERRIDE.with(|c| c.set(on));
+}
+
+/// Whether the fused operations are used on this thread.
+pub fn enabled() -> bool {
+    if let Some(on) = THREAD_OVERRIDE.with(Cell::get) {
+        return on;
+    }
+    match ENABLED.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let on = std::env::var("DISAGMOE_KERNELS").map(|v| v != "reference").unwrap_or(true);
+            set_enabled(on);
+            on
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Autodiff,
+    Plain,
+}
+
+/// The one place that decides whether a backend gets the fused operations.
+fn kind<B: Backend>() -> Option<Kind> {
+    if !enabled() {
+        return None;
+    }
+    if TypeId::of::<B>() == TypeId::of::<Ad>() {
+        Some(Kind::Autodiff)
+    } else if TypeId::of::<B>() == TypeId::of::<Flex>() {
+        Some(Kind::Plain)
+    } else {
+        None
+    }
+}
+
+/// Whether the fused operations apply to backend `B` on this thread.
+pub fn available<B: Backend>() -> bool {
+    kind::<B>().is_some()
+}
+
+/// Moves `x` into type `U`, which [`kind`] established is the same type.
+fn cast<T: 'static, U: 'static>(x: T) -> U {
+    *(Box::new(x) as Box<dyn Any>).downcast::<U>().unwrap_or_else(|_| unreachable!("backend type checked by kind()"))
+}
+
+/// One input of a fused operation: its values (contiguous f32) and, under autodiff, its node.
+struct Input {
+    values: FlexTensor,
+    node: Option<FloatTensor<Ad>>,
+}
+
+impl Input {
+    fn data(&self) -> &[f32] {
+        self.values.as_slice::<f32>().expect("contiguous f32, checked on entry")
+    }
+}
+
+fn take<B: Backend, const D: usize>(kind: Kind, t: Tensor<B, D>) -> Option<Input> {
+    let (values, node) = match kind {
+        Kind::Autodiff => {
+            let prim: FloatTensor<Ad> = cast::<_, Tensor<Ad, D>>(t).into_primitive().tensor();
+            (prim.primitive.clone(), Some(prim))
+        }
+        Kind::Plain => (cast::<_, Tensor<Flex, D>>(t).into_primitive().tensor(), None),
+    };
+    if values.dtype() != DType::F32 {
+        return None;
+    }
+    let values = values.to_contiguous();
+    values.as_slice::<f32>()?;
+    Some(Input { values, node })
+}
+
+fn flex(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
+}
+
+/// The backward of a fused operation: from the output gradient and which inputs want a
+/// gradient, the input gradients.
+type BackwardFn<const N: usize> = Box<dyn FnOnce(&[f32], [bool; N]) -> [Option<FlexTensor>; N] + Send>;
+
+/// The backward of a fused operation, kept until the graph runs it.
+#[derive(Clone)]
+struct Pending<const N: usize>(Arc<Mutex<Option<BackwardFn<N>>>>);
+
+impl<const N: usize> std::fmt::Debug for Pending<N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("fused backward")
+    }
+}
+
+#[derive(Debug)]
+struct Fused<const N: usize>;
+
+impl<const N: usize> Backward<Flex, N> for Fused<N> {
+    type State = Pending<N>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let f = ops.state.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(f) = f else { return };
+        let wanted = ops.parents.each_ref().map(Option::is_some);
+        let outs = f(grad.as_slice::<f32>().expect("f32 gradient"), wanted);
+        for (parent, g) in ops.parents.into_iter().zip(outs) {
+            if let (Some(node), Some(g)) = (parent, g) {
+                grads.register::<Flex>(node.id, g);
+            }
+        }
+    }
+}
+
+/// Wraps a fused forward's output as a tensor of `B`, recording `backward` when any input is
+/// tracked.
+fn finish<B: Backend, const D: usize, const N: usize>(
+    kind: Kind,
+    inputs: [&Input; N],
+    out: FlexTensor,
+    backward: impl FnOnce(&[f32], [bool; N]) -> [Option<FlexTensor>; N] + Send + 'static,
+) -> Tensor<B, D> {
+    match kind {
+        Kind::Plain => cast(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(out))),
+        Kind::Autodiff => {
+            let nodes = inputs.map(|i| i.node.as_ref().expect("autodiff input").node.clone());
+            let prim = match Fused::<N>.prepare::<NoCheckpointing>(nodes).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish(Pending(Arc::new(Mutex::new(Some(Box::new(backward))))), out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
+            cast(Tensor::<Ad, D>::from_primitive(TensorPrimitive::Float(prim)))
+        }
+    }
+}
+
+/// Causal grouped-query attention in the projection layout.
+///
+/// # Shapes
+/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`
+/// - output: `[B, S, H, E]`
+///
+/// `softmax(q k^T * scale)` over keys `q - window < k <= q` (all earlier keys without a window).
+pub fn attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scale: f64,
+    window: Option<usize>,
+) -> Option<Tensor<B, 4>> {
+    let kind = kind::<B>()?;
+    let ([b, s, h, d], [kb, ks, g, kd], [vb, vs, vg, e]) = (q.dims(), k.dims(), v.dims());
+    if g == 0 || h % g != 0 || (kb, ks, kd) != (b, s, d) || (vb, vs, vg) != (b, s, g) || window == Some(0) {
+        return None;
+    }
+    let shape = AttnShape { batch: b, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, window, scale: scale as f32 };
+    let (q, k, v) = (take(kind, q)?, take(kind, k)?, take(kind, v)?);
+    let (out, probs) = ops::attention_forward(q.data(), k.data(), v.data(), shape);
+    let out = flex(out, &[b, s, h, e]);
+    let (qv, kv, vv) = (q.values.clone(), k.values.clone(), v.values.clone());
+    Some(finish::<B, 4, 3>(kind, [&q, &k, &v], out, move |dout, _| {
+        let (dq, dk, dv) = ops::attention_backward(
+            qv.as_slice::<f32>().expect("f32"),
+            kv.as_slice::<f32>().expect("f32"),
+            vv.as_slice::<f32>().expect("f32"),
+            &probs,
+            dout,
+            shape,
+        );
+        [Some(flex(dq, &[b, s, h, d])), Some(flex(dk, &[b, s, g, d])), Some(flex(dv, &[b, s, g, e]))]
+    }))
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w`.
+///
+/// # Shapes
+/// - x: `[..., N]`, w: `[N]` -> `[..., N]`
+pub fn rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 1>, eps: f64) -> Option<Tensor<B, D>> {
+    let kind = kind::<B>()?;
+    let shape = x.dims();
+    let [n] = w.dims();
+    if shape[D - 1] != n || n == 0 {
+        return None;
+    }
+    let (x, w) = (take(kind, x)?, take(kind, w)?);
+    let (out, inv) = ops::rms_norm_forward(x.data(), w.data(), eps as f32);
+    let out = flex(out, &shape);
+    let (xv, wv) = (x.values.clone(), w.values.clone());
+    Some(finish::<B, D, 2>(kind, [&x, &w], out, move |dy, _| {
+        let (dx, dw) =
+            ops::rms_norm_backward(xv.as_slice::<f32>().expect("f32"), wv.as_slice::<f32>().expect("f32"), &inv, dy);
+        [Some(flex(dx, &shape)), Some(flex(dw, &[n]))]
+    }))
+}
+
+/// The SwiGLU activation `silu(g) * u`, elementwise.
+pub fn swiglu<B: Backend, const D: usize>(g: Tensor<B, D>, u: Tensor<B, D>) -> Option<Tensor<B, D>> {
+    let kind = kind::<B>()?;
+    let shape = g.dims();
+    if u.dims() != shape {
+        return None;
+    }
+    let (g, u) = (take(kind, g)?, take(kind, u)?);
+    let out = flex(ops::swiglu_forward(g.data(), u.data()), &shape);
+    let (gv, uv) = (g.values.clone(), u.values.clone());
+    Some(finish::<B, D, 2>(kind, [&g, &u], out, move |dh, _| {
+        let (dg, du) = ops::swiglu_backward(gv.as_slice::<f32>().expect("f32"), uv.as_slice::<f32>().expect("f32"), dh);
+        [Some(flex(dg, &shape)), Some(flex(du, &shape))]
+    }))
+}
+
+/// Half-split rotary embedding (`x * cos + rotate_half(x) * sin`) in the projection layout.
+///
+/// # Shapes
+/// - x: `[B, S, H, D]`; cos, sin: `[1, 1, S, D]` (constants: no gradient flows into them)
+pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<Tensor<B, 4>> {
+    let kind = kind::<B>()?;
+    let shape = x.dims();
+    let [_, s, h, d] = shape;
+    if cos.dims() != [1, 1, s, d] || sin.dims() != [1, 1, s, d] || d % 2 != 0 {
+        return None;
+    }
+    let x = take(kind, x)?;
+    let (cos, sin) = (take(kind, cos.detach())?, take(kind, sin.detach())?);
+    let out = flex(ops::rope(x.data(), cos.data(), sin.data(), s, h, false), &shape);
+    let (cv, sv) = (cos.values.clone(), sin.values.clone());
+    Some(finish::<B, 4, 1>(kind, [&x], out, move |dy, _| {
+        let dx = ops::rope(dy, cv.as_slice::<f32>().expect("f32"), sv.as_slice::<f32>().expect("f32"), s, h, true);
+        [Some(flex(dx, &shape))]
+    }))
+}
+
+/// Mean next-token cross-entropy: position `t` of each sequence predicts `labels[b][t]` (the
+/// token at `t + 1`); the last position predicts nothing.
+///
+/// # Shapes
+/// - logits: `[B, S, V]`; labels: `B * (S - 1)` token ids, row-major
+/// - output: `[1]`
+pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[usize]) -> Option<Tensor<B, 1>> {
+    let kind = kind::<B>()?;
+    let shape = logits.dims();
+    let [b, s, v] = shape;
+    if s < 2 || labels.len() != b * (s - 1) || labels.iter().any(|&l| l >= v) {
+        return None;
+    }
+    let logits = take(kind, logits)?;
+    let (loss, grad) = ops::cross_entropy(logits.data(), labels, b, s, v);
+    let out = flex(vec![loss as f32], &[1]);
+    Some(finish::<B, 1, 1>(kind, [&logits], out, move |dl, _| {
+        let mut grad = grad;
+        let scale = dl[0];
+        if scale != 1.0 {
+            vector::scale(&mut grad, scale);
+        }
+        [Some(flex(grad, &shape))]
+    }))
+}
+
+/// One AdamW update of a parameter on the plain `Flex` backend (the optimizer works on the inner
+/// backend): returns the new parameter and moments (flattened, `[n]`). Moments start at zero when
+/// `None`. The gradient may be a strided view (the gradient of a transposed weight is one); it is
+/// read in place.
+pub fn adamw<B: Backend, const D: usize>(
+    param: Tensor<B, D>,
+    grad: Tensor<B, D>,
+    moments: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+    s: AdamWScalars,
+) -> Option<(Tensor<B, D>, Tensor<B, 1>, Tensor<B, 1>)> {
+    if kind::<B>()? != Kind::Plain {
+        return None;
+    }
+    let shape = param.dims();
+    if grad.dims() != shape {
+        return None;
+    }
+    let n: usize = shape.iter().product();
+    let f32s = param.dtype() == DType::F32 && grad.dtype() == DType::F32;
+    let moments_ok = moments
+        .as_ref()
+        .is_none_or(|(m, v)| m.dims() == [n] && v.dims() == [n] && m.dtype() == DType::F32 && v.dtype() == DType::F32);
+    if !f32s || !moments_ok {
+        return None;
+    }
+    // Nothing below returns None: the inputs are consumed.
+    let prim = |t: Tensor<Flex, D>| t.into_primitive().tensor();
+    let mut p = prim(cast(param)).to_contiguous();
+    let g = prim(cast(grad));
+    let (mut m, mut v) = match moments {
+        Some((m, v)) => (
+            cast::<_, Tensor<Flex, 1>>(m).into_primitive().tensor().to_contiguous(),
+            cast::<_, Tensor<Flex, 1>>(v).into_primitive().tensor().to_contiguous(),
+        ),
+        None => (flex(vec![0f32; n], &[n]), flex(vec![0f32; n], &[n])),
+    };
+    // A 2-D view (contiguous or transposed) is read through its strides; anything else is copied.
+    let g = match (D, g.layout().as_2d_strides()) {
+        (2, Some(_)) => g,
+        _ => g.to_contiguous(),
+    };
+    let (rows, cols, rs, cs) = match g.layout().as_2d_strides() {
+        Some(x) if D == 2 => x,
+        _ => (1, n, n as isize, 1),
+    };
+    let (start, data) = (g.layout().start_offset(), g.storage::<f32>());
+    let read = move |i0: usize, out: &mut [f32]| {
+        for (k, o) in out.iter_mut().enumerate() {
+            let i = i0 + k;
+            let (r, c) = (i / cols, i % cols);
+            *o = data[(start as isize + r as isize * rs + c as isize * cs) as usize];
+        }
+    };
+    let contiguous = |i0: usize, out: &mut [f32]| {
+        out.copy_from_slice(&data[start + i0..start + i0 + out.len()]);
+    };
+    let unit = cs == 1 && rs == cols as isize;
+    debug_assert_eq!(rows * cols, n);
+    ops::adamw(
+        p.storage_mut::<f32>(),
+        m.storage_mut::<f32>(),
+        v.storage_mut::<f32>(),
+        if unit { &contiguous } else { &read },
+        s,
+    );
+    let out = |t: FlexTensor| Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t));
+    let p = cast(Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(p)).reshape(shape));
+    Some((p, cast(out(m)), cast(out(v))))
+}
+
+/// `sum(x^2)` of a tensor of the plain `Flex` backend, accumulated in f64, in parallel; reads
+/// strided views in place when they are 2-D.
+pub fn sum_squares<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f64> {
+    if kind::<B>()? != Kind::Plain || x.dtype() != DType::F32 {
+        return None;
+    }
+    let t: FlexTensor = cast::<_, Tensor<Flex, D>>(x.clone()).into_primitive().tensor();
+    let t = if t.layout().is_contiguous() { t } else { t.to_contiguous() };
+    let (start, n) = (t.layout().start_offset(), t.layout().num_elements());
+    Some(ops::sum_squares(&t.storage::<f32>()[start..start + n]))
+}
+
+/// A linear layer without bias in PyTorch's layout: `y = x w^T`.
+///
+/// # Shapes
+/// - x: `[rows, in]`, w: `[out, in]` -> `[rows, out]`
+pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    let kind = kind::<B>()?;
+    let ([rows, d_in], [d_out, w_in]) = (x.dims(), w.dims());
+    if w_in != d_in {
+        return None;
+    }
+    let (x, w) = (take(kind, x)?, take(kind, w)?);
+    let out = flex(ops::linear_forward(x.data(), w.data(), rows, d_in, d_out), &[rows, d_out]);
+    let (xv, wv) = (x.values.clone(), w.values.clone());
+    Some(finish::<B, 2, 2>(kind, [&x, &w], out, move |dy, [want_x, want_w]| {
+        let (dx, dw) = ops::linear_backward(
+            xv.as_slice::<f32>().expect("f32"),
+            wv.as_slice::<f32>().expect("f32"),
+            dy,
+            rows,
+            d_in,
+            d_out,
+            (want_x, want_w),
+        );
+        [dx.map(|d| flex(d, &[rows, d_in])), dw.map(|d| flex(d, &[d_out, d_in]))]
+    }))
+}

@@ -1,0 +1,270 @@
+//! Each fused CPU operation against a reference written in plain Burn operations: outputs and the
+//! gradients of every input, on awkward shapes (sequence not a multiple of the 64-row tile,
+//! grouped-query ratios 1/2/4, windows shorter and longer than the sequence, value dim != key
+//! dim, strided inputs, rows of odd width), plus AdamW against its closed form and the switches
+//! that turn the fused path off.
+#![cfg(feature = "flex")]
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
+use disagmoe_kernels::cpu;
+
+type B = Autodiff<Flex>;
+
+fn values<const D: usize>(t: Tensor<impl Backend, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0f32, f32::max);
+    assert!(worst <= tol, "{what}: worst relative difference {worst:e} > {tol:e}");
+}
+
+fn rand<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    let device = Default::default();
+    <B as Backend>::seed(&device, seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &device)
+}
+
+/// Causal (windowed) GQA attention in `[B, S, H, D]` layout, built from Burn operations.
+fn reference_attention(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scale: f64,
+    window: Option<usize>,
+) -> Tensor<B, 4> {
+    let [b, s, h, _] = q.dims();
+    let g = k.dims()[2];
+    let rep = |x: Tensor<B, 4>| {
+        let [_, _, _, d] = x.dims();
+        let x = x.swap_dims(1, 2); // [B, G, S, D]
+        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, s, d]).reshape([b, h, s, d])
+    };
+    let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    let w = window.unwrap_or(usize::MAX);
+    let mask: Vec<bool> = (0..s * s).map(|ij| (ij % s) > (ij / s) || (ij / s) - (ij % s) >= w).collect();
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, s]), &Default::default());
+    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
+    softmax(scores, 3).matmul(v).swap_dims(1, 2)
+}
+
+#[test]
+fn attention_matches_the_reference_with_gradients() {
+    // (batch, seq, heads, kv heads, qk dim, v dim, window)
+    let cases = [
+        (2, 70, 4, 4, 8, 8, None),
+        (1, 130, 4, 2, 16, 12, None),
+        (2, 70, 8, 2, 8, 8, Some(5)),
+        (1, 67, 4, 1, 6, 10, Some(100)),
+        (1, 1, 2, 1, 4, 4, None),
+    ];
+    for (i, &(b, s, h, g, d, e, window)) in cases.iter().enumerate() {
+        let seed = 10 * i as u64;
+        let q = rand([b, s, h, d], seed).require_grad();
+        // k arrives as a strided view (as after a transpose), v contiguous.
+        let k_base = rand([b, g, s, d], seed + 1).require_grad();
+        // One view per path: a backward pass consumes the graph nodes it walks.
+        let k = || k_base.clone().swap_dims(1, 2);
+        let v = rand([b, s, g, e], seed + 2).require_grad();
+        let probe = rand([b, s, h, e], seed + 3);
+        let scale = 0.37;
+        let fused = cpu::attention(q.clone(), k(), v.clone(), scale, window).expect("applies to Autodiff<Flex>");
+        let reference = reference_attention(q.clone(), k(), v.clone(), scale, window);
+        let what = format!("case {i} {:?}", cases[i]);
+        assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
+        let gf = (fused * probe.clone()).sum().backward();
+        let gr = (reference * probe).sum().backward();
+        assert_close(&format!("{what} dq"), &values(q.grad(&gf).unwrap()), &values(q.grad(&gr).unwrap()), 5e-5);
+        assert_close(
+            &format!("{what} dk"),
+            &values(k_base.grad(&gf).unwrap()),
+            &values(k_base.grad(&gr).unwrap()),
+            5e-5,
+        );
+        assert_close(&format!("{what} dv"), &values(v.grad(&gf).unwrap()), &values(v.grad(&gr).unwrap()), 5e-5);
+    }
+}
+
+#[test]
+fn attention_refuses_what_it_does_not_handle() {
+    let q = rand([1, 4, 3, 8], 1);
+    let k = rand([1, 4, 2, 8], 2); // 3 heads over 2 kv heads
+    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), 1.0, None).is_none());
+    let k = rand([1, 4, 1, 8], 2);
+    assert!(cpu::attention(q, k.clone(), k, 1.0, Some(0)).is_none());
+}
+
+#[test]
+fn rms_norm_matches_the_reference_with_gradients() {
+    for (shape, eps) in [([3, 5, 37], 1e-6), ([2, 1, 8], 1e-2)] {
+        let x = rand(shape, 4).require_grad();
+        let w = rand([shape[2]], 5).require_grad();
+        let probe = rand(shape, 6);
+        let fused = cpu::rms_norm(x.clone(), w.clone(), eps).unwrap();
+        let inv = x.clone().square().mean_dim(2).add_scalar(eps).sqrt().recip();
+        let reference = x.clone() * inv * w.clone().unsqueeze::<3>();
+        assert_close("rms output", &values(fused.clone()), &values(reference.clone()), 1e-5);
+        let gf = (fused * probe.clone()).sum().backward();
+        let gr = (reference * probe).sum().backward();
+        assert_close("rms dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 2e-5);
+        assert_close("rms dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 2e-5);
+    }
+}
+
+#[test]
+fn swiglu_matches_the_reference_with_gradients() {
+    let g = rand([67, 33], 7).mul_scalar(4.0).require_grad(); // wide range: both sigmoid tails
+    let u = rand([67, 33], 8).require_grad();
+    let probe = rand([67, 33], 9);
+    let fused = cpu::swiglu(g.clone(), u.clone()).unwrap();
+    let reference = silu(g.clone()) * u.clone();
+    assert_close("swiglu output", &values(fused.clone()), &values(reference.clone()), 1e-6);
+    let gf = (fused * probe.clone()).sum().backward();
+    let gr = (reference * probe).sum().backward();
+    assert_close("swiglu dg", &values(g.grad(&gf).unwrap()), &values(g.grad(&gr).unwrap()), 1e-5);
+    assert_close("swiglu du", &values(u.grad(&gf).unwrap()), &values(u.grad(&gr).unwrap()), 1e-5);
+}
+
+#[test]
+fn rope_matches_the_reference_with_gradients() {
+    let (b, s, h, d) = (2, 9, 3, 8);
+    let x = rand([b, s, h, d], 10).require_grad();
+    let cos = rand([1, 1, s, d], 11);
+    let sin = rand([1, 1, s, d], 12);
+    let probe = rand([b, s, h, d], 13);
+    let fused = cpu::rope(x.clone(), cos.clone(), sin.clone()).unwrap();
+    // Reference in [B, H, S, D]: x * cos + rotate_half(x) * sin.
+    let xt = x.clone().swap_dims(1, 2);
+    let x1 = xt.clone().narrow(3, 0, d / 2);
+    let x2 = xt.clone().narrow(3, d / 2, d / 2);
+    let reference = (xt * cos + Tensor::cat(vec![x2.neg(), x1], 3) * sin).swap_dims(1, 2);
+    assert_close("rope output", &values(fused.clone()), &values(reference.clone()), 1e-6);
+    let gf = (fused * probe.clone()).sum().backward();
+    let gr = (reference * probe).sum().backward();
+    assert_close("rope dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
+}
+
+#[test]
+fn cross_entropy_matches_the_reference_with_gradients() {
+    let (b, s, v) = (2, 7, 50);
+    let logits = rand([b, s, v], 14).mul_scalar(3.0).require_grad();
+    let labels: Vec<usize> = (0..b * (s - 1)).map(|i| (i * 17 + 3) % v).collect();
+    let ids = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(labels.iter().map(|&l| l as i64).collect::<Vec<_>>(), [b, s - 1]),
+        &Default::default(),
+    );
+    let fused = cpu::next_token_cross_entropy(logits.clone(), &labels).unwrap();
+    let n = b * (s - 1);
+    let logp = log_softmax(logits.clone().narrow(1, 0, s - 1).reshape([n, v]), 1);
+    let reference = logp.gather(1, ids.reshape([n, 1])).mean().neg();
+    assert_close("ce loss", &values(fused.clone()), &values(reference.clone()), 1e-6);
+    // A scaled loss checks that the incoming gradient is applied.
+    let gf = fused.mul_scalar(2.5).backward();
+    let gr = reference.mul_scalar(2.5).backward();
+    assert_close("ce dlogits", &values(logits.grad(&gf).unwrap()), &values(logits.grad(&gr).unwrap()), 1e-6);
+    assert!(cpu::next_token_cross_entropy(logits.clone(), &labels[1..]).is_none(), "wrong label count");
+    let mut bad = labels.clone();
+    bad[0] = v;
+    assert!(cpu::next_token_cross_entropy(logits, &bad).is_none(), "label outside the vocabulary");
+}
+
+#[test]
+fn linear_matches_the_reference_with_gradients() {
+    for (rows, d_in, d_out) in [(13, 37, 29), (1, 5, 3), (300, 64, 96)] {
+        let x = rand([rows, d_in], 15).require_grad();
+        let w = rand([d_out, d_in], 16).require_grad();
+        let probe = rand([rows, d_out], 17);
+        let fused = cpu::linear(x.clone(), w.clone()).unwrap();
+        let reference = x.clone().matmul(w.clone().transpose());
+        assert_close("linear output", &values(fused.clone()), &values(reference.clone()), 1e-5);
+        let gf = (fused * probe.clone()).sum().backward();
+        let gr = (reference * probe).sum().backward();
+        assert_close("linear dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-5);
+        assert_close("linear dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 1e-5);
+    }
+    // An input that needs no gradient gets none.
+    let x = rand([4, 6], 18);
+    let w = rand([3, 6], 19).require_grad();
+    let g = cpu::linear(x.clone(), w.clone()).unwrap().sum().backward();
+    assert!(x.grad(&g).is_none());
+    assert!(w.grad(&g).is_some());
+}
+
+#[test]
+fn adamw_matches_its_closed_form_with_a_transposed_gradient() {
+    let (rows, cols) = (7, 5);
+    let device = Default::default();
+    let p0: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let g_t: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.11).cos()).collect(); // [cols, rows]
+    let m0: Vec<f32> = (0..rows * cols).map(|i| 0.01 * i as f32).collect();
+    let v0: Vec<f32> = (0..rows * cols).map(|i| 0.001 * i as f32).collect();
+    let s = cpu::AdamWScalars {
+        grad_scale: 0.5,
+        beta1: 0.9,
+        one_minus_beta1: 0.1,
+        beta2: 0.95,
+        one_minus_beta2: 0.05,
+        bc1: 1.0 - 0.9f32.powi(3),
+        bc2: 1.0 - 0.95f32.powi(3),
+        eps: 1e-8,
+        lr: 0.01,
+        decay: 1.0 - 0.01 * 0.1,
+    };
+    let p = Tensor::<Flex, 2>::from_data(TensorData::new(p0.clone(), [rows, cols]), &device);
+    let g = Tensor::<Flex, 2>::from_data(TensorData::new(g_t.clone(), [cols, rows]), &device).transpose();
+    let m = Tensor::<Flex, 1>::from_data(TensorData::new(m0.clone(), [rows * cols]), &device);
+    let v = Tensor::<Flex, 1>::from_data(TensorData::new(v0.clone(), [rows * cols]), &device);
+    let (p1, m1, v1) = cpu::adamw(p, g, Some((m, v)), s).unwrap();
+    let (mut pw, mut mw, mut vw) = (vec![0f32; rows * cols], vec![0f32; rows * cols], vec![0f32; rows * cols]);
+    for r in 0..rows {
+        for c in 0..cols {
+            let i = r * cols + c;
+            let g = g_t[c * rows + r] * s.grad_scale;
+            mw[i] = m0[i] * s.beta1 + g * s.one_minus_beta1;
+            vw[i] = v0[i] * s.beta2 + g * g * s.one_minus_beta2;
+            pw[i] = p0[i] * s.decay - (mw[i] / s.bc1) / ((vw[i] / s.bc2).sqrt() + s.eps) * s.lr;
+        }
+    }
+    assert_close("adamw p", &values(p1), &pw, 1e-6);
+    assert_close("adamw m", &values(m1), &mw, 1e-6);
+    assert_close("adamw v", &values(v1), &vw, 1e-6);
+    // Fresh moments start at zero; the autodiff backend is not the optimizer's and is refused.
+    let p = Tensor::<Flex, 1>::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &device);
+    let g = Tensor::<Flex, 1>::from_data(TensorData::new(vec![0.5f32, -0.5], [2]), &device);
+    let (_, m, _) = cpu::adamw(p, g, None, s).unwrap();
+    assert_close("fresh m", &values(m), &[0.025, -0.025], 1e-6);
+    let pa = rand([2], 1);
+    assert!(cpu::adamw(pa.clone(), pa, None, s).is_none());
+}
+
+#[test]
+fn sum_squares_reads_strided_views() {
+    let device = Default::default();
+    let x =
+        Tensor::<Flex, 2>::from_data(TensorData::new((0..12).map(|i| i as f32).collect::<Vec<_>>(), [3, 4]), &device);
+    let want: f64 = (0..12).map(|i| (i * i) as f64).sum();
+    assert_eq!(cpu::sum_squares(&x), Some(want));
+    assert_eq!(cpu::sum_squares(&x.clone().transpose()), Some(want));
+    assert_eq!(
+        cpu::sum_squares(&x.narrow(1, 1, 2)),
+        Some((1..12).filter(|i| i % 4 == 1 || i % 4 == 2).map(|i| (i * i) as f64).sum())
+    );
+}
+
+#[test]
+fn the_switches_turn_the_fused_path_off() {
+    let x = rand([2, 4], 20);
+    let w = rand([3, 4], 21);
+    assert!(cpu::linear(x.clone(), w.clone()).is_some());
+    cpu::set_enabled_for_thread(Some(false));
+    assert!(cpu::linear(x.clone(), w.clone()).is_none());
+    assert!(!disagmoe_kernels::fused::available::<B>());
+    cpu::set_enabled_for_thread(None);
+    assert!(disagmoe_kernels::fused::available::<B>());
+}
