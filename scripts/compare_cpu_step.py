@@ -25,6 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "benches", "qwen3-moe-cpu.json")
+CORPUS = os.path.join(ROOT, "data", "kjv-genesis-leviticus.txt")
 BATCH, SEQ = 4, 256
 
 
@@ -57,8 +58,17 @@ def ours(binary, steps, threads):
                "--steps", str(steps), "--quiet", "--out", out]
         _, rss = run_measured(cmd, env)
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            step_s = [json.loads(line)["step_s"] for line in f]
-    return statistics.median(step_s[len(step_s) // 2:]), rss
+            lines = [json.loads(line) for line in f]
+    step_s = [l["step_s"] for l in lines]
+    loads = [[layer["tokens_per_expert"] for layer in l["expert_load"]] for l in lines]
+    return statistics.median(step_s[len(step_s) // 2:]), rss, expert_spread(loads[len(loads) // 2:])
+
+
+def expert_spread(loads):
+    """Mean over steps and layers of: experts that got a token, and the busiest expert's share."""
+    hit = [sum(1 for c in layer if c > 0) for step in loads for layer in step]
+    top = [max(layer) / max(1, sum(layer)) for step in loads for layer in step]
+    return {"experts_hit": statistics.mean(hit), "busiest_share": statistics.mean(top)}
 
 
 def torch_child(steps, threads, experts):
@@ -73,25 +83,37 @@ def torch_child(steps, threads, experts):
     cfg._experts_implementation = experts
     model = Qwen3MoeForCausalLM(cfg).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ids = torch.randint(0, 256, (BATCH, SEQ))
-    times = []
+    # The same kind of data as ours: the bundled corpus as bytes, a new batch of windows each step
+    # (the routing, and so the experts' share of the work, depends on it).
+    with open(CORPUS, "rb") as f:
+        corpus = torch.tensor(list(f.read()), dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    times, loads = [], []
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
     for _ in range(steps):
+        starts = torch.randint(0, len(corpus) - SEQ, (BATCH,), generator=gen)
+        ids = torch.stack([corpus[int(s):int(s) + SEQ] for s in starts])
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        loss = out.loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_s": times}))
+        with torch.no_grad():  # routing of this step (outside the timed region)
+            loads.append([torch.bincount(r.topk(k, dim=-1).indices.flatten(), minlength=e).tolist()
+                          for r in out.router_logits])
+    print(json.dumps({"step_s": times, "loads": loads}))
 
 
 def theirs(steps, threads, experts):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     out, rss = run_measured([sys.executable, __file__, "--torch-child", "--steps", str(steps),
                              "--threads", str(threads), "--experts-implementation", experts], env)
-    times = json.loads(out.strip().splitlines()[-1])["step_s"]
-    return statistics.median(times[len(times) // 2:]), rss
+    res = json.loads(out.strip().splitlines()[-1])
+    times, loads = res["step_s"], res["loads"]
+    return statistics.median(times[len(times) // 2:]), rss, expert_spread(loads[len(loads) // 2:])
 
 
 def matmul_rate(threads):
@@ -126,11 +148,13 @@ def main():
     tokens = BATCH * SEQ
     rows = []
     for r in range(a.rounds):
-        o_s, o_rss = ours(a.bin, a.steps, a.threads)
-        t_s, t_rss = theirs(a.steps, a.threads, a.experts_implementation)
-        rows.append((o_s, o_rss, t_s, t_rss))
-        print(f"round {r + 1}: ours {tokens / o_s:7.0f} tok/s ({o_s:.3f} s/step, {o_rss:.0f} MB)   "
-              f"transformers {tokens / t_s:7.0f} tok/s ({t_s:.3f} s/step, {t_rss:.0f} MB)", flush=True)
+        o_s, o_rss, o_load = ours(a.bin, a.steps, a.threads)
+        t_s, t_rss, t_load = theirs(a.steps, a.threads, a.experts_implementation)
+        rows.append((o_s, o_rss, t_s, t_rss, o_load, t_load))
+        print(f"round {r + 1}: ours {tokens / o_s:7.0f} tok/s ({o_s:.3f} s/step, {o_rss:.0f} MB, "
+              f"{o_load['experts_hit']:.1f} experts hit/layer)   "
+              f"transformers {tokens / t_s:7.0f} tok/s ({t_s:.3f} s/step, {t_rss:.0f} MB, "
+              f"{t_load['experts_hit']:.1f} experts hit/layer)", flush=True)
     o_s = statistics.median(r[0] for r in rows)
     t_s = statistics.median(r[2] for r in rows)
     o_rss = max(r[1] for r in rows)
@@ -142,6 +166,7 @@ def main():
         "ours_fraction_of_matmul_peak": flops_step / o_s / peak,
         "transformers_fraction_of_matmul_peak": flops_step / t_s / peak,
         "ours_peak_rss_mb": o_rss, "transformers_peak_rss_mb": t_rss,
+        "ours_expert_spread": rows[-1][4], "transformers_expert_spread": rows[-1][5],
     }
     print(json.dumps(result))
 

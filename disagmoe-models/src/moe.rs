@@ -149,6 +149,20 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
     }
 
     fn forward_grouped(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
+        let no_bias = self
+            .experts
+            .iter()
+            .all(|e| e.gate_proj.bias.is_none() && e.up_proj.bias.is_none() && e.down_proj.bias.is_none());
+        if no_bias && disagmoe_kernels::fused::available::<B>() {
+            let weights: Vec<_> = self
+                .experts
+                .iter()
+                .map(|e| (e.gate_proj.weight.val(), e.up_proj.weight.val(), e.down_proj.weight.val()))
+                .collect();
+            if let Some(ys) = disagmoe_kernels::fused::swiglu_experts(xs.clone(), counts, &weights) {
+                return ys;
+            }
+        }
         map_groups(xs, counts, |e, x| self.experts[e].forward(x))
     }
 
@@ -370,7 +384,7 @@ impl Dispatch {
     /// # Shapes
     /// - x: `[T, M]` -> `[N, M]`
     pub fn permute<B: Backend>(&self, x: Tensor<B, 2>, tokens: Tensor<B, 1, Int>) -> Tensor<B, 2> {
-        x.select(0, tokens)
+        disagmoe_kernels::fused::permute_rows(x.clone(), &self.slots, self.top_k).unwrap_or_else(|| x.select(0, tokens))
     }
 
     /// Weights each expert output by its gate and sums a token's `k` outputs in token order.
@@ -383,6 +397,9 @@ impl Dispatch {
         weights: Tensor<B, 2>,
         tokens: Tensor<B, 1, Int>,
     ) -> Tensor<B, 2> {
+        if let Some(out) = disagmoe_kernels::fused::combine_rows(ys.clone(), weights.clone(), &self.slots) {
+            return out;
+        }
         let [t, k] = weights.dims();
         let [n, m] = ys.dims();
         let device = ys.device();

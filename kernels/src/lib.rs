@@ -55,6 +55,14 @@ pub mod fused {
         fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2>
     );
     forward!(
+        /// See [`crate::cpu::permute_rows`]: `[T, M] -> [T k, M]`, row `p` = token `slots[p] / k`.
+        fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Tensor<B, 2>
+    );
+    forward!(
+        /// See [`crate::cpu::combine_rows`]: gate-weighted sum of each token's `k` expert rows.
+        fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Tensor<B, 2>
+    );
+    forward!(
         /// See [`crate::cpu::rms_norm`].
         fn rms_norm<B: Backend; const D: usize>(x: Tensor<B, D>, w: Tensor<B, 1>, eps: f64) -> Tensor<B, D>
     );
@@ -76,6 +84,24 @@ pub mod fused {
     ) -> Option<(Tensor<B, D>, Tensor<B, 1>, Tensor<B, 1>)> {
         crate::cpu::adamw(param, grad, moments, s)
     }
+    /// See [`crate::cpu::swiglu_experts`]: rows of `xs` grouped by `counts`, per expert
+    /// `(gate [I, M], up [I, M], down [M, I])`.
+    #[allow(unused_variables, clippy::type_complexity)]
+    pub fn swiglu_experts<B: Backend>(
+        xs: Tensor<B, 2>,
+        counts: &[usize],
+        experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
+    ) -> Option<Tensor<B, 2>> {
+        #[cfg(feature = "flex")]
+        {
+            crate::cpu::swiglu_experts(xs, counts, experts)
+        }
+        #[cfg(not(feature = "flex"))]
+        {
+            None
+        }
+    }
+
     /// See [`crate::cpu::sum_squares`].
     pub fn sum_squares<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f64> {
         #[cfg(feature = "flex")]

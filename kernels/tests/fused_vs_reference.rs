@@ -268,3 +268,97 @@ fn the_switches_turn_the_fused_path_off() {
     cpu::set_enabled_for_thread(None);
     assert!(disagmoe_kernels::fused::available::<B>());
 }
+
+#[test]
+fn token_permute_and_combine_match_the_reference_with_gradients() {
+    // 5 tokens, k = 2, 3 experts: expert 1 gets nothing, expert 2 gets five copies.
+    let (t, k, m) = (5, 2, 7);
+    let ids = [0usize, 2, 2, 0, 2, 0, 2, 0, 0, 2];
+    let mut order: Vec<usize> = (0..t * k).collect();
+    order.sort_by_key(|&s| ids[s]); // stable: a counting sort by expert
+    let slots = order;
+    let x = rand([t, m], 30).require_grad();
+    let w = rand([t, k], 31).require_grad();
+    let tokens = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(slots.iter().map(|&s| (s / k) as i64).collect::<Vec<_>>(), [t * k]),
+        &Default::default(),
+    );
+    let fused = cpu::permute_rows(x.clone(), &slots, k).unwrap();
+    let reference = x.clone().select(0, tokens.clone());
+    assert_close("permute output", &values(fused.clone()), &values(reference.clone()), 0.0);
+    let probe = rand([t * k, m], 32);
+    let gf = (fused * probe.clone()).sum().backward();
+    let gr = (reference * probe).sum().backward();
+    assert_close("permute dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
+
+    let ys = rand([t * k, m], 33).require_grad();
+    let fused = cpu::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+    let slot_idx = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(slots.iter().map(|&s| s as i64).collect::<Vec<_>>(), [t * k]),
+        &Default::default(),
+    );
+    let wr = w.clone().reshape([t * k]).select(0, slot_idx).reshape([t * k, 1]);
+    let reference = Tensor::<B, 2>::zeros([t, m], &Default::default()).select_assign(
+        0,
+        tokens,
+        ys.clone() * wr,
+        burn::tensor::IndexingUpdateOp::Add,
+    );
+    assert_close("combine output", &values(fused.clone()), &values(reference.clone()), 1e-6);
+    let probe = rand([t, m], 34);
+    let gf = (fused * probe.clone()).sum().backward();
+    let gr = (reference * probe).sum().backward();
+    assert_close("combine dys", &values(ys.grad(&gf).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-6);
+    assert_close("combine dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 1e-5);
+    // Not a permutation: refused.
+    let mut bad = slots.clone();
+    bad[0] = bad[1];
+    assert!(cpu::permute_rows(x, &bad, k).is_none());
+}
+
+#[test]
+fn grouped_experts_match_the_per_expert_reference_with_gradients() {
+    let (m, i) = (12, 10);
+    // Experts that get no row, one that gets most, rows not a multiple of any tile; enough
+    // experts for the side-by-side path and few for the one-after-another path.
+    for counts in [vec![0usize, 37, 0, 3, 1], vec![0, 0, 41], vec![5, 4, 3, 2, 1, 6, 7, 1]] {
+        let n: usize = counts.iter().sum();
+        let xs = rand([n, m], 40).require_grad();
+        let experts: Vec<_> = (0..counts.len() as u64)
+            .map(|e| {
+                (
+                    rand([i, m], 50 + e).mul_scalar(0.3).require_grad(),
+                    rand([i, m], 70 + e).mul_scalar(0.3).require_grad(),
+                    rand([m, i], 90 + e).mul_scalar(0.3).require_grad(),
+                )
+            })
+            .collect();
+        let probe = rand([n, m], 41);
+        let fused = cpu::swiglu_experts(xs.clone(), &counts, &experts).unwrap();
+        let mut outs = Vec::new();
+        let mut start = 0;
+        for (e, &c) in counts.iter().enumerate() {
+            if c > 0 {
+                let x = xs.clone().narrow(0, start, c);
+                let (g, u, d) = &experts[e];
+                let h = silu(x.clone().matmul(g.clone().transpose())) * x.matmul(u.clone().transpose());
+                outs.push(h.matmul(d.clone().transpose()));
+            }
+            start += c;
+        }
+        let reference = Tensor::cat(outs, 0);
+        assert_close(&format!("{counts:?} output"), &values(fused.clone()), &values(reference.clone()), 1e-5);
+        let gf = (fused * probe.clone()).sum().backward();
+        let gr = (reference * probe).sum().backward();
+        assert_close("experts dxs", &values(xs.grad(&gf).unwrap()), &values(xs.grad(&gr).unwrap()), 2e-5);
+        for (e, (g, u, d)) in experts.iter().enumerate() {
+            for (name, p) in [("gate", g), ("up", u), ("down", d)] {
+                match (p.grad(&gf), p.grad(&gr)) {
+                    (Some(a), Some(b)) => assert_close(&format!("expert {e} {name}"), &values(a), &values(b), 2e-5),
+                    (None, None) => assert_eq!(counts[e], 0, "expert {e} with rows got no gradient"),
+                    (a, b) => panic!("expert {e} {name}: fused {} vs reference {}", a.is_some(), b.is_some()),
+                }
+            }
+        }
+    }
+}

@@ -35,7 +35,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-pub use ops::AttnShape;
+pub use ops::{AttnShape, ExpertsShape};
 pub use vector::AdamWScalars;
 
 type Ad = Autodiff<Flex>;
@@ -420,5 +420,116 @@ pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Option<Tensor<B, 
             (want_x, want_w),
         );
         [dx.map(|d| flex(d, &[rows, d_in])), dw.map(|d| flex(d, &[d_out, d_in]))]
+    }))
+}
+
+/// Grouped SwiGLU experts: rows `counts[e]` of `xs` (consecutive, in expert order) go through
+/// expert `e`: `down(silu(gate(x)) * up(x))`, weights in PyTorch's layout. One autodiff node for
+/// the whole layer; experts that get no row take no part (their weights get no gradient, as in
+/// the per-expert reference). Experts run side by side when there are enough of them, else one
+/// after another with each product spread over the pool.
+///
+/// # Shapes
+/// - xs: `[N, M]` with `N = sum(counts)`; per expert gate, up: `[I, M]`, down: `[M, I]`
+/// - output: `[N, M]`
+#[allow(clippy::type_complexity)]
+pub fn swiglu_experts<B: Backend>(
+    xs: Tensor<B, 2>,
+    counts: &[usize],
+    experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
+) -> Option<Tensor<B, 2>> {
+    let kind = kind::<B>()?;
+    let [n, m] = xs.dims();
+    if counts.len() != experts.len() || counts.iter().sum::<usize>() != n || n == 0 {
+        return None;
+    }
+    let [i, gm] = experts[0].0.dims();
+    let shapes_ok = experts.iter().all(|(g, u, d)| g.dims() == [i, m] && u.dims() == [i, m] && d.dims() == [m, i]);
+    if !shapes_ok || gm != m {
+        return None;
+    }
+    let hit: Vec<usize> = (0..counts.len()).filter(|&e| counts[e] > 0).collect();
+    let stack = |pick: fn(&(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)) -> Tensor<B, 2>| {
+        Tensor::stack::<3>(hit.iter().map(|&e| pick(&experts[e])).collect(), 0)
+    };
+    let (gate, up, down) = (stack(|w| w.0.clone()), stack(|w| w.1.clone()), stack(|w| w.2.clone()));
+    let eh = hit.len();
+    let shape = ExpertsShape { counts: hit.iter().map(|&e| counts[e]).collect(), width: m, inter: i };
+    let (xs, gate, up, down) = (take(kind, xs)?, take(kind, gate)?, take(kind, up)?, take(kind, down)?);
+    let [ys, g, u, h] = ops::experts_forward(xs.data(), gate.data(), up.data(), down.data(), &shape);
+    let out = flex(ys, &[n, m]);
+    let saved = (xs.values.clone(), gate.values.clone(), up.values.clone(), down.values.clone());
+    Some(finish::<B, 2, 4>(kind, [&xs, &gate, &up, &down], out, move |dys, _| {
+        let (xv, gv, uv, dv) = &saved;
+        fn sl(t: &FlexTensor) -> &[f32] {
+            t.as_slice::<f32>().expect("f32")
+        }
+        let [dxs, dg, du, dd] = ops::experts_backward(sl(xv), sl(gv), sl(uv), sl(dv), &g, &u, &h, dys, &shape);
+        [
+            Some(flex(dxs, &[n, m])),
+            Some(flex(dg, &[eh, i, m])),
+            Some(flex(du, &[eh, i, m])),
+            Some(flex(dd, &[eh, m, i])),
+        ]
+    }))
+}
+
+/// The inverse of a permutation given as `slots` (position -> slot): slot -> position.
+fn inverse(slots: &[usize]) -> Option<Vec<usize>> {
+    let mut pos = vec![usize::MAX; slots.len()];
+    for (p, &s) in slots.iter().enumerate() {
+        if s >= slots.len() || pos[s] != usize::MAX {
+            return None;
+        }
+        pos[s] = p;
+    }
+    Some(pos)
+}
+
+/// Token dispatch: row `p` of the output is token `slots[p] / k` of `x` (each token once per
+/// chosen expert, in expert order; `slots` a permutation of `0..T k`).
+///
+/// # Shapes
+/// - x: `[T, M]` -> `[T k, M]`
+pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+    let kind = kind::<B>()?;
+    let [t, m] = x.dims();
+    if k == 0 || slots.len() != t * k {
+        return None;
+    }
+    let pos = inverse(slots)?;
+    let x = take(kind, x)?;
+    let out = flex(ops::permute_rows(x.data(), slots, k, m), &[t * k, m]);
+    Some(finish::<B, 2, 1>(kind, [&x], out, move |dout, _| {
+        [Some(flex(ops::permute_rows_backward(dout, &pos, k, m), &[t, m]))]
+    }))
+}
+
+/// Token combine: each token's `k` expert outputs (rows of `ys` in expert order, row
+/// `pos(t k + j)` for slot `t k + j`) weighted by its gates and summed.
+///
+/// # Shapes
+/// - ys: `[T k, M]`, weights: `[T, k]` -> `[T, M]`
+pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
+    let kind = kind::<B>()?;
+    let ([n, m], [t, k]) = (ys.dims(), weights.dims());
+    if k == 0 || n != t * k || slots.len() != n {
+        return None;
+    }
+    let pos = inverse(slots)?;
+    let (ys, w) = (take(kind, ys)?, take(kind, weights)?);
+    let out = flex(ops::combine_rows(ys.data(), w.data(), &pos, k, m), &[t, m]);
+    let (yv, wv) = (ys.values.clone(), w.values.clone());
+    let slots = slots.to_vec();
+    Some(finish::<B, 2, 2>(kind, [&ys, &w], out, move |dout, _| {
+        let (dys, dw) = ops::combine_rows_backward(
+            yv.as_slice::<f32>().expect("f32"),
+            wv.as_slice::<f32>().expect("f32"),
+            &slots,
+            dout,
+            k,
+            m,
+        );
+        [Some(flex(dys, &[n, m])), Some(flex(dw, &[t, k]))]
     }))
 }

@@ -18,7 +18,7 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
-/// `dst[m x n] (+)= beta * lhs[m x k] * rhs[k x n]`, all strides in elements.
+/// `dst[m x n] (+)= beta * lhs[m x k] * rhs[k x n]`, all strides in elements, on this thread.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn mm(
@@ -35,6 +35,28 @@ unsafe fn mm(
     rhs_rs: isize,
     rhs_cs: isize,
     beta: f32,
+) {
+    mm_par(m, n, k, dst, dst_rs, accumulate, lhs, lhs_rs, lhs_cs, rhs, rhs_rs, rhs_cs, beta, Parallelism::None)
+}
+
+/// [`mm`] with a choice of parallelism.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn mm_par(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_rs: isize,
+    lhs_cs: isize,
+    rhs: *const f32,
+    rhs_rs: isize,
+    rhs_cs: isize,
+    beta: f32,
+    parallelism: Parallelism,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -66,7 +88,7 @@ unsafe fn mm(
         false,
         false,
         false,
-        Parallelism::None,
+        parallelism,
     )
 }
 
@@ -335,14 +357,29 @@ pub fn rms_norm_backward(x: &[f32], w: &[f32], inv: &[f32], dy: &[f32]) -> (Vec<
     (dx, dw)
 }
 
-/// `silu(g) * u`, elementwise.
-pub fn swiglu_forward(g: &[f32], u: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; g.len()];
-    const CHUNK: usize = 16 * 1024;
+/// Elements per task of the elementwise operations.
+const CHUNK: usize = 16 * 1024;
+
+/// `out = silu(g) * u`, elementwise, in parallel chunks.
+fn swiglu_into(g: &[f32], u: &[f32], out: &mut [f32]) {
     out.par_chunks_mut(CHUNK).enumerate().for_each(|(t, o)| {
         let span = t * CHUNK..t * CHUNK + o.len();
         vector::swiglu(&g[span.clone()], &u[span], o);
     });
+}
+
+/// Backward of `silu(g) * u` into `dg`, `du`, in parallel chunks.
+fn swiglu_backward_into(g: &[f32], u: &[f32], dh: &[f32], dg: &mut [f32], du: &mut [f32]) {
+    dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(t, (a, b))| {
+        let span = t * CHUNK..t * CHUNK + a.len();
+        vector::swiglu_backward(&g[span.clone()], &u[span.clone()], &dh[span], a, b);
+    });
+}
+
+/// `silu(g) * u`, elementwise.
+pub fn swiglu_forward(g: &[f32], u: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; g.len()];
+    swiglu_into(g, u, &mut out);
     out
 }
 
@@ -350,11 +387,7 @@ pub fn swiglu_forward(g: &[f32], u: &[f32]) -> Vec<f32> {
 pub fn swiglu_backward(g: &[f32], u: &[f32], dh: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut dg = vec![0f32; g.len()];
     let mut du = vec![0f32; g.len()];
-    const CHUNK: usize = 16 * 1024;
-    dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(t, (a, b))| {
-        let span = t * CHUNK..t * CHUNK + a.len();
-        vector::swiglu_backward(&g[span.clone()], &u[span.clone()], &dh[span], a, b);
-    });
+    swiglu_backward_into(g, u, dh, &mut dg, &mut du);
     (dg, du)
 }
 
@@ -544,4 +577,238 @@ pub fn linear_backward(
     let dx = want.0.then(|| mm_into(rows, d_in, d_out, dy.as_ptr(), d_out as isize, 1, w.as_ptr(), d_in as isize, 1));
     let dw = want.1.then(|| mm_into(d_out, d_in, rows, dy.as_ptr(), 1, d_out as isize, x.as_ptr(), d_in as isize, 1));
     (dx, dw)
+}
+
+/// Shape of a grouped SwiGLU expert call: `counts[e]` consecutive rows of `xs` `[N, M]` go through
+/// expert `e` (`gate`, `up`: `[E, I, M]`, `down`: `[E, M, I]`, PyTorch's layout).
+#[derive(Debug, Clone)]
+pub struct ExpertsShape {
+    pub counts: Vec<usize>,
+    pub width: usize,
+    pub inter: usize,
+}
+
+impl ExpertsShape {
+    fn starts(&self) -> Vec<usize> {
+        self.counts
+            .iter()
+            .scan(0, |acc, &c| {
+                let s = *acc;
+                *acc += c;
+                Some(s)
+            })
+            .collect()
+    }
+
+    /// Experts run side by side (one thread each) when there are enough of them to share out;
+    /// otherwise one after another, each product spread over the pool.
+    fn across_experts(&self) -> bool {
+        self.counts.iter().filter(|&&c| c > 0).count() >= 2 * rayon::current_num_threads()
+    }
+}
+
+/// Pointers shared by the expert tasks (each writes its own rows / its own expert's slices).
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+/// Forward of the grouped SwiGLU experts: `ys` `[N, M]` and the saved `g`, `u`, `h` (`[N, I]`).
+pub fn experts_forward(xs: &[f32], gate: &[f32], up: &[f32], down: &[f32], e: &ExpertsShape) -> [Vec<f32>; 4] {
+    let (m, i) = (e.width, e.inter);
+    let n: usize = e.counts.iter().sum();
+    let (mut ys, mut g, mut u, mut h) = (vec![0f32; n * m], vec![0f32; n * i], vec![0f32; n * i], vec![0f32; n * i]);
+    let (yp, gp, up_, hp) =
+        (Shared(ys.as_mut_ptr()), Shared(g.as_mut_ptr()), Shared(u.as_mut_ptr()), Shared(h.as_mut_ptr()));
+    let starts = e.starts();
+    let across = e.across_experts();
+    let run = |x: usize| {
+        let (yp, gp, up_, hp) = (yp, gp, up_, hp);
+        let (r0, c) = (starts[x], e.counts[x]);
+        if c == 0 {
+            return;
+        }
+        let par = if across { Parallelism::None } else { parallelism(c, i, m) };
+        // SAFETY: expert `x` alone writes rows r0..r0+c of ys, g, u, h; reads are in bounds.
+        unsafe {
+            let xr = xs.as_ptr().add(r0 * m);
+            let wg = gate.as_ptr().add(x * i * m);
+            let wu = up.as_ptr().add(x * i * m);
+            let wd = down.as_ptr().add(x * m * i);
+            mm_par(c, i, m, gp.0.add(r0 * i), i, false, xr, m as isize, 1, wg, 1, m as isize, 1.0, par);
+            mm_par(c, i, m, up_.0.add(r0 * i), i, false, xr, m as isize, 1, wu, 1, m as isize, 1.0, par);
+            let gs = std::slice::from_raw_parts(gp.0.add(r0 * i), c * i);
+            let us = std::slice::from_raw_parts(up_.0.add(r0 * i), c * i);
+            let hs = std::slice::from_raw_parts_mut(hp.0.add(r0 * i), c * i);
+            if across {
+                vector::swiglu(gs, us, hs);
+            } else {
+                swiglu_into(gs, us, hs);
+            }
+            mm_par(c, m, i, yp.0.add(r0 * m), m, false, hp.0.add(r0 * i), i as isize, 1, wd, 1, i as isize, 1.0, par);
+        }
+    };
+    if across {
+        (0..e.counts.len()).into_par_iter().for_each(run);
+    } else {
+        (0..e.counts.len()).for_each(run);
+    }
+    [ys, g, u, h]
+}
+
+/// Backward of [`experts_forward`]: `dxs` `[N, M]`, `dgate`, `dup` `[E, I, M]`, `ddown` `[E, M, I]`
+/// (zero for experts without rows; the caller gives those no gradient).
+#[allow(clippy::too_many_arguments)]
+pub fn experts_backward(
+    xs: &[f32],
+    gate: &[f32],
+    up: &[f32],
+    down: &[f32],
+    g: &[f32],
+    u: &[f32],
+    h: &[f32],
+    dys: &[f32],
+    e: &ExpertsShape,
+) -> [Vec<f32>; 4] {
+    let (m, i, ne) = (e.width, e.inter, e.counts.len());
+    let n: usize = e.counts.iter().sum();
+    let mut dxs = vec![0f32; n * m];
+    let (mut dg_w, mut du_w, mut dd_w) = (vec![0f32; ne * i * m], vec![0f32; ne * i * m], vec![0f32; ne * m * i]);
+    let ptrs =
+        (Shared(dxs.as_mut_ptr()), Shared(dg_w.as_mut_ptr()), Shared(du_w.as_mut_ptr()), Shared(dd_w.as_mut_ptr()));
+    let starts = e.starts();
+    let across = e.across_experts();
+    let run = |x: usize| {
+        let (dxp, dgwp, duwp, ddwp) = ptrs;
+        let (r0, c) = (starts[x], e.counts[x]);
+        if c == 0 {
+            return;
+        }
+        let par = if across { Parallelism::None } else { parallelism(c, i, m) };
+        let mut dh = vec![0f32; c * i];
+        let mut dgl = vec![0f32; c * i];
+        let mut dul = vec![0f32; c * i];
+        // SAFETY: expert `x` alone writes rows r0..r0+c of dxs and its own weight-gradient slices.
+        unsafe {
+            let xr = xs.as_ptr().add(r0 * m);
+            let dy = dys.as_ptr().add(r0 * m);
+            let wg = gate.as_ptr().add(x * i * m);
+            let wu = up.as_ptr().add(x * i * m);
+            let wd = down.as_ptr().add(x * m * i);
+            // dH = dY Wd; dWd = dY^T H
+            mm_par(c, i, m, dh.as_mut_ptr(), i, false, dy, m as isize, 1, wd, i as isize, 1, 1.0, par);
+            mm_par(
+                m,
+                i,
+                c,
+                ddwp.0.add(x * m * i),
+                i,
+                false,
+                dy,
+                1,
+                m as isize,
+                h.as_ptr().add(r0 * i),
+                i as isize,
+                1,
+                1.0,
+                par,
+            );
+            let (gs, us) = (&g[r0 * i..(r0 + c) * i], &u[r0 * i..(r0 + c) * i]);
+            if across {
+                vector::swiglu_backward(gs, us, &dh, &mut dgl, &mut dul);
+            } else {
+                swiglu_backward_into(gs, us, &dh, &mut dgl, &mut dul);
+            }
+            // dX = dG Wg + dU Wu; dWg = dG^T X; dWu = dU^T X
+            mm_par(c, m, i, dxp.0.add(r0 * m), m, false, dgl.as_ptr(), i as isize, 1, wg, m as isize, 1, 1.0, par);
+            mm_par(c, m, i, dxp.0.add(r0 * m), m, true, dul.as_ptr(), i as isize, 1, wu, m as isize, 1, 1.0, par);
+            mm_par(i, m, c, dgwp.0.add(x * i * m), m, false, dgl.as_ptr(), 1, i as isize, xr, m as isize, 1, 1.0, par);
+            mm_par(i, m, c, duwp.0.add(x * i * m), m, false, dul.as_ptr(), 1, i as isize, xr, m as isize, 1, 1.0, par);
+        }
+    };
+    if across {
+        (0..ne).into_par_iter().for_each(run);
+    } else {
+        (0..ne).for_each(run);
+    }
+    [dxs, dg_w, du_w, dd_w]
+}
+
+/// Token dispatch: `out[p] = x[slots[p] / k]` (`x` `[T, M]`, `out` `[N, M]`, `slots` a permutation
+/// of the `N = T k` routed copies).
+pub fn permute_rows(x: &[f32], slots: &[usize], k: usize, m: usize) -> Vec<f32> {
+    let mut out = vec![0f32; slots.len() * m];
+    out.par_chunks_mut(m * 64).enumerate().for_each(|(c, o)| {
+        for (r, row) in o.chunks_mut(m).enumerate() {
+            let t = slots[c * 64 + r] / k;
+            row.copy_from_slice(&x[t * m..(t + 1) * m]);
+        }
+    });
+    out
+}
+
+/// Backward of [`permute_rows`]: `dx[t] = sum_j dout[pos[t k + j]]` (`pos` the inverse of `slots`).
+pub fn permute_rows_backward(dout: &[f32], pos: &[usize], k: usize, m: usize) -> Vec<f32> {
+    let t = pos.len() / k;
+    let mut dx = vec![0f32; t * m];
+    dx.par_chunks_mut(m * 64).enumerate().for_each(|(c, o)| {
+        for (r, row) in o.chunks_mut(m).enumerate() {
+            let tok = c * 64 + r;
+            for j in 0..k {
+                let p = pos[tok * k + j];
+                row.iter_mut().zip(&dout[p * m..(p + 1) * m]).for_each(|(a, b)| *a += b);
+            }
+        }
+    });
+    dx
+}
+
+/// Token combine: `out[t] = sum_j w[t k + j] ys[pos[t k + j]]` (`ys` `[N, M]` in expert order).
+pub fn combine_rows(ys: &[f32], w: &[f32], pos: &[usize], k: usize, m: usize) -> Vec<f32> {
+    let t = pos.len() / k;
+    let mut out = vec![0f32; t * m];
+    out.par_chunks_mut(m * 64).enumerate().for_each(|(c, o)| {
+        for (r, row) in o.chunks_mut(m).enumerate() {
+            let tok = c * 64 + r;
+            for j in 0..k {
+                let (p, wj) = (pos[tok * k + j], w[tok * k + j]);
+                row.iter_mut().zip(&ys[p * m..(p + 1) * m]).for_each(|(a, b)| *a += wj * b);
+            }
+        }
+    });
+    out
+}
+
+/// Backward of [`combine_rows`]: `dys[pos[t k + j]] = w[t k + j] dout[t]`,
+/// `dw[t k + j] = dout[t] . ys[pos[t k + j]]`.
+pub fn combine_rows_backward(
+    ys: &[f32],
+    w: &[f32],
+    slots: &[usize],
+    dout: &[f32],
+    k: usize,
+    m: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = slots.len();
+    let mut dys = vec![0f32; n * m];
+    dys.par_chunks_mut(m * 64).enumerate().for_each(|(c, o)| {
+        for (r, row) in o.chunks_mut(m).enumerate() {
+            let slot = slots[c * 64 + r];
+            let (t, wj) = (slot / k, w[slot]);
+            row.iter_mut().zip(&dout[t * m..(t + 1) * m]).for_each(|(a, b)| *a = wj * b);
+        }
+    });
+    let mut dw = vec![0f32; n];
+    let mut pos = vec![0usize; n];
+    for (p, &slot) in slots.iter().enumerate() {
+        pos[slot] = p;
+    }
+    dw.par_chunks_mut(1024).enumerate().for_each(|(c, o)| {
+        for (r, d) in o.iter_mut().enumerate() {
+            let slot = c * 1024 + r;
+            let (t, p) = (slot / k, pos[slot]);
+            *d = vector::dot(&dout[t * m..(t + 1) * m], &ys[p * m..(p + 1) * m]);
+        }
+    });
+    (dys, dw)
 }
