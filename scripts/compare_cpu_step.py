@@ -5,11 +5,16 @@ Runs, alternately and `--rounds` times: `disagmoe train --model-config benches/q
 --batch 4 --seq 256 --steps N` and the same step in PyTorch eager (transformers' Qwen3MoeForCausalLM,
 float32, AdamW with our hyper-parameters, the load-balancing loss on, gradient clipping at 1.0), both
 with the same thread count. Each run is its own process, so its peak resident memory is its own.
-Prints per run and the medians: tokens/s (median step time over the second half of the steps, so
-warm-up is not counted), the ratio ours/transformers, each one's fraction of the fp32 matmul rate measured here with
-torch, and peak RSS.
+Both train on the bundled corpus (bytes), a new batch each step, so that their routing (and with
+it the experts' share of the work) evolves alike; the script reports each one's routing spread.
 
-    python3 scripts/compare_cpu_step.py --bin target/release/disagmoe [--rounds 3] [--steps 8] [--threads 2]
+Throughput, the same definition for both: tokens per second over every step after the first (the
+first pays one-time costs), which is what `disagmoe train` reports as `tokens_per_s`; ours is read
+from that summary. Also the median step time over the second half of the steps (`late`). Prints
+per round and the medians over rounds: both throughputs, the ratio ours/transformers, each one's
+fraction of the fp32 matmul rate measured here with torch, and peak RSS.
+
+    python3 scripts/compare_cpu_step.py --bin target/release/disagmoe [--rounds 5] [--steps 8] [--threads 2]
 
 Needs torch and transformers (`pip install torch transformers`); CI does not run it.
 """
@@ -56,12 +61,20 @@ def ours(binary, steps, threads):
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
         cmd = [binary, "train", "--model-config", CONFIG, "--batch", str(BATCH), "--seq", str(SEQ),
                "--steps", str(steps), "--quiet", "--out", out]
-        _, rss = run_measured(cmd, env)
+        stdout, rss = run_measured(cmd, env)
+        summary = json.loads(stdout.strip().splitlines()[-1])
         with open(os.path.join(out, "metrics.jsonl")) as f:
             lines = [json.loads(line) for line in f]
     step_s = [l["step_s"] for l in lines]
     loads = [[layer["tokens_per_expert"] for layer in l["expert_load"]] for l in lines]
-    return statistics.median(step_s[len(step_s) // 2:]), rss, expert_spread(loads[len(loads) // 2:])
+    late = statistics.median(step_s[len(step_s) // 2:])
+    return summary["tokens_per_s"], BATCH * SEQ / late, rss, expert_spread(loads[len(loads) // 2:])
+
+
+def after_first(step_s):
+    """Tokens per second over the steps after the first (all of them if there is one)."""
+    s = step_s[1:] if len(step_s) >= 2 else step_s
+    return BATCH * SEQ * len(s) / sum(s)
 
 
 def expert_spread(loads):
@@ -113,7 +126,8 @@ def theirs(steps, threads, experts):
                              "--threads", str(threads), "--experts-implementation", experts], env)
     res = json.loads(out.strip().splitlines()[-1])
     times, loads = res["step_s"], res["loads"]
-    return statistics.median(times[len(times) // 2:]), rss, expert_spread(loads[len(loads) // 2:])
+    late = statistics.median(times[len(times) // 2:])
+    return after_first(times), BATCH * SEQ / late, rss, expert_spread(loads[len(loads) // 2:])
 
 
 def matmul_rate(threads):
@@ -132,8 +146,8 @@ def matmul_rate(threads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "disagmoe"))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--experts-implementation", default="eager",
                     help="transformers' MoE experts code: eager (a loop over experts hit by tokens; the fastest "
@@ -148,25 +162,25 @@ def main():
     tokens = BATCH * SEQ
     rows = []
     for r in range(a.rounds):
-        o_s, o_rss, o_load = ours(a.bin, a.steps, a.threads)
-        t_s, t_rss, t_load = theirs(a.steps, a.threads, a.experts_implementation)
-        rows.append((o_s, o_rss, t_s, t_rss, o_load, t_load))
-        print(f"round {r + 1}: ours {tokens / o_s:7.0f} tok/s ({o_s:.3f} s/step, {o_rss:.0f} MB, "
+        o_rate, o_late, o_rss, o_load = ours(a.bin, a.steps, a.threads)
+        t_rate, t_late, t_rss, t_load = theirs(a.steps, a.threads, a.experts_implementation)
+        rows.append((o_rate, o_late, o_rss, o_load, t_rate, t_late, t_rss, t_load))
+        print(f"round {r + 1}: ours {o_rate:7.0f} tok/s (late {o_late:.0f}, {o_rss:.0f} MB, "
               f"{o_load['experts_hit']:.1f} experts hit/layer)   "
-              f"transformers {tokens / t_s:7.0f} tok/s ({t_s:.3f} s/step, {t_rss:.0f} MB, "
-              f"{t_load['experts_hit']:.1f} experts hit/layer)", flush=True)
-    o_s = statistics.median(r[0] for r in rows)
-    t_s = statistics.median(r[2] for r in rows)
-    o_rss = max(r[1] for r in rows)
-    t_rss = max(r[3] for r in rows)
+              f"transformers {t_rate:7.0f} tok/s (late {t_late:.0f}, {t_rss:.0f} MB, "
+              f"{t_load['experts_hit']:.1f} experts hit/layer)   ratio {o_rate / t_rate:.2f}", flush=True)
+    med = lambda i: statistics.median(r[i] for r in rows)
+    o_rate, o_late, t_rate, t_late = med(0), med(1), med(4), med(5)
     result = {
-        "threads": a.threads, "experts_implementation": a.experts_implementation, "matmul_gflops": peak / 1e9, "train_gflop_per_step": flops_step / 1e9,
-        "ours_tokens_per_s": tokens / o_s, "transformers_tokens_per_s": tokens / t_s,
-        "ratio": t_s / o_s,
-        "ours_fraction_of_matmul_peak": flops_step / o_s / peak,
-        "transformers_fraction_of_matmul_peak": flops_step / t_s / peak,
-        "ours_peak_rss_mb": o_rss, "transformers_peak_rss_mb": t_rss,
-        "ours_expert_spread": rows[-1][4], "transformers_expert_spread": rows[-1][5],
+        "threads": a.threads, "steps": a.steps, "rounds": a.rounds,
+        "experts_implementation": a.experts_implementation, "matmul_gflops": peak / 1e9,
+        "train_gflop_per_step": flops_step / 1e9,
+        "ours_tokens_per_s": o_rate, "transformers_tokens_per_s": t_rate, "ratio": o_rate / t_rate,
+        "ours_late_tokens_per_s": o_late, "transformers_late_tokens_per_s": t_late, "late_ratio": o_late / t_late,
+        "ours_fraction_of_matmul_peak": flops_step * o_rate / tokens / peak,
+        "transformers_fraction_of_matmul_peak": flops_step * t_rate / tokens / peak,
+        "ours_peak_rss_mb": max(r[2] for r in rows), "transformers_peak_rss_mb": max(r[6] for r in rows),
+        "ours_expert_spread": rows[-1][3], "transformers_expert_spread": rows[-1][7],
     }
     print(json.dumps(result))
 

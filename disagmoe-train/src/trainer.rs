@@ -378,8 +378,17 @@ pub struct TrainSummary {
     pub last_loss: f64,
     /// Loss of every step.
     pub losses: Vec<f64>,
-    /// Tokens per second over the whole run.
+    /// Tokens per second after warm-up: over the steps after the first when two or more ran (the
+    /// first step pays one-time costs: first touch of every buffer, optimizer moments, thread
+    /// pool start), else over the one step. The usual throughput figure; [`tokens_per_s_all`]
+    /// counts every step.
+    ///
+    /// [`tokens_per_s_all`]: TrainSummary::tokens_per_s_all
     pub tokens_per_s: f64,
+    /// Tokens per second over every step, the first included.
+    pub tokens_per_s_all: f64,
+    /// Wall time of the first step, seconds.
+    pub first_step_s: f64,
     /// Steps run.
     pub steps: usize,
     /// Steps whose update was skipped for non-finite gradients.
@@ -416,6 +425,15 @@ pub struct TrainSummary {
     /// Mean per step of the time transfers spent on emulated links, summed over workers (0 without
     /// `link_gbps`).
     pub link_s: f64,
+}
+
+/// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see
+/// [`TrainSummary::tokens_per_s`]).
+pub fn throughput(step_s: &[f64], tokens_per_step: usize) -> (f64, f64, f64) {
+    let rate = |s: &[f64]| (s.len() * tokens_per_step) as f64 / s.iter().sum::<f64>().max(1e-9);
+    let all = rate(step_s);
+    let steady = if step_s.len() >= 2 { rate(&step_s[1..]) } else { all };
+    (steady, all, step_s.first().copied().unwrap_or(0.0))
 }
 
 struct SquareSum<'a, B: Backend> {
@@ -592,6 +610,7 @@ pub fn train_until<B: AutodiffBackend>(
     );
 
     let mut losses = resumed.as_ref().map(|s| s.losses.clone()).unwrap_or_default();
+    let mut step_times: Vec<f64> = Vec::new();
     let mut skipped = resumed.as_ref().map(|s| s.skipped_steps).unwrap_or(0);
     let first_step = resumed.as_ref().map(|s| s.step + 1).unwrap_or(1);
     let last_step = cfg.stop_after.unwrap_or(cfg.steps);
@@ -701,6 +720,7 @@ pub fn train_until<B: AutodiffBackend>(
             tracing::warn!(step, loss = total, tensor = %worst, "non-finite loss or gradient: update skipped");
         }
         let step_s = t0.elapsed().as_secs_f64();
+        step_times.push(step_s);
         losses.push(total);
         let record = StepMetrics {
             step,
@@ -745,10 +765,13 @@ pub fn train_until<B: AutodiffBackend>(
         model.valid().save_pretrained(dir.join("final"), 2 << 30)?;
     }
     let steps_run = done + 1 - first_step;
+    let (tokens_per_s, tokens_per_s_all, first_step_s) = throughput(&step_times, tokens_per_step);
     let summary = TrainSummary {
         first_loss: *losses.first().expect("at least one step"),
         last_loss: *losses.last().expect("at least one step"),
-        tokens_per_s: (steps_run * tokens_per_step) as f64 / train_s.max(1e-9),
+        tokens_per_s,
+        tokens_per_s_all,
+        first_step_s,
         steps: done,
         skipped_steps: skipped,
         backend: crate::BACKEND_NAME.into(),

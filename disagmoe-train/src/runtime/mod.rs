@@ -431,10 +431,13 @@ fn summarise(cfg: &RunConfig, zero: RankZero, params: usize, train_s: f64) -> Tr
     let losses: Vec<f64> = zero.outcomes.iter().map(|o| o.loss).collect();
     let mean = |f: &dyn Fn(&StepOutcome) -> f64| zero.outcomes.iter().map(f).sum::<f64>() / steps.max(1) as f64;
     let run_s: f64 = zero.step_s.iter().sum();
+    let (tokens_per_s, tokens_per_s_all, first_step_s) = crate::trainer::throughput(&zero.step_s, cfg.batch * cfg.seq);
     TrainSummary {
         first_loss: losses.first().copied().unwrap_or(f64::NAN),
         last_loss: losses.last().copied().unwrap_or(f64::NAN),
-        tokens_per_s: (steps * cfg.batch * cfg.seq) as f64 / run_s.max(1e-9),
+        tokens_per_s,
+        tokens_per_s_all,
+        first_step_s,
         steps,
         skipped_steps: zero.outcomes.iter().filter(|o| o.skipped).count(),
         backend: crate::BACKEND_NAME.into(),
