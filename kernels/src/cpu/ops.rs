@@ -18,6 +18,13 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
+impl SyncPtr {
+    /// The pointer (a method, so that closures capture the whole `Send` wrapper).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `dst[m x n] (+)= beta * lhs[m x k] * rhs[k x n]`, all strides in elements, on this thread.
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -128,7 +135,6 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], a: AttnShape) -> (Vec<
     let mut probs = vec![0f32; batch * h * s * s];
     let out_ptr = SyncPtr(out.as_mut_ptr());
     probs.par_chunks_mut(s * s).enumerate().for_each(|(bh, p)| {
-        let out_ptr = out_ptr;
         let (bi, hi) = (bh / h, bh % h);
         let gi = hi / n;
         let q0 = (bi * s * h + hi) * d;
@@ -170,7 +176,7 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], a: AttnShape) -> (Vec<
                     i1 - i0,
                     e,
                     hk - lo,
-                    out_ptr.0.add(((bi * s + i0) * h + hi) * e),
+                    out_ptr.ptr().add(((bi * s + i0) * h + hi) * e),
                     h * e,
                     false,
                     p.as_ptr().add(i0 * s + lo),
