@@ -98,13 +98,14 @@ impl<B: Backend> GqaAttention<B> {
             q = qn.forward(q);
             k = kn.forward(k);
         }
-        if self.sinks.is_none() {
+        if disagmoe_kernels::fused::available::<B>() {
             // Fused path (chosen in disagmoe_kernels::fused): everything stays in [B, S, heads, D].
             let v = self.v_proj.forward(x.clone()).reshape([b, s, g, d]);
             let scale = (d as f64).powf(-0.5);
+            let sinks = self.sinks.as_ref().map(|p| p.val());
             let fused = disagmoe_kernels::fused::rope(q.clone(), cos.clone(), sin.clone())
                 .zip(disagmoe_kernels::fused::rope(k.clone(), cos.clone(), sin.clone()))
-                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v, scale, self.window));
+                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v, sinks, scale, self.window));
             if let Some(out) = fused {
                 return self.o_proj.forward(out.reshape([b, s, h * d]));
             }

@@ -161,7 +161,14 @@ impl<B: Backend> MlaAttention<B> {
         let v = kv.narrow(3, dn, dv); // [B, H, S, Dv]
         let k = Tensor::cat(vec![k_nope, k_rot.expand([b, h, s, dr])], 3); // [B, H, S, Dq]
         let q = Tensor::cat(vec![q_pass, q_rot], 3); // [B, H, S, Dq]
-                                                     // 5. Scaled scores, causal mask, softmax.
+        if disagmoe_kernels::fused::available::<B>() {
+            // Fused path (disagmoe_kernels::fused): the same steps 5-6 in one operation.
+            let (qs, ks, vs) = (q.clone().swap_dims(1, 2), k.clone().swap_dims(1, 2), v.clone().swap_dims(1, 2));
+            if let Some(out) = disagmoe_kernels::fused::attention(qs, ks, vs, None, self.shape.softmax_scale, None) {
+                return self.o_proj.forward(out.reshape([b, s, h * dv]));
+            }
+        }
+        // 5. Scaled scores, causal mask, softmax.
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.shape.softmax_scale); // [B, H, S, S]
         let mask = causal_mask::<B>(s, None, &scores.device()); // [S, S], true = hidden
         let probs = softmax(scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9), 3);

@@ -49,6 +49,15 @@ fn gpt_oss_logits_loss_and_gradients_match_transformers() {
 }
 
 #[test]
+fn gpt_oss_reference_operations_match_transformers_too() {
+    disagmoe_kernels::cpu::set_enabled_for_thread(Some(false));
+    for dir in common::fixtures("gpt_oss") {
+        check_fixture(&dir);
+    }
+    disagmoe_kernels::cpu::set_enabled_for_thread(None);
+}
+
+#[test]
 fn saved_checkpoint_reloads_bit_exact() {
     let dir = &fixtures()[0];
     let device = Default::default();

@@ -47,8 +47,8 @@ pub mod fused {
     }
 
     forward!(
-        /// See [`crate::cpu::attention`]: q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]` -> `[B, S, H, E]`.
-        fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, scale: f64, window: Option<usize>) -> Tensor<B, 4>
+        /// See [`crate::cpu::attention`]: q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]` -> `[B, S, H, E]`.
+        fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, sinks: Option<Tensor<B, 1>>, scale: f64, window: Option<usize>) -> Tensor<B, 4>
     );
     forward!(
         /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]`.

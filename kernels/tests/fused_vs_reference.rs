@@ -35,6 +35,7 @@ fn reference_attention(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
 ) -> Tensor<B, 4> {
@@ -51,20 +52,30 @@ fn reference_attention(
     let mask: Vec<bool> = (0..s * s).map(|ij| (ij % s) > (ij / s) || (ij / s) - (ij % s) >= w).collect();
     let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, s]), &Default::default());
     let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
-    softmax(scores, 3).matmul(v).swap_dims(1, 2)
+    let probs = match sinks {
+        // As GPT-OSS: one more logit per head and query, its probability dropped.
+        Some(sinks) => {
+            let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
+            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s)
+        }
+        None => softmax(scores, 3),
+    };
+    probs.matmul(v).swap_dims(1, 2)
 }
 
 #[test]
 fn attention_matches_the_reference_with_gradients() {
-    // (batch, seq, heads, kv heads, qk dim, v dim, window)
+    // (batch, seq, heads, kv heads, qk dim, v dim, window, sinks)
     let cases = [
-        (2, 70, 4, 4, 8, 8, None),
-        (1, 130, 4, 2, 16, 12, None),
-        (2, 70, 8, 2, 8, 8, Some(5)),
-        (1, 67, 4, 1, 6, 10, Some(100)),
-        (1, 1, 2, 1, 4, 4, None),
+        (2, 70, 4, 4, 8, 8, None, false),
+        (1, 130, 4, 2, 16, 12, None, false),
+        (2, 70, 8, 2, 8, 8, Some(5), false),
+        (1, 67, 4, 1, 6, 10, Some(100), false),
+        (1, 1, 2, 1, 4, 4, None, false),
+        (2, 70, 4, 2, 8, 8, None, true),
+        (1, 67, 8, 2, 6, 6, Some(3), true),
     ];
-    for (i, &(b, s, h, g, d, e, window)) in cases.iter().enumerate() {
+    for (i, &(b, s, h, g, d, e, window, with_sinks)) in cases.iter().enumerate() {
         let seed = 10 * i as u64;
         let q = rand([b, s, h, d], seed).require_grad();
         // k arrives as a strided view (as after a transpose), v contiguous.
@@ -72,10 +83,13 @@ fn attention_matches_the_reference_with_gradients() {
         // One view per path: a backward pass consumes the graph nodes it walks.
         let k = || k_base.clone().swap_dims(1, 2);
         let v = rand([b, s, g, e], seed + 2).require_grad();
+        let sinks = rand([h], seed + 4).require_grad();
+        let sinks_arg = || with_sinks.then(|| sinks.clone());
         let probe = rand([b, s, h, e], seed + 3);
         let scale = 0.37;
-        let fused = cpu::attention(q.clone(), k(), v.clone(), scale, window).expect("applies to Autodiff<Flex>");
-        let reference = reference_attention(q.clone(), k(), v.clone(), scale, window);
+        let fused =
+            cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window).expect("applies to Autodiff<Flex>");
+        let reference = reference_attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window);
         let what = format!("case {i} {:?}", cases[i]);
         assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
         let gf = (fused * probe.clone()).sum().backward();
@@ -88,6 +102,12 @@ fn attention_matches_the_reference_with_gradients() {
             5e-5,
         );
         assert_close(&format!("{what} dv"), &values(v.grad(&gf).unwrap()), &values(v.grad(&gr).unwrap()), 5e-5);
+        if with_sinks {
+            let (a, r) = (sinks.grad(&gf).unwrap(), sinks.grad(&gr).unwrap());
+            assert_close(&format!("{what} dsinks"), &values(a), &values(r), 5e-5);
+        } else {
+            assert!(sinks.grad(&gf).is_none());
+        }
     }
 }
 
@@ -95,9 +115,10 @@ fn attention_matches_the_reference_with_gradients() {
 fn attention_refuses_what_it_does_not_handle() {
     let q = rand([1, 4, 3, 8], 1);
     let k = rand([1, 4, 2, 8], 2); // 3 heads over 2 kv heads
-    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), 1.0, None).is_none());
+    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None).is_none());
     let k = rand([1, 4, 1, 8], 2);
-    assert!(cpu::attention(q, k.clone(), k, 1.0, Some(0)).is_none());
+    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, Some(0)).is_none());
+    assert!(cpu::attention(q, k.clone(), k, Some(rand([2], 3)), 1.0, None).is_none(), "sinks of the wrong length");
 }
 
 #[test]

@@ -192,17 +192,19 @@ fn finish<B: Backend, const D: usize, const N: usize>(
     }
 }
 
-/// Causal grouped-query attention in the projection layout.
+/// Causal grouped-query attention in the projection layout, optionally with per-head sinks.
 ///
 /// # Shapes
-/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`
+/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`; sinks: `[H]`
 /// - output: `[B, S, H, E]`
 ///
-/// `softmax(q k^T * scale)` over keys `q - window < k <= q` (all earlier keys without a window).
+/// `softmax(q k^T * scale)` over keys `q - window < k <= q` (all earlier keys without a window);
+/// with sinks, head `h`'s logit `sinks[h]` joins every row's softmax and its mass is dropped.
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
 ) -> Option<Tensor<B, 4>> {
@@ -211,22 +213,41 @@ pub fn attention<B: Backend>(
     if g == 0 || h % g != 0 || (kb, ks, kd) != (b, s, d) || (vb, vs, vg) != (b, s, g) || window == Some(0) {
         return None;
     }
+    if sinks.as_ref().is_some_and(|t| t.dims() != [h]) {
+        return None;
+    }
     let shape = AttnShape { batch: b, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, window, scale: scale as f32 };
     let (q, k, v) = (take(kind, q)?, take(kind, k)?, take(kind, v)?);
-    let (out, probs) = ops::attention_forward(q.data(), k.data(), v.data(), shape);
+    let sinks = match sinks {
+        Some(t) => Some(take(kind, t)?),
+        None => None,
+    };
+    let (out, probs) = ops::attention_forward(q.data(), k.data(), v.data(), sinks.as_ref().map(Input::data), shape);
     let out = flex(out, &[b, s, h, e]);
     let (qv, kv, vv) = (q.values.clone(), k.values.clone(), v.values.clone());
-    Some(finish::<B, 4, 3>(kind, [&q, &k, &v], out, move |dout, _| {
-        let (dq, dk, dv) = ops::attention_backward(
+    let backward = move |dout: &[f32]| {
+        ops::attention_backward(
             qv.as_slice::<f32>().expect("f32"),
             kv.as_slice::<f32>().expect("f32"),
             vv.as_slice::<f32>().expect("f32"),
             &probs,
             dout,
             shape,
-        );
-        [Some(flex(dq, &[b, s, h, d])), Some(flex(dk, &[b, s, g, d])), Some(flex(dv, &[b, s, g, e]))]
-    }))
+        )
+    };
+    let grads =
+        move |dq, dk, dv| [Some(flex(dq, &[b, s, h, d])), Some(flex(dk, &[b, s, g, d])), Some(flex(dv, &[b, s, g, e]))];
+    Some(match &sinks {
+        None => finish::<B, 4, 3>(kind, [&q, &k, &v], out, move |dout, _| {
+            let (dq, dk, dv, _) = backward(dout);
+            grads(dq, dk, dv)
+        }),
+        Some(sk) => finish::<B, 4, 4>(kind, [&q, &k, &v, sk], out, move |dout, _| {
+            let (dq, dk, dv, ds) = backward(dout);
+            let [a, b2, c] = grads(dq, dk, dv);
+            [a, b2, c, Some(flex(ds, &[h]))]
+        }),
+    })
 }
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w`.

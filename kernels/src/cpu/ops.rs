@@ -128,7 +128,10 @@ impl AttnShape {
 
 /// Forward: returns the output `[B, S, H, E]` and the probabilities `[B, H, S, S]` (zero outside
 /// each row's keys), which the backward reuses.
-pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], a: AttnShape) -> (Vec<f32>, Vec<f32>) {
+///
+/// With `sinks` (`[H]`), each head's sink logit joins every row's softmax and its probability
+/// mass is dropped (GPT-OSS).
+pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: AttnShape) -> (Vec<f32>, Vec<f32>) {
     let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
     let n = h / g;
     let mut out = vec![0f32; batch * s * h * e];
@@ -167,8 +170,12 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], a: AttnShape) -> (Vec<
                 let (rl, rh) = a.row_keys(i);
                 row[lo..rl].fill(0.0);
                 row[rh..hk].fill(0.0);
-                let m = vector::max(&row[rl..rh]);
-                let sum = vector::exp_shifted_sum(&mut row[rl..rh], m);
+                let sink = sinks.map(|x| x[hi]);
+                let m = vector::max(&row[rl..rh]).max(sink.unwrap_or(f32::NEG_INFINITY));
+                let mut sum = vector::exp_shifted_sum(&mut row[rl..rh], m);
+                if let Some(x) = sink {
+                    sum += vector::exp(x - m);
+                }
                 vector::scale(&mut row[rl..rh], 1.0 / sum);
             }
             unsafe {
@@ -194,7 +201,9 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], a: AttnShape) -> (Vec<
 }
 
 /// Backward: from the forward's inputs, its probabilities and the output gradient `[B, S, H, E]`,
-/// the gradients of q, k and v (in their layouts).
+/// the gradients of q, k and v (in their layouts) and of the sink logits `[H]` (whose
+/// probability in row `i` is `1 - sum_j p[i, j]`; their gradient is `-sum_i p_sink(i) * sum_j
+/// p[i, j] dp[i, j]`).
 pub fn attention_backward(
     q: &[f32],
     k: &[f32],
@@ -202,14 +211,15 @@ pub fn attention_backward(
     probs: &[f32],
     dout: &[f32],
     a: AttnShape,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
     let n = h / g;
     let mut dq = vec![0f32; batch * s * h * d];
     let mut dk = vec![0f32; batch * s * g * d];
     let mut dv = vec![0f32; batch * s * g * e];
     let (dq_ptr, dk_ptr, dv_ptr) = (SyncPtr(dq.as_mut_ptr()), SyncPtr(dk.as_mut_ptr()), SyncPtr(dv.as_mut_ptr()));
-    (0..batch * g).into_par_iter().for_each(|bg| {
+    let dsinks = (0..batch * g).into_par_iter().map(|bg| {
+        let mut dsink = vec![0f32; h];
         let (dq_ptr, dk_ptr, dv_ptr) = (dq_ptr, dk_ptr, dv_ptr);
         let (bi, gi) = (bg / g, bg % g);
         let k0 = (bi * s * g + gi) * d;
@@ -248,7 +258,8 @@ pub fn attention_backward(
                     let row = &mut ds[i * s..(i + 1) * s];
                     row[lo..rl].fill(0.0);
                     row[rh..hk].fill(0.0);
-                    vector::softmax_backward_row(&p[i * s + rl..i * s + rh], &mut row[rl..rh]);
+                    let (dot, mass) = vector::softmax_backward_row(&p[i * s + rl..i * s + rh], &mut row[rl..rh]);
+                    dsink[hi] -= (1.0 - mass) * dot;
                 }
                 unsafe {
                     // dQ = scale dS K
@@ -302,8 +313,16 @@ pub fn attention_backward(
                 }
             }
         }
+        dsink
     });
-    (dq, dk, dv)
+    let dsink = dsinks.reduce(
+        || vec![0f32; h],
+        |mut a, b| {
+            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+            a
+        },
+    );
+    (dq, dk, dv, dsink)
 }
 
 /// Rows per parallel task of the row-wise operations.

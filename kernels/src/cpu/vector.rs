@@ -126,28 +126,30 @@ multiversion! {
 }
 
 multiversion! {
-    /// Softmax backward on one row, in place: `d[i] = p[i] * (d[i] - sum_j p[j] d[j])`.
-    pub fn softmax_backward_row(p: &[f32], d: &mut [f32]) {
+    /// Softmax backward on one row, in place: `d[i] = p[i] * (d[i] - sum_j p[j] d[j])`; returns
+    /// `(sum_j p[j] d[j], sum_j p[j])` (the second is below one when a sink took some mass).
+    pub fn softmax_backward_row(p: &[f32], d: &mut [f32]) -> (f32, f32) {
         let mut acc = [0f32; 8];
-        {
-            let cp = p.chunks_exact(8);
-            let cd = d.chunks_exact(8);
-            let (tp, td) = (cp.remainder(), cd.remainder());
-            for (x, y) in cp.zip(cd) {
-                for l in 0..8 {
-                    acc[l] += x[l] * y[l];
-                }
+        let mut mass = [0f32; 8];
+        let cp = p.chunks_exact(8);
+        let cd = d.chunks_exact(8);
+        let (tp, td) = (cp.remainder(), cd.remainder());
+        for (x, y) in cp.zip(cd) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+                mass[l] += x[l];
             }
-            let mut s: f32 = acc.iter().sum();
-            for (x, y) in tp.iter().zip(td) {
-                s += x * y;
-            }
-            acc[0] = s;
         }
-        let s = acc[0];
+        let mut s: f32 = acc.iter().sum();
+        let mut total: f32 = mass.iter().sum();
+        for (x, y) in tp.iter().zip(td) {
+            s += x * y;
+            total += x;
+        }
         for (x, &q) in d.iter_mut().zip(p) {
             *x = q * (*x - s);
         }
+        (s, total)
     }
 }
 
