@@ -94,32 +94,32 @@ impl<B: Backend> GqaAttention<B> {
         // 1. Project and split heads; normalise q and k per head where the family does.
         let mut q = self.q_proj.forward(x.clone()).reshape([b, s, h, d]); // [B, S, H, D]
         let mut k = self.k_proj.forward(x.clone()).reshape([b, s, g, d]); // [B, S, G, D]
+        let v = self.v_proj.forward(x).reshape([b, s, g, d]); // [B, S, G, D]
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(q);
             k = kn.forward(k);
         }
+        let scale = (d as f64).powf(-0.5);
         if disagmoe_kernels::fused::available::<B>() {
             // Fused path (chosen in disagmoe_kernels::fused): everything stays in [B, S, heads, D].
-            let v = self.v_proj.forward(x.clone()).reshape([b, s, g, d]);
-            let scale = (d as f64).powf(-0.5);
             let sinks = self.sinks.as_ref().map(|p| p.val());
             let fused = disagmoe_kernels::fused::rope(q.clone(), cos.clone(), sin.clone())
                 .zip(disagmoe_kernels::fused::rope(k.clone(), cos.clone(), sin.clone()))
-                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v, sinks, scale, self.window));
+                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v.clone(), sinks, scale, self.window));
             if let Some(out) = fused {
                 return self.o_proj.forward(out.reshape([b, s, h * d]));
             }
         }
-        let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2)); // [B, H, S, D], [B, G, S, D]
-        let v = self.v_proj.forward(x).reshape([b, s, g, d]).swap_dims(1, 2); // [B, G, S, D]
-                                                                              // 2. Rotary embedding on q and k.
+        // [B, H, S, D], [B, G, S, D], [B, G, S, D]
+        let (q, k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
+        // 2. Rotary embedding on q and k.
         let q = apply_rotary(q, cos.clone(), sin.clone());
         let k = apply_rotary(k, cos, sin);
         // 3. Share each key/value head among H/G query heads.
         let k = repeat_kv(k, h / g); // [B, H, S, D]
         let v = repeat_kv(v, h / g); // [B, H, S, D]
                                      // 4. Scaled scores, causal (and window) mask, softmax.
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((d as f64).powf(-0.5)); // [B, H, S, S]
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, S]
         let mask = causal_mask::<B>(s, self.window, &scores.device()); // [S, S], true = hidden
         let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
         let probs = match &self.sinks {

@@ -516,33 +516,26 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
 
 /// `y = x w^T`: x `[rows, in]`, w `[out, in]` (PyTorch's layout) -> `[rows, out]`.
 pub fn linear_forward(x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) -> Vec<f32> {
-    // SAFETY: gemm with read_dst false writes all rows x d_out elements.
+    // SAFETY: a product that does not accumulate writes all rows x d_out elements (zeros when
+    // d_in is 0); operands are in bounds.
     unsafe {
         written(rows * d_out, |y| {
-            if d_in == 0 {
-                std::ptr::write_bytes(y, 0, rows * d_out);
-                return;
-            }
-            gemm(
+            let par = parallelism(rows, d_out, d_in);
+            mm_par(
                 rows,
                 d_out,
                 d_in,
                 y,
-                1,
-                d_out as isize,
+                d_out,
                 false,
                 x.as_ptr(),
-                1,
                 d_in as isize,
+                1,
                 w.as_ptr(),
-                d_in as isize,
                 1,
-                0.0,
+                d_in as isize,
                 1.0,
-                false,
-                false,
-                false,
-                parallelism(rows, d_out, d_in),
+                par,
             )
         })
     }
@@ -559,48 +552,49 @@ pub fn linear_backward(
     d_out: usize,
     want: (bool, bool),
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
-    let mm_into = |m: usize,
-                   n: usize,
-                   k: usize,
-                   lhs: *const f32,
-                   lhs_rs: isize,
-                   lhs_cs: isize,
-                   rhs: *const f32,
-                   rhs_rs: isize,
-                   rhs_cs: isize| {
-        // SAFETY: gemm with read_dst false writes all m x n elements; operands are in bounds.
-        unsafe {
-            written(m * n, |dst| {
-                if k == 0 {
-                    std::ptr::write_bytes(dst, 0, m * n);
-                    return;
-                }
-                gemm(
-                    m,
-                    n,
-                    k,
-                    dst,
-                    1,
-                    n as isize,
-                    false,
-                    lhs,
-                    lhs_cs,
-                    lhs_rs,
-                    rhs,
-                    rhs_cs,
-                    rhs_rs,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    parallelism(m, n, k),
-                )
-            })
-        }
-    };
-    let dx = want.0.then(|| mm_into(rows, d_in, d_out, dy.as_ptr(), d_out as isize, 1, w.as_ptr(), d_in as isize, 1));
-    let dw = want.1.then(|| mm_into(d_out, d_in, rows, dy.as_ptr(), 1, d_out as isize, x.as_ptr(), d_in as isize, 1));
+    // SAFETY (both): a product that does not accumulate writes every element of its output.
+    let dx = want.0.then(|| unsafe {
+        written(rows * d_in, |dst| {
+            let par = parallelism(rows, d_in, d_out);
+            mm_par(
+                rows,
+                d_in,
+                d_out,
+                dst,
+                d_in,
+                false,
+                dy.as_ptr(),
+                d_out as isize,
+                1,
+                w.as_ptr(),
+                d_in as isize,
+                1,
+                1.0,
+                par,
+            )
+        })
+    });
+    let dw = want.1.then(|| unsafe {
+        written(d_out * d_in, |dst| {
+            let par = parallelism(d_out, d_in, rows);
+            mm_par(
+                d_out,
+                d_in,
+                rows,
+                dst,
+                d_in,
+                false,
+                dy.as_ptr(),
+                1,
+                d_out as isize,
+                x.as_ptr(),
+                d_in as isize,
+                1,
+                1.0,
+                par,
+            )
+        })
+    });
     (dx, dw)
 }
 
@@ -632,19 +626,13 @@ impl ExpertsShape {
     }
 }
 
-/// Pointers shared by the expert tasks (each writes its own rows / its own expert's slices).
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
 /// Forward of the grouped SwiGLU experts: `ys` `[N, M]` and the saved `g`, `u`, `h` (`[N, I]`).
 pub fn experts_forward(xs: &[f32], gate: &[f32], up: &[f32], down: &[f32], e: &ExpertsShape) -> [Vec<f32>; 4] {
     let (m, i) = (e.width, e.inter);
     let n: usize = e.counts.iter().sum();
     let (mut ys, mut g, mut u, mut h) = (vec![0f32; n * m], vec![0f32; n * i], vec![0f32; n * i], vec![0f32; n * i]);
     let (yp, gp, up_, hp) =
-        (Shared(ys.as_mut_ptr()), Shared(g.as_mut_ptr()), Shared(u.as_mut_ptr()), Shared(h.as_mut_ptr()));
+        (SyncPtr(ys.as_mut_ptr()), SyncPtr(g.as_mut_ptr()), SyncPtr(u.as_mut_ptr()), SyncPtr(h.as_mut_ptr()));
     let starts = e.starts();
     let across = e.across_experts();
     let run = |x: usize| {
@@ -700,7 +688,7 @@ pub fn experts_backward(
     let mut dxs = vec![0f32; n * m];
     let (mut dg_w, mut du_w, mut dd_w) = (vec![0f32; ne * i * m], vec![0f32; ne * i * m], vec![0f32; ne * m * i]);
     let ptrs =
-        (Shared(dxs.as_mut_ptr()), Shared(dg_w.as_mut_ptr()), Shared(du_w.as_mut_ptr()), Shared(dd_w.as_mut_ptr()));
+        (SyncPtr(dxs.as_mut_ptr()), SyncPtr(dg_w.as_mut_ptr()), SyncPtr(du_w.as_mut_ptr()), SyncPtr(dd_w.as_mut_ptr()));
     let starts = e.starts();
     let across = e.across_experts();
     let run = |x: usize| {
