@@ -1,15 +1,60 @@
-//! Fused operations for DisagMoE as Burn custom operations with autodiff, each beside a
-//! reference written in plain Burn tensor operations (in the models), chosen in one place.
+//! Fused operations and kernels for DisagMoE as Burn custom operations with autodiff, each beside
+//! a reference written in plain Burn tensor operations (in the models), chosen in one place
+//! ([`fused`]).
 //!
-//! - [`cpu`] (feature `flex`): attention, RMSNorm, SwiGLU, rotary embedding and cross-entropy for
-//!   Burn's CPU backend, each one pass over memory, parallel over rows or heads.
-//! - CubeCL kernels for GPUs (token dispatch, grouped experts, flash attention) are not written yet
-//!   (their own issue).
+//! - [`cpu`] (feature `flex`): attention, RMSNorm, SwiGLU, rotary embedding, linear, grouped
+//!   experts, token permute/combine, cross-entropy and AdamW for Burn's CPU backend, each one pass
+//!   over memory, parallel over rows or heads.
+//! - [`cube`] (features `wgpu`, `cuda`): CubeCL kernels for token dispatch (a device-side stable
+//!   counting sort, permute, combine), the grouped expert MLP (SwiGLU and GPT-OSS's clamped
+//!   variant with biases) and flash attention (causal, GQA, windows, sinks, MLA's head dims),
+//!   forward and backward, on every CubeCL runtime (CUDA, Vulkan/WebGPU; Mesa's lavapipe in CI).
 //!
 //! This crate must not know about device groups, ranks or transports.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
+
 #[cfg(feature = "flex")]
 pub mod cpu;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod cube;
+
+// 0 = not read yet, 1 = on, 2 = off.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+thread_local! {
+    static THREAD_OVERRIDE: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Switches the fused operations and kernels on or off for the whole process (default: on,
+/// unless the environment variable `DISAGMOE_KERNELS` is `reference`). Off, every model runs its
+/// reference composition of Burn operations.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Overrides [`set_enabled`] on the calling thread (`None` removes the override). Tests use it to
+/// run the reference and the kernel path side by side.
+pub fn set_enabled_for_thread(on: Option<bool>) {
+    THREAD_OVERRIDE.with(|c| c.set(on));
+}
+
+/// Whether the fused operations and kernels are used on this thread.
+pub fn enabled() -> bool {
+    if let Some(on) = THREAD_OVERRIDE.with(Cell::get) {
+        return on;
+    }
+    match ENABLED.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let on = std::env::var("DISAGMOE_KERNELS").map(|v| v != "reference").unwrap_or(true);
+            set_enabled(on);
+            on
+        }
+    }
+}
 
 /// The dispatch the models call: each function runs the fused operation when it applies to the
 /// backend `B` (see [`cpu`]) and returns `None` otherwise, so the caller runs its reference.
@@ -17,8 +62,8 @@ pub mod fused {
     use burn::tensor::backend::Backend;
     use burn::tensor::Tensor;
 
-    /// Whether the fused operations apply to backend `B` on this thread.
-    pub fn available<B: Backend>() -> bool {
+    /// Whether the fused CPU operations apply to backend `B` on this thread.
+    pub fn cpu_available<B: Backend>() -> bool {
         #[cfg(feature = "flex")]
         {
             crate::cpu::available::<B>()
@@ -27,6 +72,36 @@ pub mod fused {
         {
             false
         }
+    }
+
+    /// Whether the CubeCL kernels apply to backend `B` on this thread.
+    pub fn cube_available<B: Backend>() -> bool {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        {
+            crate::cube::available::<B>()
+        }
+        #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+        {
+            false
+        }
+    }
+
+    /// Whether any fused operation or kernel applies to backend `B` on this thread.
+    pub fn available<B: Backend>() -> bool {
+        cpu_available::<B>() || cube_available::<B>()
+    }
+
+    /// Runs the CubeCL kernel `$name` when `B` is a CubeCL backend.
+    macro_rules! cube_or_none {
+        ($name:ident($($a:expr),*)) => {{
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            {
+                if cube_available::<B>() {
+                    return crate::cube::$name($($a),*);
+                }
+            }
+            None
+        }};
     }
 
     macro_rules! forward {
@@ -46,22 +121,65 @@ pub mod fused {
         };
     }
 
-    forward!(
-        /// See [`crate::cpu::attention`]: q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]` -> `[B, S, H, E]`.
-        fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, sinks: Option<Tensor<B, 1>>, scale: f64, window: Option<usize>) -> Tensor<B, 4>
-    );
+    /// Causal (optionally windowed) grouped-query attention with optional per-head sinks: q
+    /// `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]` -> `[B, S, H, E]`
+    /// (`crate::cpu::attention` on flex, `crate::cube::attention` on CubeCL backends).
+    #[allow(unused_variables)]
+    pub fn attention<B: Backend>(
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        sinks: Option<Tensor<B, 1>>,
+        scale: f64,
+        window: Option<usize>,
+    ) -> Option<Tensor<B, 4>> {
+        #[cfg(feature = "flex")]
+        if cpu_available::<B>() {
+            return crate::cpu::attention(q, k, v, sinks, scale, window);
+        }
+        cube_or_none!(attention(q, k, v, sinks, scale, window))
+    }
     forward!(
         /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]`.
         fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2>
     );
-    forward!(
-        /// See [`crate::cpu::permute_rows`]: `[T, M] -> [T k, M]`, row `p` = token `slots[p] / k`.
-        fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Tensor<B, 2>
-    );
-    forward!(
-        /// See [`crate::cpu::combine_rows`]: gate-weighted sum of each token's `k` expert rows.
-        fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Tensor<B, 2>
-    );
+    /// Token rows into expert order: `[T, M] -> [T k, M]`, row `p` = token `slots[p] / k`
+    /// (`crate::cpu::permute_rows` / `crate::cube::permute_rows`).
+    #[allow(unused_variables)]
+    pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+        #[cfg(feature = "flex")]
+        if cpu_available::<B>() {
+            return crate::cpu::permute_rows(x, slots, k);
+        }
+        cube_or_none!(permute_rows(x, slots, k))
+    }
+
+    /// Gate-weighted sum of each token's `k` expert rows back in token order
+    /// (`crate::cpu::combine_rows` / `crate::cube::combine_rows`).
+    #[allow(unused_variables)]
+    pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
+        #[cfg(feature = "flex")]
+        if cpu_available::<B>() {
+            return crate::cpu::combine_rows(ys, weights, slots);
+        }
+        cube_or_none!(combine_rows(ys, weights, slots))
+    }
+
+    /// GPT-OSS's experts (clamped SwiGLU, biases, interleaved gate/up columns) over rows grouped
+    /// by `counts`; CubeCL backends only (`crate::cube::gpt_oss_experts`).
+    #[allow(clippy::too_many_arguments, unused_variables)]
+    pub fn gpt_oss_experts<B: Backend>(
+        xs: Tensor<B, 2>,
+        counts: &[usize],
+        gate_up: Tensor<B, 3>,
+        gate_up_bias: Tensor<B, 2>,
+        down: Tensor<B, 3>,
+        down_bias: Tensor<B, 2>,
+        alpha: f64,
+        limit: f64,
+    ) -> Option<Tensor<B, 2>> {
+        cube_or_none!(gpt_oss_experts(xs, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit))
+    }
     forward!(
         /// See [`crate::cpu::rms_norm`].
         fn rms_norm<B: Backend; const D: usize>(x: Tensor<B, D>, w: Tensor<B, 1>, eps: f64) -> Tensor<B, D>
@@ -84,8 +202,9 @@ pub mod fused {
     ) -> Option<(Tensor<B, D>, Tensor<B, 1>, Tensor<B, 1>)> {
         crate::cpu::adamw(param, grad, moments, s)
     }
-    /// See [`crate::cpu::swiglu_experts`]: rows of `xs` grouped by `counts`, per expert
-    /// `(gate [I, M], up [I, M], down [M, I])`.
+    /// `E` SwiGLU experts over rows of `xs` grouped by `counts`, per expert
+    /// `(gate [I, M], up [I, M], down [M, I])` (`crate::cpu::swiglu_experts` /
+    /// `crate::cube::swiglu_experts`).
     #[allow(unused_variables, clippy::type_complexity)]
     pub fn swiglu_experts<B: Backend>(
         xs: Tensor<B, 2>,
@@ -93,13 +212,10 @@ pub mod fused {
         experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
     ) -> Option<Tensor<B, 2>> {
         #[cfg(feature = "flex")]
-        {
-            crate::cpu::swiglu_experts(xs, counts, experts)
+        if cpu_available::<B>() {
+            return crate::cpu::swiglu_experts(xs, counts, experts);
         }
-        #[cfg(not(feature = "flex"))]
-        {
-            None
-        }
+        cube_or_none!(swiglu_experts(xs, counts, experts))
     }
 
     /// See [`crate::cpu::sum_squares`].

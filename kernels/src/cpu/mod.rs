@@ -21,8 +21,6 @@ mod ops;
 pub mod vector;
 
 use std::any::{Any, TypeId};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -40,40 +38,7 @@ pub use vector::AdamWScalars;
 
 type Ad = Autodiff<Flex>;
 
-// 0 = not read yet, 1 = on, 2 = off.
-static ENABLED: AtomicU8 = AtomicU8::new(0);
-
-thread_local! {
-    static THREAD_OVERRIDE: Cell<Option<bool>> = const { Cell::new(None) };
-}
-
-/// Switches the fused operations on or off for the whole process (default: on, unless the
-/// environment variable `DISAGMOE_KERNELS` is `reference`).
-pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-}
-
-/// Overrides [`set_enabled`] on the calling thread (`None` removes the override). Tests use it to
-/// run the reference and the fused path side by side.
-pub fn set_enabled_for_thread(on: Option<bool>) {
-    THREAD_OVERRIDE.with(|c| c.set(on));
-}
-
-/// Whether the fused operations are used on this thread.
-pub fn enabled() -> bool {
-    if let Some(on) = THREAD_OVERRIDE.with(Cell::get) {
-        return on;
-    }
-    match ENABLED.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var("DISAGMOE_KERNELS").map(|v| v != "reference").unwrap_or(true);
-            set_enabled(on);
-            on
-        }
-    }
-}
+pub use crate::{enabled, set_enabled, set_enabled_for_thread};
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {

@@ -1,0 +1,280 @@
+//! Token dispatch: the device-side counting sort of the router's choices, and the permute /
+//! combine operations that move token rows into expert order and back.
+
+use burn::backend::autodiff::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use burn_cubecl::tensor::CubeTensor;
+
+use super::{elemwise, empty, finish, kernels, on_cube, take, upload_u32, zeros, Cube, Kind};
+
+/// Slots per block of the counting sort's histogram pass.
+const BLOCK: usize = 256;
+/// Most experts [`route`] sorts (one cube scans the per-expert totals in shared memory).
+pub const MAX_ROUTED_EXPERTS: usize = 1024;
+
+/// The expert-sorted order of `N = T k` routed copies, computed on the device.
+#[derive(Debug, Clone)]
+pub struct Routing<B: Backend> {
+    /// Copies per expert, `[E]`.
+    pub counts: Tensor<B, 1, Int>,
+    /// Where each expert's rows start, `[E + 1]` (the last entry is `N`).
+    pub offsets: Tensor<B, 1, Int>,
+    /// For each token-major slot `t k + j`, its sorted position, `[N]`.
+    pub dest: Tensor<B, 1, Int>,
+    /// For each sorted position, the slot it came from, `[N]` (what
+    /// `disagmoe_models::moe::Dispatch::slots` holds).
+    pub src: Tensor<B, 1, Int>,
+}
+
+/// A stable counting sort of the router's choices by expert, on the device: from the token-major
+/// expert ids (`ids[t k + j]`, each in `0..experts`) the per-expert counts and offsets and the
+/// permutation both ways. Ties keep slot order, so it agrees with the host-side sort exactly.
+///
+/// Three passes: per-(expert, block of 256 slots) counts; one cube turns them into each block's
+/// first position (prefix sums over blocks, then over experts); each (expert, block) places its
+/// slots in order. `None` off CubeCL backends or for more than [`MAX_ROUTED_EXPERTS`] experts.
+/// Ids outside `0..experts` are not placed (the caller's router guarantees the range).
+///
+/// # Shapes
+/// - ids: `[N]` -> counts `[E]`, offsets `[E + 1]`, dest `[N]`, src `[N]`
+pub fn route<B: Backend>(ids: Tensor<B, 1, Int>, experts: usize) -> Option<Routing<B>> {
+    on_cube!(B, route_on(ids, experts))
+}
+
+fn int_in<B: Backend, C: Cube>(kind: Kind, t: Tensor<B, 1, Int>) -> CubeTensor<C::R> {
+    match kind {
+        Kind::Plain => super::cast::<_, Tensor<C, 1, Int>>(t).into_primitive(),
+        Kind::Autodiff => super::cast::<_, Tensor<Autodiff<C>, 1, Int>>(t).into_primitive(),
+    }
+}
+
+fn int_out<B: Backend, C: Cube>(kind: Kind, t: CubeTensor<C::R>) -> Tensor<B, 1, Int> {
+    match kind {
+        Kind::Plain => super::cast(Tensor::<C, 1, Int>::from_primitive(t)),
+        Kind::Autodiff => super::cast(Tensor::<Autodiff<C>, 1, Int>::from_primitive(t)),
+    }
+}
+
+fn route_on<B: Backend, C: Cube>(kind: Kind, ids: Tensor<B, 1, Int>, experts: usize) -> Option<Routing<B>> {
+    if experts == 0 || experts > MAX_ROUTED_EXPERTS {
+        return None;
+    }
+    let ids = super::contiguous(int_in::<B, C>(kind, ids));
+    let n = ids.meta.shape().num_elements();
+    let dtype = ids.dtype;
+    let nblocks = n.div_ceil(BLOCK).max(1);
+    let hist = empty(&ids, &[experts * nblocks], burn::tensor::DType::U32);
+    let counts = empty(&ids, &[experts], dtype);
+    let offsets = empty(&ids, &[experts + 1], dtype);
+    let dest = empty(&ids, &[n.max(1)], dtype);
+    let src = empty(&ids, &[n.max(1)], dtype);
+    let client = ids.client.clone();
+    let (count, dim) = elemwise(&ids, experts * nblocks);
+    kernels::route_hist::launch::<C::R>(
+        &client,
+        count.clone(),
+        dim,
+        ids.clone().into_tensor_arg(),
+        hist.clone().into_tensor_arg(),
+        n as u32,
+        experts as u32,
+        BLOCK as u32,
+        dtype.into(),
+    );
+    let units = client.properties().hardware.max_units_per_cube.clamp(1, 256);
+    kernels::route_scan::launch::<C::R>(
+        &client,
+        cubecl::CubeCount::Static(1, 1, 1),
+        cubecl::CubeDim::new_1d(units),
+        hist.clone().into_tensor_arg(),
+        counts.clone().into_tensor_arg(),
+        offsets.clone().into_tensor_arg(),
+        nblocks as u32,
+        experts as u32,
+        dtype.into(),
+    );
+    kernels::route_scatter::launch::<C::R>(
+        &client,
+        count,
+        dim,
+        ids.into_tensor_arg(),
+        hist.into_tensor_arg(),
+        dest.clone().into_tensor_arg(),
+        src.clone().into_tensor_arg(),
+        n as u32,
+        experts as u32,
+        BLOCK as u32,
+        dtype.into(),
+    );
+    let (dest, src) = if n == 0 {
+        // Keep the documented `[0]` shapes for an empty batch.
+        (empty(&dest, &[0], dtype), empty(&src, &[0], dtype))
+    } else {
+        (dest, src)
+    };
+    Some(Routing {
+        counts: int_out::<B, C>(kind, counts),
+        offsets: int_out::<B, C>(kind, offsets),
+        dest: int_out::<B, C>(kind, dest),
+        src: int_out::<B, C>(kind, src),
+    })
+}
+
+/// `slots` (sorted position -> token-major slot) as `u32`, with its inverse; `None` when it is not
+/// a permutation of `0..n`.
+fn permutation(slots: &[usize], n: usize) -> Option<(Vec<u32>, Vec<u32>)> {
+    if slots.len() != n || n > u32::MAX as usize {
+        return None;
+    }
+    let mut dest = vec![u32::MAX; n];
+    for (p, &s) in slots.iter().enumerate() {
+        if s >= n || dest[s] != u32::MAX {
+            return None;
+        }
+        dest[s] = p as u32;
+    }
+    Some((slots.iter().map(|&s| s as u32).collect(), dest))
+}
+
+/// Gathers each token once per chosen expert, in expert order: row `p` of the output is token
+/// `slots[p] / k`. Backward: each token's gradient is the sum of its `k` rows' (a gather).
+///
+/// # Shapes
+/// - x: `[T, M]`, slots: a permutation of `0..T k` -> `[T k, M]`
+pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+    on_cube!(B, permute_on(x, slots, k))
+}
+
+fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+    let [t, m] = x.dims();
+    let n = t * k;
+    if k == 0 || n == 0 || m == 0 {
+        return None;
+    }
+    let (src, dest) = permutation(slots, n)?;
+    let x = take::<B, C, 2>(kind, x)?;
+    let dtype = x.t.dtype;
+    let src = upload_u32(&x.t, &src);
+    let dest = upload_u32(&x.t, &dest);
+    let out = empty(&x.t, &[n, m], dtype);
+    let (count, dim) = elemwise(&x.t, n * m);
+    kernels::permute_rows::launch::<C::R>(
+        &x.t.client,
+        count,
+        dim,
+        x.t.clone().into_tensor_arg(),
+        src.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        m as u32,
+        k as u32,
+        dtype.into(),
+    );
+    Some(finish::<B, C, 2, 1>(kind, [&x], out, move |dy, wanted| {
+        if !wanted[0] {
+            return [None];
+        }
+        let dx = empty(&dy, &[t, m], dtype);
+        let (count, dim) = elemwise(&dy, t * m);
+        kernels::unpermute_sum::launch::<C::R>(
+            &dy.client.clone(),
+            count,
+            dim,
+            dy.into_tensor_arg(),
+            dest.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            m as u32,
+            k as u32,
+            dtype.into(),
+        );
+        [Some(dx)]
+    }))
+}
+
+/// Weights each expert output row by its gate and sums each token's `k` rows back in token
+/// order. Backward: the rows' gradient (gate times the token's gradient) and the gates'
+/// (a dot product per slot).
+///
+/// # Shapes
+/// - ys: `[T k, M]` in expert order; weights: `[T, k]`; slots as in [`permute_rows`] -> `[T, M]`
+pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
+    on_cube!(B, combine_on(ys, weights, slots))
+}
+
+fn combine_on<B: Backend, C: Cube>(
+    kind: Kind,
+    ys: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    slots: &[usize],
+) -> Option<Tensor<B, 2>> {
+    let [n, m] = ys.dims();
+    let [t, k] = weights.dims();
+    if n != t * k || n == 0 || m == 0 {
+        return None;
+    }
+    let (src, dest) = permutation(slots, n)?;
+    let ys = take::<B, C, 2>(kind, ys)?;
+    let w = take::<B, C, 2>(kind, weights)?;
+    let dtype = ys.t.dtype;
+    if w.t.dtype != dtype {
+        return None;
+    }
+    let src = upload_u32(&ys.t, &src);
+    let dest = upload_u32(&ys.t, &dest);
+    let out = empty(&ys.t, &[t, m], dtype);
+    let (count, dim) = elemwise(&ys.t, t * m);
+    kernels::combine_rows::launch::<C::R>(
+        &ys.t.client,
+        count,
+        dim,
+        ys.t.clone().into_tensor_arg(),
+        w.t.clone().into_tensor_arg(),
+        dest.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        m as u32,
+        k as u32,
+        dtype.into(),
+    );
+    let (ys_saved, w_saved) = (ys.t.clone(), w.t.clone());
+    Some(finish::<B, C, 2, 2>(kind, [&ys, &w], out, move |dout, wanted| {
+        let client = dout.client.clone();
+        let dys = wanted[0].then(|| {
+            let dys = empty(&dout, &[n, m], dtype);
+            let (count, dim) = elemwise(&dout, n * m);
+            kernels::combine_grad_rows::launch::<C::R>(
+                &client,
+                count,
+                dim,
+                dout.clone().into_tensor_arg(),
+                w_saved.clone().into_tensor_arg(),
+                src.clone().into_tensor_arg(),
+                dys.clone().into_tensor_arg(),
+                m as u32,
+                k as u32,
+                dtype.into(),
+            );
+            dys
+        });
+        let dw = wanted[1].then(|| {
+            let dw = zeros(&dout, &[t, k], dtype);
+            const UNITS: usize = 64;
+            let x = n.min(65_535);
+            let y = n.div_ceil(x);
+            kernels::combine_grad_weights::launch::<C::R>(
+                &client,
+                cubecl::CubeCount::Static(x as u32, y as u32, 1),
+                cubecl::CubeDim::new_1d(UNITS as u32),
+                dout.clone().into_tensor_arg(),
+                ys_saved.clone().into_tensor_arg(),
+                dest.clone().into_tensor_arg(),
+                dw.clone().into_tensor_arg(),
+                m as u32,
+                k as u32,
+                UNITS,
+                dtype.into(),
+            );
+            dw
+        });
+        [dys, dw]
+    }))
+}

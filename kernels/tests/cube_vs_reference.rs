@@ -1,0 +1,393 @@
+//! Each CubeCL kernel against a reference written in plain Burn operations, on Burn's WebGPU/
+//! Vulkan runtime (in CI: Mesa's lavapipe, a CPU Vulkan driver) or on CUDA: outputs and the
+//! gradients of every input, on awkward cases (experts with no token, one expert with every
+//! token, sizes that are not multiples of the 64-wide tiles, sequences not a multiple of the
+//! attention tile, GQA ratios 1/2/4, windows shorter than the sequence, sinks on and off, value
+//! head dim != key head dim), in f32 and, where the runtime has it, f16.
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+use burn::backend::Autodiff;
+use burn::tensor::activation::{sigmoid, silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
+use disagmoe_kernels::cube;
+
+#[cfg(feature = "cuda")]
+type Inner = cube::CudaCube;
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+type Inner = cube::WgpuCube;
+type B = Autodiff<Inner>;
+
+fn values<const D: usize>(t: Tensor<impl Backend, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0f32, f32::max);
+    assert!(worst <= tol, "{what}: worst relative difference {worst:e} > {tol:e}");
+    assert!(got.iter().all(|x| x.is_finite()), "{what}: not finite");
+}
+
+fn device() -> burn::tensor::Device<B> {
+    Default::default()
+}
+
+/// Deterministic pseudo-random values (the same on every runtime).
+fn rand<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    let n: usize = shape.iter().product();
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * 1.7
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(v, shape), &device())
+}
+
+fn f16_supported() -> bool {
+    <Inner as Backend>::supports_dtype(&device(), DType::F16)
+}
+
+/// Causal (windowed) GQA attention in `[B, S, H, D]` layout, built from Burn operations.
+fn reference_attention(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    window: Option<usize>,
+) -> Tensor<B, 4> {
+    let [b, s, h, _] = q.dims();
+    let g = k.dims()[2];
+    let rep = |x: Tensor<B, 4>| {
+        let [_, _, _, d] = x.dims();
+        let x = x.swap_dims(1, 2); // [B, G, S, D]
+        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, s, d]).reshape([b, h, s, d])
+    };
+    let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    let w = window.unwrap_or(usize::MAX);
+    let mask: Vec<bool> = (0..s * s).map(|ij| (ij % s) > (ij / s) || (ij / s) - (ij % s) >= w).collect();
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, s]), &device());
+    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
+    let probs = match sinks {
+        Some(sinks) => {
+            let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
+            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s)
+        }
+        None => softmax(scores, 3),
+    };
+    probs.matmul(v).swap_dims(1, 2)
+}
+
+#[test]
+fn attention_matches_the_reference_with_gradients() {
+    // (batch, seq, heads, kv heads, qk dim, v dim, window, sinks)
+    let cases = [
+        (2, 70, 4, 4, 8, 8, None, false),
+        (1, 130, 4, 2, 16, 12, None, false),
+        (2, 70, 8, 2, 8, 8, Some(5), false),
+        (1, 67, 4, 1, 6, 10, Some(100), false),
+        (1, 1, 2, 1, 4, 4, None, false),
+        (2, 70, 4, 2, 8, 8, None, true),
+        (1, 67, 8, 2, 6, 6, Some(3), true),
+    ];
+    for (i, &(b, s, h, g, d, e, window, with_sinks)) in cases.iter().enumerate() {
+        let seed = 10 * i as u64;
+        let q = rand([b, s, h, d], seed).require_grad();
+        let k = rand([b, s, g, d], seed + 1).require_grad();
+        let v = rand([b, s, g, e], seed + 2).require_grad();
+        let sinks = with_sinks.then(|| rand([h], seed + 3).require_grad());
+        let scale = 1.0 / (d as f64).sqrt();
+        let probe = rand([b, s, h, e], seed + 4);
+        let what = format!("case {i} {:?}", cases[i]);
+        let got = cube::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window).unwrap();
+        let want = reference_attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window);
+        assert_close(&format!("{what} output"), &values(got.clone()), &values(want.clone()), 1e-4);
+        let gk = (got * probe.clone()).sum().backward();
+        let gr = (want * probe).sum().backward();
+        for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            assert_close(&format!("{what} {name}"), &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 2e-4);
+        }
+        if let Some(sk) = &sinks {
+            assert_close(
+                &format!("{what} dsinks"),
+                &values(sk.grad(&gk).unwrap()),
+                &values(sk.grad(&gr).unwrap()),
+                2e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_in_half_precision_accumulates_in_f32() {
+    if !f16_supported() {
+        eprintln!("skipped: this runtime has no f16 (the f32 tests cover the kernels)");
+        return;
+    }
+    let (b, s, h, g, d) = (1, 70, 4, 2, 16);
+    let half = |t: Tensor<B, 4>| t.cast(FloatDType::F16);
+    let (q, k, v) = (rand([b, s, h, d], 1), rand([b, s, g, d], 2), rand([b, s, g, d], 3));
+    let (q, k, v) = (half(q).require_grad(), half(k).require_grad(), half(v).require_grad());
+    let full = |t: &Tensor<B, 4>| t.clone().cast(FloatDType::F32);
+    let got = cube::attention(q.clone(), k.clone(), v.clone(), None, 0.25, Some(9)).unwrap();
+    assert_eq!(got.dtype(), DType::F16);
+    let want = reference_attention(full(&q), full(&k), full(&v), None, 0.25, Some(9));
+    assert_close("f16 attention", &values(got.clone()), &values(want), 1e-2);
+    let grads = got.sum().backward();
+    let dq = q.grad(&grads).unwrap();
+    assert_eq!(dq.dtype(), DType::F16);
+    assert!(values(dq).iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn attention_refuses_what_it_does_not_handle() {
+    let q = rand([1, 4, 3, 8], 1);
+    let k = rand([1, 4, 2, 8], 2); // 3 heads over 2 kv heads
+    assert!(cube::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None).is_none());
+    let k = rand([1, 4, 1, 300], 3); // head dim over the register budget
+    let q = rand([1, 4, 1, 300], 4);
+    assert!(cube::attention(q, k.clone(), k, None, 1.0, None).is_none());
+}
+
+/// The host-side stable counting sort the models use.
+fn host_sort(ids: &[usize], experts: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut counts = vec![0usize; experts];
+    for &e in ids {
+        counts[e] += 1;
+    }
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by_key(|&s| ids[s]);
+    (counts, order)
+}
+
+fn ints(t: Tensor<B, 1, Int>) -> Vec<usize> {
+    t.into_data().convert::<i64>().to_vec::<i64>().unwrap().into_iter().map(|x| x as usize).collect()
+}
+
+#[test]
+fn routing_is_the_stable_counting_sort() {
+    // (tokens, k, experts, rule): expert 1 gets nothing; one expert gets everything; more slots
+    // than one 256-slot block, not a multiple of it.
+    let cases: [(usize, usize, usize, fn(usize) -> usize); 4] = [
+        (5, 2, 3, |s| [0, 2, 2, 0, 2, 0, 2, 0, 0, 2][s]),
+        (300, 2, 8, |_| 5),
+        (777, 3, 64, |s| (s * 7919 + s / 3) % 61),
+        (1, 1, 1, |_| 0),
+    ];
+    for (t, k, experts, rule) in cases {
+        let ids: Vec<usize> = (0..t * k).map(rule).collect();
+        let tensor = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(ids.iter().map(|&x| x as i32).collect::<Vec<_>>(), [t * k]),
+            &device(),
+        );
+        let r = cube::route(tensor, experts).unwrap();
+        let (counts, order) = host_sort(&ids, experts);
+        assert_eq!(ints(r.counts), counts, "counts ({t}, {k}, {experts})");
+        let mut offsets = vec![0];
+        for c in &counts {
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        assert_eq!(ints(r.offsets), offsets, "offsets");
+        assert_eq!(ints(r.src), order, "src (stable)");
+        let dest = ints(r.dest);
+        for (p, &s) in order.iter().enumerate() {
+            assert_eq!(dest[s], p, "dest is the inverse");
+        }
+    }
+}
+
+#[test]
+fn token_permute_and_combine_match_the_reference_with_gradients() {
+    for (t, k, m, experts) in [(5, 2, 7, 3), (97, 4, 130, 6)] {
+        let ids: Vec<usize> =
+            (0..t * k).map(|s| if experts == 3 { [0, 2][s % 2] } else { (s * 5 + s / 7) % experts }).collect();
+        let (_, slots) = host_sort(&ids, experts);
+        let x = rand([t, m], 30).require_grad();
+        let w = rand([t, k], 31).require_grad();
+        let tokens = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(slots.iter().map(|&s| (s / k) as i32).collect::<Vec<_>>(), [t * k]),
+            &device(),
+        );
+        let got = cube::permute_rows(x.clone(), &slots, k).unwrap();
+        let want = x.clone().select(0, tokens.clone());
+        assert_close("permute output", &values(got.clone()), &values(want.clone()), 0.0);
+        let probe = rand([t * k, m], 32);
+        let gk = (got * probe.clone()).sum().backward();
+        let gr = (want * probe).sum().backward();
+        assert_close("permute dx", &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 1e-5);
+
+        let ys = rand([t * k, m], 33).require_grad();
+        let got = cube::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+        let slot_idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(slots.iter().map(|&s| s as i32).collect::<Vec<_>>(), [t * k]),
+            &device(),
+        );
+        let wr = w.clone().reshape([t * k]).select(0, slot_idx).reshape([t * k, 1]);
+        let want = Tensor::<B, 2>::zeros([t, m], &device()).select_assign(
+            0,
+            tokens,
+            ys.clone() * wr,
+            burn::tensor::IndexingUpdateOp::Add,
+        );
+        assert_close("combine output", &values(got.clone()), &values(want.clone()), 1e-5);
+        let probe = rand([t, m], 34);
+        let gk = (got * probe.clone()).sum().backward();
+        let gr = (want * probe).sum().backward();
+        assert_close("combine dys", &values(ys.grad(&gk).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-5);
+        assert_close("combine dw", &values(w.grad(&gk).unwrap()), &values(w.grad(&gr).unwrap()), 1e-4);
+        let mut bad = slots.clone();
+        bad[0] = bad[1];
+        assert!(cube::permute_rows(x, &bad, k).is_none(), "not a permutation: refused");
+    }
+}
+
+/// The gradient of `p`, zeros where autodiff has none (an expert that got no row).
+fn grad_or_zeros<const D: usize>(
+    p: &Tensor<B, D>,
+    g: &<B as burn::tensor::backend::AutodiffBackend>::Gradients,
+) -> Vec<f32> {
+    match p.grad(g) {
+        Some(x) => values(x),
+        None => vec![0.0; p.shape().num_elements()],
+    }
+}
+
+#[test]
+fn swiglu_experts_match_the_per_expert_reference_with_gradients() {
+    // Hidden and intermediate sizes that are not multiples of the 64-wide tiles; experts with no
+    // row, one expert with every row, many row tiles for one expert.
+    let (m, i) = (40, 72);
+    for counts in [vec![0usize, 37, 0, 3, 1], vec![0, 0, 141], vec![5, 4, 3, 2, 1, 6, 7, 1]] {
+        let n: usize = counts.iter().sum();
+        let xs = rand([n, m], 40).require_grad();
+        let experts: Vec<_> = (0..counts.len() as u64)
+            .map(|e| {
+                (
+                    rand([i, m], 50 + e).mul_scalar(0.3).require_grad(),
+                    rand([i, m], 70 + e).mul_scalar(0.3).require_grad(),
+                    rand([m, i], 90 + e).mul_scalar(0.3).require_grad(),
+                )
+            })
+            .collect();
+        let probe = rand([n, m], 41);
+        let got = cube::swiglu_experts(xs.clone(), &counts, &experts).unwrap();
+        let mut outs = Vec::new();
+        let mut start = 0;
+        for (e, &c) in counts.iter().enumerate() {
+            if c > 0 {
+                let x = xs.clone().narrow(0, start, c);
+                let (g, u, d) = &experts[e];
+                let h = silu(x.clone().matmul(g.clone().transpose())) * x.matmul(u.clone().transpose());
+                outs.push(h.matmul(d.clone().transpose()));
+            }
+            start += c;
+        }
+        let want = Tensor::cat(outs, 0);
+        assert_close(&format!("{counts:?} output"), &values(got.clone()), &values(want.clone()), 1e-4);
+        let gk = (got * probe.clone()).sum().backward();
+        let gr = (want * probe).sum().backward();
+        assert_close("experts dxs", &values(xs.grad(&gk).unwrap()), &values(xs.grad(&gr).unwrap()), 1e-4);
+        for (e, (g, u, d)) in experts.iter().enumerate() {
+            for (name, p) in [("gate", g), ("up", u), ("down", d)] {
+                assert_close(
+                    &format!("{counts:?} expert {e} {name}"),
+                    &grad_or_zeros(p, &gk),
+                    &grad_or_zeros(p, &gr),
+                    1e-4,
+                );
+            }
+        }
+    }
+}
+
+fn clamped_swiglu(gate_up: Tensor<B, 2>, alpha: f64, limit: f64) -> Tensor<B, 2> {
+    let [n, two_i] = gate_up.dims();
+    let pairs = gate_up.reshape([n, two_i / 2, 2]);
+    let gate = pairs.clone().narrow(2, 0, 1).reshape([n, two_i / 2]).clamp_max(limit);
+    let up = pairs.narrow(2, 1, 1).reshape([n, two_i / 2]).clamp(-limit, limit);
+    let glu = gate.clone() * sigmoid(gate.mul_scalar(alpha));
+    up.add_scalar(1.0) * glu
+}
+
+#[test]
+fn gpt_oss_experts_match_the_reference_with_gradients() {
+    let (m, i, alpha, limit) = (24, 36, 1.702, 1.5);
+    for counts in [vec![0usize, 70, 0, 5], vec![3, 1, 9, 2]] {
+        let (e, n) = (counts.len(), counts.iter().sum::<usize>());
+        let xs = rand([n, m], 60).require_grad();
+        let gu = rand([e, m, 2 * i], 61).mul_scalar(0.4).require_grad();
+        let gub = rand([e, 2 * i], 62).mul_scalar(0.4).require_grad();
+        let dp = rand([e, i, m], 63).mul_scalar(0.4).require_grad();
+        let dpb = rand([e, m], 64).mul_scalar(0.4).require_grad();
+        let got =
+            cube::gpt_oss_experts(xs.clone(), &counts, gu.clone(), gub.clone(), dp.clone(), dpb.clone(), alpha, limit)
+                .unwrap();
+        let mut outs = Vec::new();
+        let mut start = 0;
+        for (x, &c) in counts.iter().enumerate() {
+            if c > 0 {
+                let rows = xs.clone().narrow(0, start, c);
+                let w = gu.clone().narrow(0, x, 1).reshape([m, 2 * i]);
+                let h = clamped_swiglu(rows.matmul(w) + gub.clone().narrow(0, x, 1), alpha, limit);
+                outs.push(h.matmul(dp.clone().narrow(0, x, 1).reshape([i, m])) + dpb.clone().narrow(0, x, 1));
+            }
+            start += c;
+        }
+        let want = Tensor::cat(outs, 0);
+        assert_close(&format!("{counts:?} output"), &values(got.clone()), &values(want.clone()), 1e-4);
+        let probe = rand([n, m], 65);
+        let gk = (got * probe.clone()).sum().backward();
+        let gr = (want * probe).sum().backward();
+        assert_close("dxs", &values(xs.grad(&gk).unwrap()), &values(xs.grad(&gr).unwrap()), 1e-4);
+        assert_close("d gate_up", &grad_or_zeros(&gu, &gk), &grad_or_zeros(&gu, &gr), 1e-4);
+        assert_close("d gate_up_bias", &grad_or_zeros(&gub, &gk), &grad_or_zeros(&gub, &gr), 1e-4);
+        assert_close("d down", &grad_or_zeros(&dp, &gk), &grad_or_zeros(&dp, &gr), 1e-4);
+        assert_close("d down_bias", &grad_or_zeros(&dpb, &gk), &grad_or_zeros(&dpb, &gr), 1e-4);
+    }
+}
+
+#[test]
+fn experts_in_half_precision_accumulate_in_f32() {
+    if !f16_supported() {
+        eprintln!("skipped: this runtime has no f16 (the f32 tests cover the kernels)");
+        return;
+    }
+    let (m, i, counts) = (40, 72, vec![0usize, 90, 7]);
+    let n: usize = counts.iter().sum();
+    let xs = rand([n, m], 1);
+    let experts: Vec<_> = (0..3u64)
+        .map(|e| {
+            (
+                rand([i, m], 10 + e).mul_scalar(0.3),
+                rand([i, m], 20 + e).mul_scalar(0.3),
+                rand([m, i], 30 + e).mul_scalar(0.3),
+            )
+        })
+        .collect();
+    let half = |t: &Tensor<B, 2>| t.clone().cast(FloatDType::F16).cast(FloatDType::F32);
+    let halves: Vec<_> = experts.iter().map(|(g, u, d)| (half(g), half(u), half(d))).collect();
+    let want = cube::swiglu_experts(half(&xs), &counts, &halves).unwrap();
+    let h16 = |t: &Tensor<B, 2>| t.clone().cast(FloatDType::F16);
+    let e16: Vec<_> = experts.iter().map(|(g, u, d)| (h16(g), h16(u), h16(d))).collect();
+    let got = cube::swiglu_experts(h16(&xs), &counts, &e16).unwrap();
+    assert_eq!(got.dtype(), DType::F16);
+    assert_close("f16 experts", &values(got), &values(want), 2e-2);
+}
+
+#[test]
+fn the_switches_turn_the_kernels_off() {
+    let q = rand([1, 4, 2, 8], 1);
+    disagmoe_kernels::set_enabled_for_thread(Some(false));
+    assert!(cube::attention(q.clone(), q.clone(), q.clone(), None, 1.0, None).is_none());
+    assert!(!disagmoe_kernels::fused::available::<B>());
+    disagmoe_kernels::set_enabled_for_thread(None);
+    assert!(disagmoe_kernels::fused::available::<B>());
+    assert!(cube::attention(q.clone(), q.clone(), q, None, 1.0, None).is_some());
+}
