@@ -102,10 +102,20 @@ impl<B: Backend> GqaAttention<B> {
         let scale = (d as f64).powf(-0.5);
         if disagmoe_kernels::fused::available::<B>() {
             // Fused path (chosen in disagmoe_kernels::fused): everything stays in [B, S, heads, D].
+            // Rotary embedding fused where there is a fused one (CPU), else Burn's in this layout.
             let sinks = self.sinks.as_ref().map(|p| p.val());
-            let fused = disagmoe_kernels::fused::rope(q.clone(), cos.clone(), sin.clone())
-                .zip(disagmoe_kernels::fused::rope(k.clone(), cos.clone(), sin.clone()))
-                .and_then(|(qr, kr)| disagmoe_kernels::fused::attention(qr, kr, v.clone(), sinks, scale, self.window));
+            let rope = |x: Tensor<B, 4>| {
+                disagmoe_kernels::fused::rope(x.clone(), cos.clone(), sin.clone())
+                    .unwrap_or_else(|| apply_rotary(x, cos.clone().swap_dims(1, 2), sin.clone().swap_dims(1, 2)))
+            };
+            let fused = disagmoe_kernels::fused::attention(
+                rope(q.clone()),
+                rope(k.clone()),
+                v.clone(),
+                sinks,
+                scale,
+                self.window,
+            );
             if let Some(out) = fused {
                 return self.o_proj.forward(out.reshape([b, s, h * d]));
             }

@@ -69,7 +69,7 @@ pub fn lm_logits<B: Backend>(x: Tensor<B, 3>, head: Option<&Linear<B>>, embed: &
 /// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
 pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [b, s, v] = logits.dims();
-    if disagmoe_kernels::fused::available::<B>() && s >= 2 {
+    if disagmoe_kernels::fused::cpu_available::<B>() && s >= 2 {
         let labels: Option<Vec<usize>> = ids
             .clone()
             .narrow(1, 1, s - 1)

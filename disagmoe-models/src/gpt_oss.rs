@@ -295,6 +295,19 @@ impl<B: Backend> Experts<B> for GptOssExperts<B> {
         let i = two_i / 2;
         let (gu, gub, dp, dpb) =
             (self.gate_up_proj.val(), self.gate_up_proj_bias.val(), self.down_proj.val(), self.down_proj_bias.val());
+        // The grouped kernel where there is one (CubeCL backends), chosen in disagmoe_kernels::fused.
+        if let Some(ys) = disagmoe_kernels::fused::gpt_oss_experts(
+            xs.clone(),
+            counts,
+            gu.clone(),
+            gub.clone(),
+            dp.clone(),
+            dpb.clone(),
+            self.alpha,
+            self.limit,
+        ) {
+            return ys;
+        }
         map_groups(xs, counts, |e, x| {
             let w = gu.clone().narrow(0, e, 1).reshape([m, two_i]);
             let b = gub.clone().narrow(0, e, 1); // [1, 2I]

@@ -173,7 +173,7 @@ impl<B: AutodiffBackend> StepMapper<'_, B> {
         tensor: Tensor<B, D>,
         grad: Tensor<B::InnerBackend, D>,
     ) -> std::result::Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B::InnerBackend, D>)> {
-        if !disagmoe_kernels::fused::available::<B::InnerBackend>() {
+        if !disagmoe_kernels::fused::cpu_available::<B::InnerBackend>() {
             return Err((tensor, grad));
         }
         let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;

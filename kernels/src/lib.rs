@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub mod cpu;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
+pub mod reference;
 
 // 0 = not read yet, 1 = on, 2 = off.
 static ENABLED: AtomicU8 = AtomicU8::new(0);

@@ -25,6 +25,7 @@ pub mod kernels;
 mod route;
 
 use std::any::{Any, TypeId};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -185,6 +186,14 @@ impl<C: Cube, const N: usize> Backward<C, N> for KernelOp<N> {
     }
 }
 
+static OPS_RUN: AtomicUsize = AtomicUsize::new(0);
+
+/// How many kernel operations (attention, experts, permute, combine) this process has run, for
+/// checks that training goes through the kernels.
+pub fn ops_run() -> usize {
+    OPS_RUN.load(Ordering::Relaxed)
+}
+
 /// Wraps an operation's output as a tensor of `B`, recording `backward` when any input is
 /// tracked.
 pub(crate) fn finish<B: Backend, C: Cube, const D: usize, const N: usize>(
@@ -193,6 +202,7 @@ pub(crate) fn finish<B: Backend, C: Cube, const D: usize, const N: usize>(
     out: CubeTensor<C::R>,
     backward: impl FnOnce(CubeTensor<C::R>, [bool; N]) -> [Option<CubeTensor<C::R>>; N] + Send + 'static,
 ) -> Tensor<B, D> {
+    OPS_RUN.fetch_add(1, Ordering::Relaxed);
     match kind {
         Kind::Plain => cast(Tensor::<C, D>::from_primitive(TensorPrimitive::Float(out))),
         Kind::Autodiff => {
