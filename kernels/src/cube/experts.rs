@@ -89,6 +89,36 @@ fn swiglu_on<B: Backend, C: Cube>(
     let gate = stack(|x| x.0.clone()); // [E, I, M]
     let up = stack(|x| x.1.clone()); // [E, I, M]
     let down = stack(|x| x.2.clone()); // [E, M, I]
+    stacked_on::<B, C>(kind, xs, counts, gate, up, down)
+}
+
+/// [`swiglu_experts`] with the experts' weights already stacked (no copy): gate and up
+/// `[E, I, M]`, down `[E, M, I]`.
+///
+/// # Shapes
+/// - xs: `[N, M]` grouped by `counts` -> `[N, M]`
+pub fn swiglu_experts_stacked<B: Backend>(
+    xs: Tensor<B, 2>,
+    counts: &[usize],
+    gate: Tensor<B, 3>,
+    up: Tensor<B, 3>,
+    down: Tensor<B, 3>,
+) -> Option<Tensor<B, 2>> {
+    on_cube!(B, stacked_on(xs, counts, gate, up, down))
+}
+
+fn stacked_on<B: Backend, C: Cube>(
+    kind: Kind,
+    xs: Tensor<B, 2>,
+    counts: &[usize],
+    gate: Tensor<B, 3>,
+    up: Tensor<B, 3>,
+    down: Tensor<B, 3>,
+) -> Option<Tensor<B, 2>> {
+    let [e, i, m] = gate.dims();
+    if e == 0 || counts.len() != e || up.dims() != [e, i, m] || down.dims() != [e, m, i] {
+        return None;
+    }
     let inputs = [
         take::<B, C, 2>(kind, xs)?,
         take::<B, C, 3>(kind, gate)?,

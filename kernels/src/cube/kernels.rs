@@ -304,6 +304,7 @@ pub fn grouped_mm<F: Float>(
     let mut sa = SharedMemory::<f32>::new(16usize * 64usize);
     let mut sb = SharedMemory::<f32>::new(16usize * 64usize);
     let mut acc = Array::<f32>::new(16usize);
+    let mut bf = Array::<f32>::new(4usize);
     #[unroll]
     for i in 0..16usize {
         acc[i] = 0.0f32;
@@ -341,11 +342,15 @@ pub fn grouped_mm<F: Float>(
         #[unroll]
         for kk in 0..16usize {
             #[unroll]
+            for j in 0..4usize {
+                bf[j] = sb[kk * 64 + tx + 16 * j];
+            }
+            #[unroll]
             for i in 0..4usize {
                 let av = sa[kk * 64 + ty + 16 * i];
                 #[unroll]
                 for j in 0..4usize {
-                    acc[i * 4 + j] += av * sb[kk * 64 + tx + 16 * j];
+                    acc[i * 4 + j] += av * bf[j];
                 }
             }
         }
@@ -407,6 +412,7 @@ pub fn grouped_mm_tn<F: Float>(
     let mut sg = SharedMemory::<f32>::new(16usize * 64usize);
     let mut sa = SharedMemory::<f32>::new(16usize * 64usize);
     let mut acc = Array::<f32>::new(16usize);
+    let mut af = Array::<f32>::new(4usize);
     #[unroll]
     for i in 0..16usize {
         acc[i] = 0.0f32;
@@ -433,11 +439,15 @@ pub fn grouped_mm_tn<F: Float>(
         #[unroll]
         for rr in 0..16usize {
             #[unroll]
+            for j in 0..4usize {
+                af[j] = sa[rr * 64 + tx + 16 * j];
+            }
+            #[unroll]
             for i in 0..4usize {
                 let gv = sg[rr * 64 + ty + 16 * i];
                 #[unroll]
                 for j in 0..4usize {
-                    acc[i * 4 + j] += gv * sa[rr * 64 + tx + 16 * j];
+                    acc[i * 4 + j] += gv * af[j];
                 }
             }
         }

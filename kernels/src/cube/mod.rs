@@ -41,7 +41,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::CubeElement;
 
 pub use attention::attention;
-pub use experts::{gpt_oss_experts, swiglu_experts};
+pub use experts::{gpt_oss_experts, swiglu_experts, swiglu_experts_stacked};
 pub use route::{combine_rows, permute_rows, route, Routing};
 
 /// Burn's CubeCL backend on WebGPU/Vulkan (what `burn::backend::Wgpu` is without `fusion`).
