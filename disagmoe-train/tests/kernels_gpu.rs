@@ -1,6 +1,7 @@
 //! Training through the CubeCL kernels on Burn's WebGPU/Vulkan backend (in CI: Mesa's lavapipe,
-//! a CPU Vulkan driver) gives the reference path's losses. Run with `--features wgpu`.
-#![cfg(all(feature = "wgpu", not(feature = "cuda")))]
+//! a CPU Vulkan driver) gives the reference path's losses. Part of `cargo test --workspace`: the
+//! trainer is generic over the backend, so this test trains on `Autodiff<WgpuCube>` whatever
+//! backend the crate's features choose for the CLI.
 
 use burn::backend::Autodiff;
 use disagmoe_kernels::cube::{ops_run, WgpuCube};
@@ -18,8 +19,16 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
         progress: false,
         ..Default::default()
     };
+    let device = Default::default();
+    let probe =
+        std::panic::catch_unwind(|| burn::tensor::Tensor::<WgpuCube, 1>::ones([2], &device).sum().into_scalar());
+    if !matches!(probe, Ok(x) if x == 2.0) {
+        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "no working Vulkan/WebGPU device in CI");
+        eprintln!("skipped: no working Vulkan/WebGPU device on this machine (apt-get install mesa-vulkan-drivers)");
+        return Vec::new();
+    }
     let before = ops_run();
-    let (summary, _) = train::<B>(&cfg, &Default::default()).expect("training runs");
+    let (summary, _) = train::<B>(&cfg, &device).expect("training runs");
     let used = ops_run() - before;
     if kernels {
         assert!(used > 0, "{preset}: the kernels were not used");
@@ -32,9 +41,11 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
 // One test (the kernel switch is process-wide), the families one after another.
 #[test]
 fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
-    assert_eq!(disagmoe_train::backend::BACKEND_NAME, "wgpu");
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
         let with = run(preset, true);
+        if with.is_empty() {
+            return; // no device (said why above)
+        }
         let without = run(preset, false);
         disagmoe_kernels::set_enabled(true);
         assert_eq!(with.len(), without.len());

@@ -74,6 +74,9 @@ fn attention_on<B: Backend, C: Cube>(
     while tile > 8 && (tile * (d + e + 2) * 4 > shared || tile > props.max_units_per_cube as usize) {
         tile /= 2;
     }
+    if tile * (d + e + 2) * 4 > shared || tile > props.max_units_per_cube as usize {
+        return None; // even the smallest tile does not fit this device
+    }
     let dims = Dims { b, s, h, g, d, e, window, tile, scale: scale as f32 };
     match sinks {
         Some(sinks) => {

@@ -278,6 +278,7 @@ fn mm<R: burn_cubecl::CubeRuntime>(
         bl.sn as u32,
         bias.is_some(),
         accumulate,
+        layout.sk == 1,
         a.dtype.into(),
     );
 }

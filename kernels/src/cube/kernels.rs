@@ -284,6 +284,7 @@ pub fn grouped_mm<F: Float>(
     bias_sn: u32,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
+    #[comptime] b_k_contiguous: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let tile = CUBE_POS_X as usize;
@@ -325,12 +326,16 @@ pub fn grouped_mm<F: Float>(
             let v = f32::cast_from(a[at]);
             sa[kk * 64 + mm] = select(inside, v, 0.0f32);
         }
-        // B: 16 k x 64 n.
+        // B: 16 k x 64 n, the contiguous one of k and n fastest across units (coalesced).
         #[unroll]
         for t in 0..4usize {
             let idx = unit + t * 256;
-            let kk = idx / 64;
-            let nn = idx % 64;
+            let mut kk = idx / 64;
+            let mut nn = idx % 64;
+            if b_k_contiguous {
+                kk = idx % 16;
+                nn = idx / 16;
+            }
             let kx = k0 + kk;
             let nx = n0 + nn;
             let inside = kx < kd && nx < nd;

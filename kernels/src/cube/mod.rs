@@ -133,10 +133,22 @@ pub(crate) fn take<B: Backend, C: Cube, const D: usize>(kind: Kind, t: Tensor<B,
         }
         Kind::Plain => (cast::<_, Tensor<C, D>>(t).into_primitive().tensor(), None),
     };
-    if !is_float(t.dtype) || t.qparams.is_some() {
+    // Float storage this runtime has (WGSL has no bf16; f16 needs `shader-f16`), and sizes the
+    // kernels' 32-bit indexing reaches.
+    if !is_float(t.dtype) || t.qparams.is_some() || !supports(&t) {
+        return None;
+    }
+    if t.meta.shape().num_elements() > u32::MAX as usize {
         return None;
     }
     Some(Input { t: contiguous(t), node })
+}
+
+/// Whether the runtime computes in `t`'s dtype (the test Burn's own `supports_dtype` makes).
+fn supports<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    use cubecl::ir::features::TypeUsage;
+    let usage = t.client.properties().type_usage(t.dtype.into());
+    usage.is_superset(TypeUsage::Buffer | TypeUsage::Conversion | TypeUsage::Arithmetic)
 }
 
 pub(crate) fn contiguous<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
