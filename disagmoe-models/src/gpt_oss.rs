@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -277,12 +277,8 @@ pub struct GptOssExperts<B: Backend> {
 /// # Shapes
 /// - gate_up: `[N, 2I]` (gate = even columns, up = odd columns) -> `[N, I]`
 pub fn clamped_swiglu<B: Backend>(gate_up: Tensor<B, 2>, alpha: f64, limit: f64) -> Tensor<B, 2> {
-    let [n, two_i] = gate_up.dims();
-    let pairs = gate_up.reshape([n, two_i / 2, 2]);
-    let gate = pairs.clone().narrow(2, 0, 1).reshape([n, two_i / 2]).clamp_max(limit);
-    let up = pairs.narrow(2, 1, 1).reshape([n, two_i / 2]).clamp(-limit, limit);
-    let glu = gate.clone() * sigmoid(gate.mul_scalar(alpha));
-    up.add_scalar(1.0) * glu
+    // One definition, shared with the kernels' tests and benches.
+    disagmoe_kernels::reference::clamped_swiglu(gate_up, alpha, limit)
 }
 
 impl<B: Backend> Experts<B> for GptOssExperts<B> {

@@ -6,9 +6,9 @@
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use disagmoe_kernels::cpu;
 
 type B = Autodiff<Flex>;
@@ -28,39 +28,6 @@ fn rand<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
     let device = Default::default();
     <B as Backend>::seed(&device, seed);
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), &device)
-}
-
-/// Causal (windowed) GQA attention in `[B, S, H, D]` layout, built from Burn operations.
-fn reference_attention(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    sinks: Option<Tensor<B, 1>>,
-    scale: f64,
-    window: Option<usize>,
-) -> Tensor<B, 4> {
-    let [b, s, h, _] = q.dims();
-    let g = k.dims()[2];
-    let rep = |x: Tensor<B, 4>| {
-        let [_, _, _, d] = x.dims();
-        let x = x.swap_dims(1, 2); // [B, G, S, D]
-        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, s, d]).reshape([b, h, s, d])
-    };
-    let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
-    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
-    let w = window.unwrap_or(usize::MAX);
-    let mask: Vec<bool> = (0..s * s).map(|ij| (ij % s) > (ij / s) || (ij / s) - (ij % s) >= w).collect();
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, s]), &Default::default());
-    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
-    let probs = match sinks {
-        // As GPT-OSS: one more logit per head and query, its probability dropped.
-        Some(sinks) => {
-            let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
-            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s)
-        }
-        None => softmax(scores, 3),
-    };
-    probs.matmul(v).swap_dims(1, 2)
 }
 
 #[test]
@@ -89,7 +56,7 @@ fn attention_matches_the_reference_with_gradients() {
         let scale = 0.37;
         let fused =
             cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window).expect("applies to Autodiff<Flex>");
-        let reference = reference_attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window);
+        let reference = disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window);
         let what = format!("case {i} {:?}", cases[i]);
         assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
         let gf = (fused * probe.clone()).sum().backward();
