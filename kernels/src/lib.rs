@@ -21,6 +21,22 @@ pub mod cpu;
 pub mod cube;
 pub mod reference;
 
+/// How a backend matched an operation: the plain backend, or `Autodiff` over it.
+#[cfg(any(feature = "flex", feature = "wgpu", feature = "cuda"))]
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub(crate) enum Kind {
+    Plain,
+    Autodiff,
+}
+
+/// Moves `x` into type `U`, which the caller's `TypeId` check established is the same type.
+#[cfg(any(feature = "flex", feature = "wgpu", feature = "cuda"))]
+pub(crate) fn cast<T: 'static, U: 'static>(x: T) -> U {
+    *(Box::new(x) as Box<dyn std::any::Any>)
+        .downcast::<U>()
+        .unwrap_or_else(|_| unreachable!("backend type checked before the cast"))
+}
+
 // 0 = not read yet, 1 = on, 2 = off.
 static ENABLED: AtomicU8 = AtomicU8::new(0);
 

@@ -20,7 +20,7 @@
 mod ops;
 pub mod vector;
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -38,13 +38,8 @@ pub use vector::AdamWScalars;
 
 type Ad = Autodiff<Flex>;
 
+use crate::{cast, Kind};
 pub use crate::{enabled, set_enabled, set_enabled_for_thread};
-
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Autodiff,
-    Plain,
-}
 
 /// The one place that decides whether a backend gets the fused operations.
 fn kind<B: Backend>() -> Option<Kind> {
@@ -63,11 +58,6 @@ fn kind<B: Backend>() -> Option<Kind> {
 /// Whether the fused operations apply to backend `B` on this thread.
 pub fn available<B: Backend>() -> bool {
     kind::<B>().is_some()
-}
-
-/// Moves `x` into type `U`, which [`kind`] established is the same type.
-fn cast<T: 'static, U: 'static>(x: T) -> U {
-    *(Box::new(x) as Box<dyn Any>).downcast::<U>().unwrap_or_else(|_| unreachable!("backend type checked by kind()"))
 }
 
 /// One input of a fused operation: its values (contiguous f32) and, under autodiff, its node.

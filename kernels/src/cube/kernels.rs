@@ -574,6 +574,14 @@ pub fn expert_act_grad<F: Float>(
 
 // ---------------------------------------------------------------- attention
 
+/// Stages `width` values of `src` from `base` into shared memory at `at`, as f32.
+#[cube]
+fn stage_row<F: Float>(src: &Tensor<F>, base: usize, dst: &mut SharedMemory<f32>, at: usize, #[comptime] width: usize) {
+    for c in 0..width {
+        dst[at + c] = f32::cast_from(src[base + c]);
+    }
+}
+
 /// Flash-attention forward. q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]` -> o
 /// `[B, S, H, E]` and the row log-sum-exp `lse [B, H, S]` (f32, with the scale folded in).
 ///
@@ -651,12 +659,8 @@ pub fn flash_fwd<F: Float>(
         let jc = select(j_load < s_len, j_load, s_len - 1);
         let k_base = ((b * s_len + jc) * groups + g) * d;
         let v_base = ((b * s_len + jc) * groups + g) * e;
-        for c in 0..d {
-            ks[u * d + c] = f32::cast_from(k[k_base + c]);
-        }
-        for c in 0..e {
-            vs[u * e + c] = f32::cast_from(v[v_base + c]);
-        }
+        stage_row::<F>(k, k_base, &mut ks, u * d, d);
+        stage_row::<F>(v, v_base, &mut vs, u * e, e);
         sync_cube();
         if valid {
             let mut tmax = neg;
@@ -808,12 +812,8 @@ pub fn flash_bwd_q<F: Float>(
         let jc = select(j_load < s_len, j_load, s_len - 1);
         let k_base = ((b * s_len + jc) * groups + g) * d;
         let v_base = ((b * s_len + jc) * groups + g) * e;
-        for c in 0..d {
-            ks[u * d + c] = f32::cast_from(k[k_base + c]);
-        }
-        for c in 0..e {
-            vs[u * e + c] = f32::cast_from(v[v_base + c]);
-        }
+        stage_row::<F>(k, k_base, &mut ks, u * d, d);
+        stage_row::<F>(v, v_base, &mut vs, u * e, e);
         sync_cube();
         if valid {
             for jt in 0..tile {
@@ -926,12 +926,8 @@ pub fn flash_bwd_kv<F: Float>(
             let icl = select(i_load < s_len, i_load, s_len - 1);
             let q_base = ((b * s_len + icl) * heads + h) * d;
             let o_base = ((b * s_len + icl) * heads + h) * e;
-            for c in 0..d {
-                qs[u * d + c] = f32::cast_from(q[q_base + c]);
-            }
-            for c in 0..e {
-                dos[u * e + c] = f32::cast_from(d_o[o_base + c]);
-            }
+            stage_row::<F>(q, q_base, &mut qs, u * d, d);
+            stage_row::<F>(d_o, o_base, &mut dos, u * e, e);
             let row = (b * heads + h) * s_len + icl;
             ls[u] = lse[row];
             ds_[u] = delta[row];

@@ -24,7 +24,7 @@ mod experts;
 pub mod kernels;
 mod route;
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -61,11 +61,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Cube for C
     type R = R;
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-pub(crate) enum Kind {
-    Plain,
-    Autodiff,
-}
+pub(crate) use crate::{cast, Kind};
 
 /// Whether `B` is `C` or `Autodiff<C>`.
 pub(crate) fn kind_of<B: Backend, C: Cube>() -> Option<Kind> {
@@ -100,19 +96,15 @@ pub(crate) use on_cube;
 
 /// Whether the CubeCL kernels apply to backend `B` on this thread.
 pub fn available<B: Backend>() -> bool {
-    fn check<B: Backend, C: Cube>(kind: Kind) -> Option<()> {
-        let _ = kind;
-        Some(())
-    }
-    fn run<B: Backend>() -> Option<()> {
-        on_cube!(B, check())
-    }
-    run::<B>().is_some()
-}
-
-/// Moves `x` into type `U`, which [`kind_of`] established is the same type.
-pub(crate) fn cast<T: 'static, U: 'static>(x: T) -> U {
-    *(Box::new(x) as Box<dyn Any>).downcast::<U>().unwrap_or_else(|_| unreachable!("backend type checked by kind_of()"))
+    #[cfg(feature = "wgpu")]
+    let wgpu = kind_of::<B, WgpuCube>().is_some();
+    #[cfg(not(feature = "wgpu"))]
+    let wgpu = false;
+    #[cfg(feature = "cuda")]
+    let cuda = kind_of::<B, CudaCube>().is_some();
+    #[cfg(not(feature = "cuda"))]
+    let cuda = false;
+    crate::enabled() && (wgpu || cuda)
 }
 
 /// One float input of an operation: its values (contiguous) and, under autodiff, its node.
