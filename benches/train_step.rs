@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use disagmoe::kernels::cpu;
 use disagmoe::models::{ModelConfig, MoeCausalLm};
 use disagmoe::train::backend::TrainBackend;
-use disagmoe::train::optim::{grad_norm, AdamW, AdamWSettings};
+use disagmoe::train::optim::{grad_norm, AdamW};
 use disagmoe::train::RunConfig;
 
 const BATCH: usize = 4;
@@ -42,10 +42,8 @@ fn bench(c: &mut Criterion) {
     group.sample_size(10);
     for (name, fused) in [("fused", true), ("reference", false)] {
         cpu::set_enabled_for_thread(Some(fused));
-        let mut model = Some(config.init::<TrainBackend>(&Default::default()));
-        let d = RunConfig::default();
-        let mut opt =
-            AdamW::new(AdamWSettings { beta1: d.beta1, beta2: d.beta2, eps: d.eps, weight_decay: d.weight_decay });
+        let mut model = Some(config.init::<TrainBackend>(42, &Default::default()));
+        let mut opt = AdamW::new(RunConfig::default().optimizer.adamw());
         group.bench_function(name, |b| {
             b.iter(|| {
                 let m = model.take().expect("model");

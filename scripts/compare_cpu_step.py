@@ -30,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "benches", "qwen3-moe-cpu.json")
-CORPUS = os.path.join(ROOT, "data", "kjv-genesis-leviticus.txt")
+CORPUS = os.path.join(ROOT, "disagmoe-train", "data", "kjv-genesis-leviticus.txt")
 BATCH, SEQ = 4, 256
 
 

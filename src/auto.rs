@@ -16,7 +16,6 @@ use disagmoe_core::allocator::search::{local_search, StepTimeOracle};
 use disagmoe_core::allocator::{Allocation, AllocationProblem};
 use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::hardware::{Cluster, GpuSpec, NodeSpec};
-use disagmoe_core::hf_config::parse_hf_config;
 use disagmoe_train::{Placement, RunConfig, TrainBackend};
 
 /// Steps each measured candidate trains (their mean step time is its score).
@@ -42,7 +41,7 @@ fn measured_matmul_rate() -> f64 {
 /// The planner's view of `workers` workers on this machine.
 fn local_cluster(workers: usize, cfg: &RunConfig) -> Cluster {
     let rate = measured_matmul_rate();
-    let link_bytes = cfg.link_gbps.map(|g| g * 1e9 / 8.0).unwrap_or(10e9);
+    let link_bytes = cfg.parallel.link_gbps.map(|g| g * 1e9 / 8.0).unwrap_or(10e9);
     Cluster {
         name: format!("local-{workers}-workers"),
         gpu: GpuSpec {
@@ -60,7 +59,7 @@ fn local_cluster(workers: usize, cfg: &RunConfig) -> Cluster {
             nics_per_node: 1,
             nic_bandwidth: link_bytes,
             network_efficiency: 1.0,
-            latency_s: cfg.link_latency_us * 1e-6,
+            latency_s: cfg.parallel.link_latency_us * 1e-6,
         },
         nodes: 1,
     }
@@ -74,10 +73,10 @@ struct MeasuredOracle<'a> {
 impl MeasuredOracle<'_> {
     fn config_of(&self, a: &Allocation) -> RunConfig {
         let mut cfg = self.cfg.clone();
-        cfg.placement = Placement::Disagg;
-        cfg.attn_workers = a.attention_gpus();
-        cfg.ffn_workers = a.ffn_gpus();
-        cfg.groups = a.groups;
+        cfg.parallel.placement = Placement::Disagg;
+        cfg.parallel.attn_workers = a.attention_gpus();
+        cfg.parallel.ffn_workers = a.ffn_gpus();
+        cfg.parallel.groups = a.groups;
         cfg
     }
 }
@@ -86,15 +85,15 @@ impl StepTimeOracle for MeasuredOracle<'_> {
     fn step_time(&mut self, a: &Allocation) -> disagmoe_core::error::Result<f64> {
         let mut cfg = self.config_of(a);
         cfg.steps = PROBE_STEPS;
-        cfg.warmup_steps = None;
+        cfg.optimizer.warmup_steps = None;
         cfg.progress = false;
         // Probes leave nothing behind: no metrics, model or trace of their own, no injected faults.
         cfg.out = None;
-        cfg.trace = None;
-        cfg.fail_worker = None;
+        cfg.parallel.trace = None;
+        cfg.faults = Default::default();
         let device = Default::default();
         // A candidate the runtime refuses (or that fails) is simply not chosen.
-        let step_s = match disagmoe_train::train_distributed::<TrainBackend>(&cfg, &device) {
+        let step_s = match disagmoe_train::train::<TrainBackend>(&cfg, &device) {
             Ok(s) => s.step_s,
             Err(e) => {
                 tracing::warn!(
@@ -123,13 +122,11 @@ impl StepTimeOracle for MeasuredOracle<'_> {
 
 /// The run config with the chosen `attn_workers`, `ffn_workers` and `groups` (`--placement disagg`).
 pub fn choose_allocation(cfg: &RunConfig) -> anyhow::Result<RunConfig> {
-    let workers = cfg.attn_workers + cfg.ffn_workers;
-    let model = disagmoe_train::build_model::<TrainBackend>(cfg, &Default::default())?.config();
-    let doc = model.to_hf_json();
-    let shape =
-        parse_hf_config(&doc, model.model_type(), "the run's model").context("describing the model to the planner")?;
-    let k = cfg.effective_micro_batches();
-    let workload = Workload { seq: cfg.seq, micro_batch: cfg.batch / k, global_batch: cfg.batch };
+    let workers = cfg.parallel.attn_workers + cfg.parallel.ffn_workers;
+    let shape = cfg.model.resolve()?.model_shape("the run's model");
+    shape.validate().context("describing the model to the planner")?;
+    let mbs = cfg.micro_batches();
+    let workload = Workload { seq: cfg.data.seq, micro_batch: cfg.data.batch / mbs, global_batch: cfg.data.batch };
     let cost = CostModel::new(shape, local_cluster(workers, cfg), workload).context("the planner's cost model")?;
     let problem = AllocationProblem::new(&cost, None).context("the allocation problem")?;
     let milp = solve_milp(&problem).context("the planner's MILP")?;

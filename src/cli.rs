@@ -9,7 +9,8 @@ use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use disagmoe_train::{
-    AllocationMode, DefaultBackend, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary, TransportKind,
+    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary,
+    TransportKind,
 };
 
 /// On or off.
@@ -24,7 +25,8 @@ pub enum Switch {
 /// `disagmoe train`: options override the `--run-config` TOML file, which overrides the defaults.
 #[derive(Debug, Clone, Args, Default)]
 pub struct TrainArgs {
-    /// A TOML file with any of the options below (snake_case keys, e.g. `warmup_steps = 20`).
+    /// A TOML file with any of the options below: by section (`[optimizer]` `lr = 1e-3`, see
+    /// `disagmoe_train::config`) or as flat snake_case keys (`warmup_steps = 20`).
     #[arg(long, value_name = "RUN.toml")]
     pub run_config: Option<PathBuf>,
     /// Train a fresh model of the shape in this Hugging Face style config.json.
@@ -34,7 +36,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     pub model_dir: Option<PathBuf>,
     /// An embedded model when neither --model-config nor --model-dir is given: tiny-qwen3-moe
-    /// (default), tiny-gpt-oss, tiny-deepseek-v3.
+    /// (default), tiny-gpt-oss, tiny-deepseek-v3, tiny-deepseek-moe, tiny-mixtral, tiny-olmoe.
     #[arg(long, value_name = "NAME")]
     pub model_preset: Option<String>,
     /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
@@ -190,90 +192,73 @@ pub enum NonFinite {
 }
 
 impl TrainArgs {
-    /// The run configuration: defaults, then the TOML file, then the flags.
+    /// The run configuration: defaults, then the TOML file, then the flags (test-only faults come
+    /// from the environment, see `disagmoe_train::config::faults`).
     pub fn run_config(&self) -> anyhow::Result<RunConfig> {
         let mut cfg = match &self.run_config {
             Some(path) => RunConfig::from_toml_file(path)?,
             None => RunConfig::default(),
         };
+        // `--flag value` -> field, when given.
         macro_rules! set {
-            ($($field:ident),*) => { $( if let Some(v) = &self.$field { cfg.$field = v.clone().into(); } )* };
-        }
-        set!(steps, batch, seq, lr, min_lr, weight_decay, grad_clip, seed, log_every);
-        if self.model_config.is_some() || self.model_dir.is_some() {
-            cfg.model_config = self.model_config.clone();
-            cfg.model_dir = self.model_dir.clone();
-        }
-        if self.model_preset.is_some() {
-            cfg.model_preset = self.model_preset.clone();
-        }
-        if self.data.is_some() {
-            cfg.data = self.data.clone();
-        }
-        if self.tokenizer.is_some() {
-            cfg.tokenizer = self.tokenizer.clone();
-        }
-        if self.out.is_some() {
-            cfg.out = self.out.clone();
-        }
-        if self.checkpoint_dir.is_some() {
-            cfg.checkpoint_dir = self.checkpoint_dir.clone();
-        }
-        if self.resume.is_some() {
-            cfg.resume = self.resume.clone();
-        }
-        if self.stop_after.is_some() {
-            cfg.stop_after = self.stop_after;
-        }
-        set!(checkpoint_every, keep_checkpoints, bias_update_rate);
-        if let Some(p) = self.on_nonfinite {
-            cfg.on_nonfinite = match p {
-                NonFinite::Skip => NonFinitePolicy::Skip,
-                NonFinite::Abort => NonFinitePolicy::Abort,
+            ($($field:ident => $($target:ident).+),* $(,)?) => {
+                $( if let Some(v) = &self.$field { cfg.$($target).+ = v.clone().into(); } )*
             };
         }
-        if self.warmup_steps.is_some() {
-            cfg.warmup_steps = self.warmup_steps;
+        set!(steps => steps, seed => seed, log_every => log_every, out => out);
+        if self.model_config.is_some() || self.model_dir.is_some() {
+            cfg.model.config = self.model_config.clone();
+            cfg.model.dir = self.model_dir.clone();
         }
+        set!(model_preset => model.preset, bias_update_rate => model.bias_update_rate);
+        set!(data => data.path, tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
+        set!(
+            lr => optimizer.lr, min_lr => optimizer.min_lr, warmup_steps => optimizer.warmup_steps,
+            weight_decay => optimizer.weight_decay, grad_clip => optimizer.grad_clip,
+        );
+        set!(
+            checkpoint_dir => checkpoint.dir, checkpoint_every => checkpoint.every,
+            keep_checkpoints => checkpoint.keep, resume => checkpoint.resume, stop_after => checkpoint.stop_after,
+        );
+        set!(
+            attn_workers => parallel.attn_workers, ffn_workers => parallel.ffn_workers, groups => parallel.groups,
+            workers => parallel.workers, micro_batches => parallel.micro_batches, in_flight => parallel.in_flight,
+            link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
+            comm_timeout_s => parallel.comm_timeout_s,
+        );
         if let Some(a) = self.aux_loss {
-            cfg.aux_loss = Some(a == Switch::On);
+            cfg.model.aux_loss = Some(a == Switch::On);
         }
         if self.quiet {
             cfg.progress = false;
         }
+        if let Some(p) = self.on_nonfinite {
+            cfg.precision.on_nonfinite = match p {
+                NonFinite::Skip => NonFinitePolicy::Skip,
+                NonFinite::Abort => NonFinitePolicy::Abort,
+            };
+        }
         if let Some(p) = self.placement {
-            cfg.placement = match p {
+            cfg.parallel.placement = match p {
                 PlacementArg::Single => Placement::Single,
                 PlacementArg::Disagg => Placement::Disagg,
                 PlacementArg::Ep => Placement::Ep,
             };
         }
         if let Some(a) = self.allocation {
-            cfg.allocation = match a {
+            cfg.parallel.allocation = match a {
                 AllocationArg::Manual => AllocationMode::Manual,
                 AllocationArg::Auto => AllocationMode::Auto,
             };
         }
         if let Some(t) = self.transport {
-            cfg.transport = match t {
+            cfg.parallel.transport = match t {
                 TransportArg::Local => TransportKind::Local,
                 TransportArg::Mpi => TransportKind::Mpi,
                 TransportArg::Nccl => TransportKind::Nccl,
             };
         }
-        set!(attn_workers, ffn_workers, groups, workers, link_latency_us, comm_timeout_s);
-        if self.micro_batches.is_some() {
-            cfg.micro_batches = self.micro_batches;
-        }
-        if self.in_flight.is_some() {
-            cfg.in_flight = self.in_flight;
-        }
-        if self.link_gbps.is_some() {
-            cfg.link_gbps = self.link_gbps;
-        }
-        if self.trace.is_some() {
-            cfg.trace = self.trace.clone();
-        }
+        cfg.faults = FaultPlan::from_env()?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -289,20 +274,16 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     let device = Default::default();
     // A second signal while the step finishes exits at once. Distributed runs keep no checkpoint
     // yet, so the first signal ends them at once.
-    let distributed = cfg.placement != Placement::Single;
+    let distributed = cfg.parallel.distributed();
     let _ = ctrlc::set_handler(move || {
         if STOP.swap(true, Ordering::SeqCst) || distributed {
             std::process::exit(130);
         }
     });
-    let cfg = if cfg.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
-    let summary = if cfg.placement == Placement::Single {
-        disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?.0
-    } else {
-        disagmoe_train::train_distributed::<TrainBackend>(&cfg, &device)?
-    };
+    let cfg = if cfg.parallel.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
+    let summary = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?;
     // Under mpirun every rank knows the summary; one prints it.
-    if disagmoe_train::runtime::is_primary(&cfg) {
+    if disagmoe_train::is_primary(&cfg) {
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(summary)
@@ -325,26 +306,26 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     let base = train.run_config()?;
     let device = Default::default();
     let mut disagg = base.clone();
-    disagg.placement = Placement::Disagg;
+    disagg.parallel.placement = Placement::Disagg;
     let mut ep = base.clone();
-    ep.placement = Placement::Ep;
+    ep.parallel.placement = Placement::Ep;
     if args.train.workers.is_none() {
-        ep.workers = disagg.attn_workers + disagg.ffn_workers;
+        ep.parallel.workers = disagg.parallel.attn_workers + disagg.parallel.ffn_workers;
     }
     // Same micro-batches for both, whatever each placement's default.
-    let k = base.micro_batches.unwrap_or(ep.workers * 4);
-    ep.micro_batches = Some(k);
-    disagg.micro_batches = Some(k);
-    if ep.trace.is_some() || ep.out.is_some() {
+    let mbs = base.parallel.micro_batches.unwrap_or(ep.parallel.workers * 4);
+    ep.parallel.micro_batches = Some(mbs);
+    disagg.parallel.micro_batches = Some(mbs);
+    if ep.parallel.trace.is_some() || ep.out.is_some() {
         bail!("--trace and --out are not available with compare (both runs would write them); use disagmoe train per placement");
     }
-    if ep.transport != TransportKind::Local {
+    if ep.parallel.transport != TransportKind::Local {
         bail!("compare runs both placements in this process and needs --transport local (MPI starts once per process)");
     }
     ep.validate()?;
     disagg.validate()?;
-    let e = disagmoe_train::train_distributed::<TrainBackend>(&ep, &device)?;
-    let d = disagmoe_train::train_distributed::<TrainBackend>(&disagg, &device)?;
+    let e = disagmoe_train::train::<TrainBackend>(&ep, &device)?;
+    let d = disagmoe_train::train::<TrainBackend>(&disagg, &device)?;
     let ratio = d.exposed_comm_s / e.exposed_comm_s.max(1e-12);
     let speedup = e.step_s / d.step_s.max(1e-12);
     eprintln!(

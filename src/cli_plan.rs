@@ -13,8 +13,9 @@ use std::path::PathBuf;
 /// Model, cluster and step shape shared by `plan` and `simulate`.
 #[derive(Debug, Clone, Args)]
 pub struct JobArgs {
-    /// Model preset (qwen3-235b-a22b, qwen3-30b-a3b, gpt-oss-120b, gpt-oss-20b, deepseek-v3,
-    /// deepseek-moe-16b) or a path to an HF config.json.
+    /// Model preset (see `disagmoe_core::model_shape::MODEL_PRESETS`: qwen3-235b-a22b, gpt-oss-120b,
+    /// deepseek-moe-16b, mixtral-8x7b, olmoe-1b-7b, ...), a path to a Hugging Face config.json of any
+    /// supported family, or a JSON file of a `ModelShape`.
     #[arg(long)]
     pub model: String,
     /// Cluster preset `<gpu>x<nodes>` (gpu: h800, h100, h200, a100), or a .toml/.json cluster file.
@@ -34,14 +35,38 @@ pub struct JobArgs {
 impl JobArgs {
     /// Loads and validates the model, cluster and workload.
     pub fn cost_model(&self) -> Result<CostModel> {
-        let model =
-            ModelShape::from_preset_or_file(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
+        let model = model_shape(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
         let cluster = Cluster::from_preset_or_file(&self.cluster)
             .with_context(|| format!("loading cluster `{}`", self.cluster))?;
         let global_batch = self.global_batch.unwrap_or(2 * cluster.total_gpus() * self.micro_batch);
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
         Ok(CostModel::new(model, cluster, workload)?)
     }
+}
+
+/// A planner preset by name; or a file: a Hugging Face `config.json` (any family `disagmoe-models`
+/// reads, which describes itself to the planner), else a saved `ModelShape`.
+pub fn model_shape(spec: &str) -> Result<ModelShape> {
+    let path = std::path::Path::new(spec);
+    if !(spec.ends_with(".json") || path.is_file()) {
+        return Ok(ModelShape::preset(spec)?);
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if doc.get("model_type").is_some() {
+        let name = path
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| "custom".into());
+        let shape = disagmoe_models::ModelConfig::from_json_str(&text)
+            .with_context(|| path.display().to_string())?
+            .model_shape(&name);
+        shape.validate()?;
+        return Ok(shape);
+    }
+    Ok(ModelShape::from_json_file(path)?)
 }
 
 /// `disagmoe plan`: choose GPUs and NICs per attention/expert group.

@@ -148,13 +148,23 @@ fn sigint_finishes_the_step_checkpoints_and_exits_zero() {
 #[test]
 fn non_finite_gradients_are_skipped_or_abort_naming_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run.toml");
     let tensor = "model.layers.1.mlp.gate.weight";
+    // Fault injection is a test-only hook: it comes from the environment, never from a run config.
+    let faults = format!(r#"{{"inject_nonfinite": {{"step": 3, "tensor": "{tensor}"}}}}"#);
+    let run = tmp.path().join("run.toml");
     std::fs::write(&run, format!("steps = 5\n[inject_nonfinite]\nstep = 3\ntensor = \"{tensor}\"\n")).unwrap();
-    let skip = summary(&train(&["--run-config"], &[&run]));
+    let refused = train(&["--run-config"], &[&run]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("testing hook"));
+    let with_faults = |args: &[&str]| {
+        let mut cmd = bin();
+        cmd.args(["train", "--quiet", "--steps", "5", "--batch", "2", "--seq", "16"]).args(args);
+        cmd.env("DISAGMOE_TEST_FAULTS", &faults).output().unwrap()
+    };
+    let skip = summary(&with_faults(&[]));
     assert_eq!(skip["skipped_steps"], 1);
     assert!(skip["param_checksum"].as_f64().unwrap().is_finite(), "the skipped update left the weights finite");
-    let out = train(&["--on-nonfinite", "abort", "--run-config"], &[&run]);
+    let out = with_faults(&["--on-nonfinite", "abort"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("non-finite gradient at step 3") && err.contains(tensor), "{err}");

@@ -43,9 +43,12 @@ fn assert_same_run(what: &str, got: &serde_json::Value, want: &serde_json::Value
 const DISAGG: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"];
 const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
 
+const PRESETS: [&str; 6] =
+    ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"];
+
 #[test]
 fn disagg_and_ep_reproduce_single_for_every_family() {
-    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
+    for preset in PRESETS {
         let single = train(preset, &["--placement", "single"]);
         let disagg = train(preset, DISAGG);
         assert_eq!(disagg["workers"], 4);
@@ -96,6 +99,19 @@ fn distributed_runs_save_the_model_single_would_have_saved() {
             train(preset, &[args, &["--out", out.to_str().unwrap()]].concat());
             let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
             assert_eq!(lines.lines().count(), 5, "{name}: one metrics line per step");
+            // One schema for every placement, the expert load of every MoE layer included.
+            for line in lines.lines() {
+                let m: serde_json::Value = serde_json::from_str(line).unwrap();
+                let load = m["expert_load"].as_array().unwrap_or_else(|| panic!("{name}: no expert_load in {line}"));
+                assert!(!load.is_empty(), "{name}: expert load of the MoE layers");
+                for l in load {
+                    let tokens: u64 = l["tokens_per_expert"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).sum();
+                    assert_eq!(tokens, 8 * 32 * 2, "{name}: every routed copy of the step counted once");
+                }
+                for key in ["loss", "lm_loss", "grad_norm", "lr", "step_s", "exposed_comm_s", "compute_s", "link_s"] {
+                    assert!(m.get(key).is_some(), "{name}: {key} missing in {line}");
+                }
+            }
             losses.push((name, forward_loss(&out)));
         }
         for (name, l) in &losses[1..] {
@@ -142,14 +158,12 @@ fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
     assert_eq!(s["losses"].as_array().unwrap().len(), 5);
 }
 
-fn fault_config(dir: &std::path::Path, exit: bool) -> std::path::PathBuf {
+/// A run config with a short time-out, and the test-only fault plan (set through the environment)
+/// in which worker 2 fails at step 2 after 3 tasks.
+fn fault_config(dir: &std::path::Path, exit: bool) -> (std::path::PathBuf, String) {
     let path = dir.join("fault.toml");
-    std::fs::write(
-        &path,
-        format!("comm_timeout_s = 5.0\n[fail_worker]\nworker = 2\nstep = 2\nafter_tasks = 3\nexit = {exit}\n"),
-    )
-    .unwrap();
-    path
+    std::fs::write(&path, "comm_timeout_s = 5.0\n").unwrap();
+    (path, format!(r#"{{"fail_worker": {{"worker": 2, "step": 2, "after_tasks": 3, "exit": {exit}}}}}"#))
 }
 
 fn fails_naming_worker_2(out: &Output, took: Duration) {
@@ -164,9 +178,16 @@ fn fails_naming_worker_2(out: &Output, took: Duration) {
 fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for exit in [false, true] {
-        let cfg = fault_config(dir.path(), exit);
+        let (cfg, faults) = fault_config(dir.path(), exit);
         let t0 = Instant::now();
-        let out = bin().args(COMMON).args(DISAGG).arg("--run-config").arg(&cfg).output().unwrap();
+        let out = bin()
+            .args(COMMON)
+            .args(DISAGG)
+            .arg("--run-config")
+            .arg(&cfg)
+            .env("DISAGMOE_TEST_FAULTS", faults)
+            .output()
+            .unwrap();
         fails_naming_worker_2(&out, t0.elapsed());
     }
 }
@@ -217,7 +238,7 @@ mod mpi {
 
     #[test]
     fn mpi_runs_reproduce_single() {
-        for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
+        for preset in PRESETS {
             let single = train(preset, &["--placement", "single"]);
             let dir = tempfile::tempdir().unwrap();
             for placement in [DISAGG, EP] {
@@ -242,7 +263,7 @@ mod mpi {
         let dir = tempfile::tempdir().unwrap();
         for exit in [false, true] {
             let Some(mut cmd) = mpirun() else { return };
-            let cfg = fault_config(dir.path(), exit);
+            let (cfg, faults) = fault_config(dir.path(), exit);
             let t0 = Instant::now();
             let out = cmd
                 .arg(env!("CARGO_BIN_EXE_disagmoe"))
@@ -250,6 +271,7 @@ mod mpi {
                 .args(DISAGG)
                 .args(["--transport", "mpi", "--run-config"])
                 .arg(&cfg)
+                .env("DISAGMOE_TEST_FAULTS", faults)
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&out.stderr);

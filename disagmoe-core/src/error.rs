@@ -28,17 +28,6 @@ pub enum CoreError {
         /// Comma-separated list of the built-in names.
         known: String,
     },
-    /// An HF `config.json` whose `model_type` is not one of the supported families.
-    #[error("unsupported model_type `{0}`; supported: qwen3_moe, gpt_oss, deepseek_v3")]
-    UnsupportedModelType(String),
-    /// A required key is missing from a config file.
-    #[error("missing key `{key}` in {source_name}")]
-    MissingKey {
-        /// The missing key.
-        key: String,
-        /// File or document it was looked up in.
-        source_name: String,
-    },
     /// No allocation satisfies the request. `constraint` names the constraint that cannot be met,
     /// `shortfall` says by how much the best attempt misses it.
     #[error("no feasible allocation: constraint `{constraint}` fails: {detail}")]

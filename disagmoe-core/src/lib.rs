@@ -23,11 +23,12 @@
 //! # Ok::<(), disagmoe_core::error::CoreError>(())
 //! ```
 //!
-//! **Design decision: one schedule, two engines.** A [`schedule::Schedule`] is plain data (per
-//! worker, ordered compute and communication ops with dependencies). The simulator executes it on
-//! modelled resources here; the runtime in `disagmoe-train` executes the same value on real
-//! workers, so predicted and measured step times compare op by op, and a measured-time oracle can
-//! replace the simulator in the allocator's local search.
+//! **Design decision: schedules are plain data.** A [`schedule::Schedule`] is plain data (per
+//! worker, ordered compute and communication ops with dependencies), executed here by the
+//! simulator on modelled resources. The runtime in `disagmoe-train` does not execute these values
+//! (its workers are event-driven over the same placement rules); what joins the two engines today
+//! is the allocator's local search, whose [`allocator::search::StepTimeOracle`] may be the
+//! simulator or step times measured by training (`--allocation auto`).
 //!
 //! **Architecture invariant:** this crate knows no tensors, devices or transports (no Burn, no
 //! CubeCL, no MPI/NCCL); it depends only on serde, thiserror, toml, good_lp and plotters.
@@ -38,7 +39,6 @@ pub mod allocator;
 pub mod cost;
 pub mod error;
 pub mod hardware;
-pub mod hf_config;
 pub mod model_shape;
 pub mod plan;
 pub mod report;

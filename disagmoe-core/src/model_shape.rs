@@ -3,21 +3,22 @@
 //! A model is `layers` pairs of (attention block, FFN block) plus embedding and head. The FFN block
 //! of a layer is either dense (the first `first_k_dense_replace` layers of DeepSeek) or a mixture of
 //! `experts` routed experts (top-`top_k`) plus optional shared experts. Shapes come from a built-in
-//! preset ([`ModelShape::preset`]) or a Hugging Face `config.json` ([`crate::hf_config`]).
+//! preset ([`ModelShape::preset`]), a JSON file of this type ([`ModelShape::from_json_file`]), or a
+//! Hugging Face `config.json` read by the model family in `disagmoe-models` (each family describes
+//! itself to the planner; this crate knows no family).
 
 use crate::error::{check_nonzero, invalid, CoreError, Result};
 use serde::{Deserialize, Serialize};
 
-/// The three supported families (Hugging Face `model_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How a model's publisher counts its active parameters (what [`ParamCounts::active`] reports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum ModelFamily {
-    /// `qwen3_moe`.
-    Qwen3Moe,
-    /// `gpt_oss`.
-    GptOss,
-    /// `deepseek_v3`, `deepseek_v2` and the original `deepseek` (DeepSeekMoE).
-    DeepSeek,
+pub enum ActiveCounting {
+    /// The input embedding and the head both count (Qwen, DeepSeek, Mistral, OLMoE).
+    #[default]
+    WithInputEmbedding,
+    /// The head counts, the input embedding (a lookup) does not (OpenAI's GPT-OSS).
+    HeadOnly,
 }
 
 /// The attention block of one layer.
@@ -88,8 +89,6 @@ pub struct MoeShape {
 pub struct ModelShape {
     /// Name, e.g. `qwen3-235b-a22b`.
     pub name: String,
-    /// Family.
-    pub family: ModelFamily,
     /// Transformer layers.
     pub layers: usize,
     /// Hidden size.
@@ -108,6 +107,9 @@ pub struct ModelShape {
     pub dense_layers: Vec<usize>,
     /// Intermediate size of the dense MLP layers (unused when `dense_layers` is empty).
     pub dense_intermediate: usize,
+    /// How the publisher counts active parameters.
+    #[serde(default)]
+    pub active_counting: ActiveCounting,
 }
 
 /// Parameter counts of a model.
@@ -115,8 +117,8 @@ pub struct ModelShape {
 pub struct ParamCounts {
     /// All parameters.
     pub total: f64,
-    /// Parameters used per token, counted the way the family's authors publish it: Qwen and
-    /// DeepSeek count input embedding and head, OpenAI (GPT-OSS) counts the head only.
+    /// Parameters used per token, counted the way the model's authors publish it
+    /// ([`ModelShape::active_counting`]).
     pub active: f64,
     /// Parameters used per token excluding the input embedding (a lookup without FLOPs).
     pub active_compute: f64,
@@ -133,13 +135,38 @@ pub struct ParamCounts {
 }
 
 /// Built-in model presets.
-pub const MODEL_PRESETS: &[&str] =
-    &["qwen3-235b-a22b", "qwen3-30b-a3b", "gpt-oss-120b", "gpt-oss-20b", "deepseek-v3", "deepseek-moe-16b"];
+pub const MODEL_PRESETS: &[&str] = &[
+    "qwen3-235b-a22b",
+    "qwen3-30b-a3b",
+    "gpt-oss-120b",
+    "gpt-oss-20b",
+    "deepseek-v3",
+    "deepseek-moe-16b",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "olmoe-1b-7b",
+];
+
+/// Mixtral (Mistral AI): GQA with 8 KV heads of 128, 8 SwiGLU experts, top-2, every layer routed.
+fn mixtral(name: &str, layers: usize, hidden: usize, heads: usize, intermediate: usize, vocab: usize) -> ModelShape {
+    ModelShape {
+        name: name.into(),
+        layers,
+        hidden,
+        vocab,
+        tied_embeddings: false,
+        attention: AttentionShape::Gqa { heads, kv_heads: 8, head_dim: 128, bias: false, qk_norm: false, sinks: false },
+        sliding_window: None,
+        moe: MoeShape { experts: 8, top_k: 2, intermediate, shared_experts: 0, expert_bias: false, router_bias: false },
+        dense_layers: vec![],
+        dense_intermediate: 0,
+        active_counting: ActiveCounting::WithInputEmbedding,
+    }
+}
 
 fn qwen3(name: &str, layers: usize, hidden: usize, heads: usize, intermediate: usize) -> ModelShape {
     ModelShape {
         name: name.into(),
-        family: ModelFamily::Qwen3Moe,
         layers,
         hidden,
         vocab: 151_936,
@@ -156,13 +183,13 @@ fn qwen3(name: &str, layers: usize, hidden: usize, heads: usize, intermediate: u
         },
         dense_layers: vec![],
         dense_intermediate: 0,
+        active_counting: ActiveCounting::WithInputEmbedding,
     }
 }
 
 fn gpt_oss(name: &str, layers: usize, experts: usize) -> ModelShape {
     ModelShape {
         name: name.into(),
-        family: ModelFamily::GptOss,
         layers,
         hidden: 2880,
         vocab: 201_088,
@@ -176,6 +203,7 @@ fn gpt_oss(name: &str, layers: usize, experts: usize) -> ModelShape {
             sinks: true,
         },
         sliding_window: Some(SlidingWindow { window: 128, period: 2 }),
+        active_counting: ActiveCounting::HeadOnly,
         moe: MoeShape {
             experts,
             top_k: 4,
@@ -199,7 +227,6 @@ impl ModelShape {
             "gpt-oss-20b" => gpt_oss("gpt-oss-20b", 24, 32),
             "deepseek-v3" => ModelShape {
                 name: "deepseek-v3".into(),
-                family: ModelFamily::DeepSeek,
                 layers: 61,
                 hidden: 7168,
                 vocab: 129_280,
@@ -223,10 +250,10 @@ impl ModelShape {
                 },
                 dense_layers: vec![0, 1, 2],
                 dense_intermediate: 18_432,
+                active_counting: ActiveCounting::WithInputEmbedding,
             },
             "deepseek-moe-16b" => ModelShape {
                 name: "deepseek-moe-16b".into(),
-                family: ModelFamily::DeepSeek,
                 layers: 28,
                 hidden: 2048,
                 vocab: 102_400,
@@ -250,6 +277,36 @@ impl ModelShape {
                 },
                 dense_layers: vec![0],
                 dense_intermediate: 10_944,
+                active_counting: ActiveCounting::WithInputEmbedding,
+            },
+            "mixtral-8x7b" => mixtral("mixtral-8x7b", 32, 4096, 32, 14_336, 32_000),
+            "mixtral-8x22b" => mixtral("mixtral-8x22b", 56, 6144, 48, 16_384, 32_768),
+            "olmoe-1b-7b" => ModelShape {
+                name: "olmoe-1b-7b".into(),
+                layers: 16,
+                hidden: 2048,
+                vocab: 50_304,
+                tied_embeddings: false,
+                attention: AttentionShape::Gqa {
+                    heads: 16,
+                    kv_heads: 16,
+                    head_dim: 128,
+                    bias: false,
+                    qk_norm: true,
+                    sinks: false,
+                },
+                sliding_window: None,
+                moe: MoeShape {
+                    experts: 64,
+                    top_k: 8,
+                    intermediate: 1024,
+                    shared_experts: 0,
+                    expert_bias: false,
+                    router_bias: false,
+                },
+                dense_layers: vec![],
+                dense_intermediate: 0,
+                active_counting: ActiveCounting::WithInputEmbedding,
             },
             _ => {
                 return Err(CoreError::UnknownPreset {
@@ -262,14 +319,13 @@ impl ModelShape {
         Ok(shape)
     }
 
-    /// A preset name, or a path to an HF `config.json` (anything ending in `.json` or naming a file).
-    pub fn from_preset_or_file(spec: &str) -> Result<Self> {
-        let path = std::path::Path::new(spec);
-        if spec.ends_with(".json") || path.is_file() {
-            crate::hf_config::read_hf_config(path)
-        } else {
-            Self::preset(spec)
-        }
+    /// A shape saved as JSON (this type's serde form), validated.
+    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| CoreError::Io { path: shown.clone(), source })?;
+        let shape: Self = serde_json::from_str(&text).map_err(|source| CoreError::Json { path: shown, source })?;
+        shape.validate()?;
+        Ok(shape)
     }
 
     /// Checks every field; the error names the field and its allowed range.
@@ -420,11 +476,9 @@ impl ModelShape {
         let embedding_and_head = table + head + self.hidden as f64;
         let total = attention + routed_experts + router + dense_ffn + embedding_and_head;
         let active_compute = attention + routed_active + router + dense_ffn + table + self.hidden as f64;
-        let active = match self.family {
-            ModelFamily::GptOss => active_compute,
-            ModelFamily::Qwen3Moe | ModelFamily::DeepSeek => {
-                active_compute + if self.tied_embeddings { 0.0 } else { table }
-            }
+        let active = match self.active_counting {
+            ActiveCounting::HeadOnly => active_compute,
+            ActiveCounting::WithInputEmbedding => active_compute + if self.tied_embeddings { 0.0 } else { table },
         };
         ParamCounts { total, active, active_compute, attention, routed_experts, dense_ffn, router, embedding_and_head }
     }
@@ -442,6 +496,9 @@ mod tests {
         ("gpt-oss-20b", 20.9, 3.6),
         ("deepseek-v3", 671.0, 37.0),
         ("deepseek-moe-16b", 16.4, 2.8),
+        ("mixtral-8x7b", 46.7, 12.9),
+        ("mixtral-8x22b", 141.0, 39.0),
+        ("olmoe-1b-7b", 6.9, 1.3),
     ];
 
     #[test]

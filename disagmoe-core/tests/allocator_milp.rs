@@ -5,7 +5,7 @@ use disagmoe_core::allocator::AllocationProblem;
 use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::error::CoreError;
 use disagmoe_core::hardware::Cluster;
-use disagmoe_core::model_shape::{AttentionShape, ModelFamily, ModelShape, MoeShape};
+use disagmoe_core::model_shape::{AttentionShape, ModelShape, MoeShape};
 
 /// A tiny deterministic generator (xorshift) so the cases are reproducible without a dependency.
 struct Rng(u64);
@@ -25,7 +25,6 @@ fn random_case(rng: &mut Rng) -> CostModel {
     let heads = rng.pick(&[8, 16, 32]);
     let model = ModelShape {
         name: "random".into(),
-        family: ModelFamily::Qwen3Moe,
         layers: rng.pick(&[2, 3, 4, 6, 8, 12]),
         hidden: rng.pick(&[1024, 2048, 4096]),
         vocab: 32_000,
@@ -49,6 +48,7 @@ fn random_case(rng: &mut Rng) -> CostModel {
         },
         dense_layers: vec![],
         dense_intermediate: 0,
+        active_counting: Default::default(),
     };
     let mut cluster =
         Cluster::preset(&format!("{}x{}", rng.pick(&["h800", "a100", "h200"]), rng.pick(&[1, 1, 2, 3, 4]))).unwrap();

@@ -1,16 +1,17 @@
-//! Causal grouped-query self-attention, with the variants the families need: per-head RMSNorm on q
-//! and k before RoPE (Qwen3), projection biases and learned per-head attention sinks (GPT-OSS), and a
-//! sliding window per layer.
+//! Causal grouped-query self-attention, with the variants the families need: RMSNorm on q and k
+//! before RoPE, per head (Qwen3) or over the whole projection (OLMoE), clipping of q/k/v (OLMoE),
+//! projection biases and learned per-head attention sinks (GPT-OSS), and a sliding window per layer
+//! (GPT-OSS, Mixtral).
 //!
 //! Notation: B batch, S sequence, H query heads, G key/value heads (H % G == 0), D head dim,
 //! M model width.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use crate::error::Result;
+use crate::init::Init;
 use crate::nn::{Linear, RmsNorm};
 use crate::rope::apply_rotary;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -30,19 +31,46 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// Where a layer normalises queries and keys before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum QkNorm {
+    /// No normalisation.
+    None,
+    /// RMSNorm over each head's `D` values, one weight of `[D]` shared by the heads (Qwen3).
+    PerHead {
+        /// Epsilon.
+        eps: f64,
+    },
+    /// RMSNorm over the whole projection (`[H*D]` for q, `[G*D]` for k), one weight per value
+    /// (OLMoE).
+    Full {
+        /// Epsilon.
+        eps: f64,
+    },
+}
+
 /// Which variant of attention a layer uses.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionOptions {
     /// q/k/v/o projections have biases.
     pub bias: bool,
-    /// RMSNorm (with this epsilon) over each q and k head before RoPE (Qwen3).
-    pub qk_norm_eps: Option<f64>,
+    /// Normalisation of q and k before RoPE.
+    pub qk_norm: QkNorm,
+    /// Clamp q, k and v to `[-c, c]` after the projections (and norms) (OLMoE's `clip_qkv`).
+    pub clip_qkv: Option<f64>,
     /// A learned logit per head joins every softmax and is dropped after it (GPT-OSS sinks).
     pub sinks: bool,
 }
 
-/// Grouped-query attention: q/k/v/o projections, optional q/k head norms, RoPE, causal (optionally
-/// windowed) softmax with optional sinks.
+impl AttentionOptions {
+    /// Plain attention: no biases, norms, clipping or sinks (Mixtral, DeepSeekMoE).
+    pub fn plain() -> Self {
+        Self { bias: false, qk_norm: QkNorm::None, clip_qkv: None, sinks: false }
+    }
+}
+
+/// Grouped-query attention: q/k/v/o projections, optional q/k norms and clipping, RoPE, causal
+/// (optionally windowed) softmax with optional sinks.
 #[derive(Module, Debug)]
 pub struct GqaAttention<B: Backend> {
     /// `[H*D, M]`
@@ -53,9 +81,9 @@ pub struct GqaAttention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[M, H*D]`
     pub o_proj: Linear<B>,
-    /// RMSNorm over D, applied to each query head (Qwen3).
+    /// RMSNorm of the queries (over `D` per head, or over `H*D`).
     pub q_norm: Option<RmsNorm<B>>,
-    /// RMSNorm over D, applied to each key head (Qwen3).
+    /// RMSNorm of the keys (over `D` per head, or over `G*D`).
     pub k_norm: Option<RmsNorm<B>>,
     /// `[H]` learned sink logits (GPT-OSS).
     pub sinks: Option<Param<Tensor<B, 1>>>,
@@ -63,25 +91,41 @@ pub struct GqaAttention<B: Backend> {
     kv_heads: usize,
     head_dim: usize,
     window: Option<usize>,
+    clip_qkv: Option<f64>,
+    /// The norms span the whole projection ([`QkNorm::Full`]) rather than each head.
+    full_qk_norm: bool,
 }
 
 impl<B: Backend> GqaAttention<B> {
-    /// A freshly initialised layer.
-    pub fn new(shape: AttentionShape, options: AttentionOptions, std: f64, device: &B::Device) -> Self {
+    /// A freshly initialised layer: normal(0, std) projections and sinks, norms at one, biases zero.
+    pub fn new(shape: AttentionShape, options: AttentionOptions, init: &Init<B>) -> Self {
         let AttentionShape { hidden, heads, kv_heads, head_dim, window } = shape;
         let bias = options.bias;
+        let (q_norm, k_norm) = match options.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead { eps } => (
+                Some(RmsNorm::new(head_dim, eps, &init.child("q_norm"))),
+                Some(RmsNorm::new(head_dim, eps, &init.child("k_norm"))),
+            ),
+            QkNorm::Full { eps } => (
+                Some(RmsNorm::new(heads * head_dim, eps, &init.child("q_norm"))),
+                Some(RmsNorm::new(kv_heads * head_dim, eps, &init.child("k_norm"))),
+            ),
+        };
         Self {
-            q_proj: Linear::new(hidden, heads * head_dim, bias, std, device),
-            k_proj: Linear::new(hidden, kv_heads * head_dim, bias, std, device),
-            v_proj: Linear::new(hidden, kv_heads * head_dim, bias, std, device),
-            o_proj: Linear::new(heads * head_dim, hidden, bias, std, device),
-            q_norm: options.qk_norm_eps.map(|eps| RmsNorm::new(head_dim, eps, device)),
-            k_norm: options.qk_norm_eps.map(|eps| RmsNorm::new(head_dim, eps, device)),
-            sinks: options.sinks.then(|| Param::from_tensor(crate::nn::normal_init([heads], std, device))),
+            q_proj: Linear::new(hidden, heads * head_dim, bias, &init.child("q_proj")),
+            k_proj: Linear::new(hidden, kv_heads * head_dim, bias, &init.child("k_proj")),
+            v_proj: Linear::new(hidden, kv_heads * head_dim, bias, &init.child("v_proj")),
+            o_proj: Linear::new(heads * head_dim, hidden, bias, &init.child("o_proj")),
+            q_norm,
+            k_norm,
+            sinks: options.sinks.then(|| Param::from_tensor(init.normal("sinks", [heads]))),
             heads,
             kv_heads,
             head_dim,
             window,
+            clip_qkv: options.clip_qkv,
+            full_qk_norm: matches!(options.qk_norm, QkNorm::Full { .. }),
         }
     }
 
@@ -91,58 +135,41 @@ impl<B: Backend> GqaAttention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, g, d) = (self.heads, self.kv_heads, self.head_dim);
-        // 1. Project and split heads; normalise q and k per head where the family does.
-        let mut q = self.q_proj.forward(x.clone()).reshape([b, s, h, d]); // [B, S, H, D]
-        let mut k = self.k_proj.forward(x.clone()).reshape([b, s, g, d]); // [B, S, G, D]
-        let v = self.v_proj.forward(x).reshape([b, s, g, d]); // [B, S, G, D]
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+        // 1. Project; normalise q and k (over the whole projection, or per head below) and clip
+        //    where the family does.
+        let mut q = self.q_proj.forward(x.clone()); // [B, S, H*D]
+        let mut k = self.k_proj.forward(x.clone()); // [B, S, G*D]
+        let mut v = self.v_proj.forward(x); // [B, S, G*D]
+        if let (Some(qn), Some(kn), true) = (&self.q_norm, &self.k_norm, self.full_qk_norm) {
             q = qn.forward(q);
             k = kn.forward(k);
         }
-        let scale = (d as f64).powf(-0.5);
-        if disagmoe_kernels::fused::available::<B>() {
-            // Fused path (chosen in disagmoe_kernels::fused): everything stays in [B, S, heads, D].
-            // Rotary embedding fused where there is a fused one (CPU), else Burn's in this layout.
-            let sinks = self.sinks.as_ref().map(|p| p.val());
-            let rope = |x: Tensor<B, 4>| {
-                disagmoe_kernels::fused::rope(x.clone(), cos.clone(), sin.clone())
-                    .unwrap_or_else(|| apply_rotary(x, cos.clone().swap_dims(1, 2), sin.clone().swap_dims(1, 2)))
-            };
-            let fused = disagmoe_kernels::fused::attention(
-                rope(q.clone()),
-                rope(k.clone()),
-                v.clone(),
-                sinks,
-                scale,
-                self.window,
-            );
-            if let Some(out) = fused {
-                return self.o_proj.forward(out.reshape([b, s, h * d]));
-            }
+        let mut q = q.reshape([b, s, h, d]); // [B, S, H, D]
+        let mut k = k.reshape([b, s, g, d]); // [B, S, G, D]
+        if let (Some(qn), Some(kn), false) = (&self.q_norm, &self.k_norm, self.full_qk_norm) {
+            q = qn.forward(q);
+            k = kn.forward(k);
         }
-        // [B, H, S, D], [B, G, S, D], [B, G, S, D]
-        let (q, k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
-        // 2. Rotary embedding on q and k.
-        let q = apply_rotary(q, cos.clone(), sin.clone());
-        let k = apply_rotary(k, cos, sin);
-        // 3. Share each key/value head among H/G query heads.
-        let k = repeat_kv(k, h / g); // [B, H, S, D]
-        let v = repeat_kv(v, h / g); // [B, H, S, D]
-                                     // 4. Scaled scores, causal (and window) mask, softmax.
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, S]
-        let mask = causal_mask::<B>(s, self.window, &scores.device()); // [S, S], true = hidden
-        let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
-        let probs = match &self.sinks {
-            // The sink is one more logit per head and query; its probability mass is dropped.
-            Some(sinks) => {
-                let sink = sinks.val().reshape([1, h, 1, 1]).expand([b, h, s, 1]);
-                softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s) // [B, H, S, S]
-            }
-            None => softmax(scores, 3),
+        if let Some(c) = self.clip_qkv {
+            q = q.clamp(-c, c);
+            k = k.clamp(-c, c);
+            v = v.clamp(-c, c);
+        }
+        let v = v.reshape([b, s, g, d]); // [B, S, G, D]
+        let scale = (d as f64).powf(-0.5);
+        // 2. Rotary embedding on q and k, in the projections' layout (fused where there is a fused
+        //    one: the CPU operations), then 3. causal (windowed) attention with sinks: the fused
+        //    operation or kernel where `disagmoe_kernels::fused` has one, else its reference.
+        let rope = |x: Tensor<B, 4>| {
+            disagmoe_kernels::fused::rope(x.clone(), cos.clone(), sin.clone())
+                .unwrap_or_else(|| apply_rotary(x, cos.clone().swap_dims(1, 2), sin.clone().swap_dims(1, 2)))
         };
-        // 5. Weighted values, merge heads, output projection.
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * d]); // [B, S, H*D]
-        self.o_proj.forward(out)
+        let (q, k) = (rope(q), rope(k));
+        let sinks = self.sinks.as_ref().map(|p| p.val());
+        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window)
+            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window)); // [B, S, H, D]
+        // 4. Merge heads, output projection.
+        self.o_proj.forward(out.reshape([b, s, h * d]))
     }
 
     /// Loads `{prefix}.{q,k,v,o}_proj` and `{prefix}.{q,k}_norm`.
@@ -175,25 +202,4 @@ impl<B: Backend> GqaAttention<B> {
             sink.put_param(format!("{prefix}.sinks"), sinks);
         }
     }
-}
-
-/// `[B, G, S, D] -> [B, G*n, S, D]`, each key/value head repeated for `n` consecutive query heads.
-pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
-    if n == 1 {
-        return x;
-    }
-    let [b, g, s, d] = x.dims();
-    x.unsqueeze_dim::<5>(2).expand([b, g, n, s, d]).reshape([b, g * n, s, d])
-}
-
-/// `[S, S]` mask, true where query `i` may not see key `j`: `j > i`, or `i - j >= window`.
-pub fn causal_mask<B: Backend>(s: usize, window: Option<usize>, device: &B::Device) -> Tensor<B, 2, Bool> {
-    let w = window.unwrap_or(usize::MAX);
-    let hidden: Vec<bool> = (0..s * s)
-        .map(|ij| {
-            let (i, j) = (ij / s, ij % s);
-            j > i || i - j >= w
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(hidden, [s, s]), device)
 }

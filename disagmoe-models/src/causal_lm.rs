@@ -9,8 +9,9 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use crate::balance::AuxLoss;
 use crate::error::{ModelError, Result};
-use crate::moe::{check_token_ids, load_balancing_loss, RouterStats};
+use crate::moe::{check_token_ids, RouterStats};
 use crate::nn::{Embedding, Linear};
 use crate::weights::{write_atomically, CheckpointReader, TensorSink};
 
@@ -28,7 +29,7 @@ pub struct CausalLmOutput<B: Backend> {
 pub struct LossParts<B: Backend> {
     /// Mean next-token cross-entropy, `[1]`.
     pub lm_loss: Tensor<B, 1>,
-    /// Load-balancing loss (before the coefficient), when the model has MoE layers and it is on.
+    /// Balance loss (before its coefficient), when the model has MoE layers and it is on.
     pub aux_loss: Option<Tensor<B, 1>>,
     /// `lm_loss + coefficient * aux_loss`, `[1]`.
     pub total: Tensor<B, 1>,
@@ -88,19 +89,14 @@ pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B,
     logp.gather(1, labels).mean().neg()
 }
 
-/// Cross-entropy plus `aux_coef` times the load-balancing loss (when `with_aux` and there are MoE
-/// layers), as transformers' `*ForCausalLM.forward` adds them.
-pub fn causal_lm_loss<B: Backend>(
-    out: &CausalLmOutput<B>,
-    ids: Tensor<B, 2, Int>,
-    with_aux: bool,
-    aux_coef: f64,
-) -> LossParts<B> {
+/// Cross-entropy plus the coefficient times the balance loss (when `aux` is given and there are
+/// MoE layers), as transformers' `*ForCausalLM.forward` adds them.
+pub fn causal_lm_loss<B: Backend>(out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, aux: Option<AuxLoss>) -> LossParts<B> {
     let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
-    let aux_loss = if with_aux { load_balancing_loss(&out.router_stats) } else { None };
-    let total = match &aux_loss {
-        Some(aux) => lm_loss.clone() + aux.clone().mul_scalar(aux_coef),
-        None => lm_loss.clone(),
+    let aux_loss = aux.and_then(|a| a.kind.loss(&out.router_stats));
+    let total = match (&aux_loss, aux) {
+        (Some(loss), Some(a)) => lm_loss.clone() + loss.clone().mul_scalar(a.coef),
+        _ => lm_loss.clone(),
     };
     LossParts { lm_loss, aux_loss, total }
 }

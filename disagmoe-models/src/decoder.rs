@@ -1,20 +1,20 @@
 //! The shape every family shares, written once: a causal LM is an embedding, a stack of
 //! (attention block, expert block) pairs with pre-norms and residuals, a final norm and a head.
 //!
-//! Families differ only in the attention layer ([`AttentionLayer`]: GQA with or without q/k norms
-//! and sinks, MLA), the feed-forward layer ([`FeedForwardLayer`]: routed experts of some router and
-//! expert type, or a dense MLP) and their configuration ([`FamilyConfig`]). A family is therefore a
-//! type alias of [`CausalLm`] plus a config type that knows how to build it.
-
-use std::path::Path;
+//! Families differ only in the attention layer ([`AttentionLayer`]: GQA with or without q/k norms,
+//! clipping and sinks, MLA), the router and expert types of their sparse layers, and their
+//! configuration ([`crate::families::FamilyConfig`]). A family's model is [`FamilyModel`] of its
+//! configuration type.
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::attention::GqaAttention;
-use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, CausalLmOutput, HfCheckpoint, LossParts};
-use crate::error::Result;
+use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, CausalLmOutput, LossParts};
+use crate::error::{ModelError, Result};
+use crate::families::FamilyConfig;
+use crate::init::Init;
 use crate::moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
@@ -31,17 +31,6 @@ pub trait AttentionLayer<B: Backend> {
     fn save_attention(&self, sink: &mut TensorSink, prefix: &str);
 }
 
-/// The feed-forward (expert) layer of a decoder.
-pub trait FeedForwardLayer<B: Backend> {
-    /// # Shapes
-    /// - x: `[B, S, M]` -> `[B, S, M]`, plus router statistics when the layer routes
-    fn feed_forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>);
-    /// Loads the layer's weights under `prefix` (e.g. `model.layers.3.mlp`).
-    fn load_feed_forward(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()>;
-    /// Saves them under the names it loads.
-    fn save_feed_forward(&self, sink: &mut TensorSink, prefix: &str);
-}
-
 impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         self.forward(x, cos, sin)
@@ -54,90 +43,84 @@ impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     }
 }
 
-impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForwardLayer<B> for SparseMoeBlock<B, R, X> {
-    fn feed_forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
-        let (y, stats) = self.forward(x);
-        (y, Some(stats))
-    }
-    fn load_feed_forward(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
-        self.load(ckpt, prefix, device)
-    }
-    fn save_feed_forward(&self, sink: &mut TensorSink, prefix: &str) {
-        self.save(sink, prefix)
-    }
-}
-
-/// Routed experts on sparse layers, a dense SwiGLU MLP on the others (`mlp_only_layers`,
-/// `decoder_sparse_step`, `first_k_dense_replace`). Both live under `{prefix}` = `...mlp`.
+/// The feed-forward half of a decoder layer: routed experts, or a dense SwiGLU MLP on the layers a
+/// family keeps dense (`mlp_only_layers`, `decoder_sparse_step`, `first_k_dense_replace`,
+/// `moe_layer_freq`). Both live under the layer's feed-forward prefix (`...mlp`).
 #[derive(Module, Debug)]
-pub struct FeedForward<B: Backend, R: Module<B>, X: Module<B>> {
-    /// Present on sparse layers.
-    pub moe: Option<SparseMoeBlock<B, R, X>>,
-    /// Present on dense layers.
-    pub dense: Option<SwiGluMlp<B>>,
+pub enum FeedForward<B: Backend, R: Module<B>, X: Module<B>> {
+    /// A routed (sparse) layer.
+    Sparse(SparseMoeBlock<B, R, X>),
+    /// A dense layer.
+    Dense(SwiGluMlp<B>),
 }
 
 impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForward<B, R, X> {
-    /// A sparse layer.
-    pub fn sparse(moe: SparseMoeBlock<B, R, X>) -> Self {
-        Self { moe: Some(moe), dense: None }
+    /// # Shapes
+    /// - x: `[B, S, M]` -> `[B, S, M]`, plus router statistics on routed layers
+    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
+        match self {
+            FeedForward::Sparse(moe) => {
+                let (y, stats) = moe.forward(x);
+                (y, Some(stats))
+            }
+            FeedForward::Dense(mlp) => (mlp.forward(x), None),
+        }
     }
 
-    /// A dense layer.
-    pub fn dense(mlp: SwiGluMlp<B>) -> Self {
-        Self { moe: None, dense: Some(mlp) }
+    /// The MoE block of a routed layer.
+    pub fn moe(&self) -> Option<&SparseMoeBlock<B, R, X>> {
+        match self {
+            FeedForward::Sparse(moe) => Some(moe),
+            FeedForward::Dense(_) => None,
+        }
     }
-}
 
-impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForwardLayer<B> for FeedForward<B, R, X> {
-    fn feed_forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
-        match (&self.moe, &self.dense) {
-            (Some(moe), _) => moe.feed_forward(x),
-            (None, Some(mlp)) => (mlp.forward(x), None),
-            (None, None) => unreachable!("a feed-forward block is sparse or dense"),
+    /// The MoE block of a routed layer, mutably.
+    pub fn moe_mut(&mut self) -> Option<&mut SparseMoeBlock<B, R, X>> {
+        match self {
+            FeedForward::Sparse(moe) => Some(moe),
+            FeedForward::Dense(_) => None,
         }
     }
-    fn load_feed_forward(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
-        match (&mut self.moe, &mut self.dense) {
-            (Some(moe), _) => moe.load(ckpt, prefix, device),
-            (None, Some(mlp)) => mlp.load(ckpt, prefix, device),
-            (None, None) => Ok(()),
+
+    fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
+        match self {
+            FeedForward::Sparse(moe) => moe.load(ckpt, prefix, device),
+            FeedForward::Dense(mlp) => mlp.load(ckpt, prefix, device),
         }
     }
-    fn save_feed_forward(&self, sink: &mut TensorSink, prefix: &str) {
-        if let Some(moe) = &self.moe {
-            moe.save(sink, prefix);
-        }
-        if let Some(mlp) = &self.dense {
-            mlp.save(sink, prefix);
+
+    fn save(&self, sink: &mut TensorSink, prefix: &str) {
+        match self {
+            FeedForward::Sparse(moe) => moe.save(sink, prefix),
+            FeedForward::Dense(mlp) => mlp.save(sink, prefix),
         }
     }
 }
 
 /// One decoder layer: `x + attn(norm(x))`, then `x + ffn(norm(x))`.
 #[derive(Module, Debug)]
-pub struct DecoderLayer<B: Backend, A: Module<B>, F: Module<B>> {
+pub struct DecoderLayer<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
     /// Norm before attention (`input_layernorm`).
     pub input_layernorm: RmsNorm<B>,
     /// Attention (`self_attn`).
     pub self_attn: A,
     /// Norm before the feed-forward (`post_attention_layernorm`).
     pub post_attention_layernorm: RmsNorm<B>,
-    /// Feed-forward (`mlp`).
-    pub mlp: F,
+    /// Feed-forward (`mlp`; Mixtral: `block_sparse_moe`).
+    pub mlp: FeedForward<B, R, X>,
+    /// Checkpoint name of the feed-forward module.
+    #[module(skip)]
+    pub ffn_name: &'static str,
 }
 
-impl<B: Backend, A: Module<B> + AttentionLayer<B>, F: Module<B> + FeedForwardLayer<B>> DecoderLayer<B, A, F> {
-    /// A layer of width `hidden` around an attention and a feed-forward layer.
-    pub fn new(hidden: usize, eps: f64, self_attn: A, mlp: F, device: &B::Device) -> Self {
-        Self {
-            input_layernorm: RmsNorm::new(hidden, eps, device),
-            self_attn,
-            post_attention_layernorm: RmsNorm::new(hidden, eps, device),
-            mlp,
-        }
-    }
-
+impl<B, A, R, X> DecoderLayer<B, A, R, X>
+where
+    B: Backend,
+    A: Module<B> + AttentionLayer<B>,
+    R: Module<B> + Router<B>,
+    X: Module<B> + Experts<B>,
+{
     /// The attention half: `x + attn(norm(x))`.
     ///
     /// # Shapes
@@ -151,7 +134,7 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, F: Module<B> + FeedForwardLay
     /// # Shapes
     /// - x: `[B, S, M]` -> `[B, S, M]`
     pub fn expert_block(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
-        let (y, stats) = self.mlp.feed_forward(self.post_attention_layernorm.forward(x.clone()));
+        let (y, stats) = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
         (x + y, stats)
     }
 
@@ -159,50 +142,40 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, F: Module<B> + FeedForwardLay
         self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
         self.self_attn.load_attention(ckpt, &format!("{prefix}.self_attn"), device)?;
         self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
-        self.mlp.load_feed_forward(ckpt, &format!("{prefix}.mlp"), device)
+        self.mlp.load(ckpt, &format!("{prefix}.{}", self.ffn_name), device)
     }
 
     fn save(&self, sink: &mut TensorSink, prefix: &str) {
         self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
         self.self_attn.save_attention(sink, &format!("{prefix}.self_attn"));
         self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
-        self.mlp.save_feed_forward(sink, &format!("{prefix}.mlp"));
+        self.mlp.save(sink, &format!("{prefix}.{}", self.ffn_name));
     }
 }
 
-/// What a family's configuration provides to the shared model.
-pub trait FamilyConfig: Clone + std::fmt::Debug + Send + Sync + 'static {
-    /// The family's model type on a backend.
-    type Model<B: Backend>;
-    /// Reads and validates a `config.json`.
-    fn from_file(path: &Path) -> Result<Self>;
-    /// A freshly initialised model, as transformers initialises it.
-    fn init<B: Backend>(&self, device: &B::Device) -> Self::Model<B>;
-    /// The configuration as transformers writes `config.json`.
-    fn to_hf_json(&self) -> serde_json::Value;
-    /// Vocabulary size.
-    fn vocab_size(&self) -> usize;
-    /// Coefficient of the load-balancing loss, or `None` when the family has none.
-    fn aux_loss_coef(&self) -> Option<f64>;
-    /// Reports checkpoint tensors the model did not read (default: one warning).
-    fn report_unused(&self, unused: Vec<String>) {
-        if let Some(first) = unused.first() {
-            tracing::warn!(count = unused.len(), first = %first, "checkpoint tensors not used by the model");
-        }
-    }
-}
+/// The attention type of a family.
+pub type FamilyAttention<B, C> = <C as FamilyConfig>::Attention<B>;
+/// The feed-forward type of a family.
+pub type FamilyFeedForward<B, C> = FeedForward<B, <C as FamilyConfig>::Router<B>, <C as FamilyConfig>::Experts<B>>;
+/// One decoder layer of a family.
+pub type FamilyLayer<B, C> =
+    DecoderLayer<B, <C as FamilyConfig>::Attention<B>, <C as FamilyConfig>::Router<B>, <C as FamilyConfig>::Experts<B>>;
+/// The causal LM of a family.
+pub type FamilyModel<B, C> =
+    CausalLm<B, C, <C as FamilyConfig>::Attention<B>, <C as FamilyConfig>::Router<B>, <C as FamilyConfig>::Experts<B>>;
 
 /// A causal language model: embedding, decoder layers, final norm, head.
 ///
 /// Checkpoint names: `model.embed_tokens.weight`, `model.layers.{i}.input_layernorm.weight`,
 /// `model.layers.{i}.self_attn.*`, `model.layers.{i}.post_attention_layernorm.weight`,
-/// `model.layers.{i}.mlp.*`, `model.norm.weight`, `lm_head.weight` (absent when tied).
+/// `model.layers.{i}.mlp.*` (Mixtral: `block_sparse_moe.*`), `model.norm.weight`, `lm_head.weight`
+/// (absent when tied).
 #[derive(Module, Debug)]
-pub struct CausalLm<B: Backend, C, A: Module<B>, F: Module<B>> {
+pub struct CausalLm<B: Backend, C, A: Module<B>, R: Module<B>, X: Module<B>> {
     /// `model.embed_tokens`
     pub embed_tokens: Embedding<B>,
     /// `model.layers`
-    pub layers: Vec<DecoderLayer<B, A, F>>,
+    pub layers: Vec<DecoderLayer<B, A, R, X>>,
     /// `model.norm`
     pub norm: RmsNorm<B>,
     /// `lm_head` (absent when tied to the embedding).
@@ -213,28 +186,72 @@ pub struct CausalLm<B: Backend, C, A: Module<B>, F: Module<B>> {
     rope: Rope,
 }
 
-impl<B: Backend, C, A: Module<B>, F: Module<B>> CausalLm<B, C, A, F>
-where
-    C: FamilyConfig,
-    A: AttentionLayer<B>,
-    F: FeedForwardLayer<B>,
-{
-    /// Assembles a model; `tied` drops the separate head.
-    pub fn assemble(
-        config: C,
-        rope: Rope,
-        (vocab, hidden, eps, std, tied): (usize, usize, f64, f64, bool),
-        layers: Vec<DecoderLayer<B, A, F>>,
-        device: &B::Device,
-    ) -> Self {
-        Self {
-            embed_tokens: Embedding::new(vocab, hidden, std, device),
-            layers,
-            norm: RmsNorm::new(hidden, eps, device),
-            lm_head: (!tied).then(|| Linear::new(hidden, vocab, false, std, device)),
-            config,
-            rope,
+/// The embedding, final norm and head of a family's model, freshly initialised.
+pub(crate) fn init_ends<B: Backend, C: FamilyConfig>(
+    config: &C,
+    init: &Init<B>,
+) -> (Embedding<B>, RmsNorm<B>, Option<Linear<B>>) {
+    let d = config.dims();
+    (
+        Embedding::new(d.vocab_size, d.hidden_size, d.pad_token_id, &init.child("model.embed_tokens")),
+        RmsNorm::new(d.hidden_size, d.rms_norm_eps, &init.child("model.norm")),
+        (!d.tie_word_embeddings).then(|| Linear::new(d.hidden_size, d.vocab_size, false, &init.child("lm_head"))),
+    )
+}
+
+/// The feed-forward block of `layer`, freshly initialised: the experts `experts` (global ids) of a
+/// routed layer with its router and (when `with_shared`) its shared experts, or the dense MLP.
+pub fn init_feed_forward<B: Backend, C: FamilyConfig>(
+    config: &C,
+    layer: usize,
+    experts: std::ops::Range<usize>,
+    with_shared: bool,
+    init: &Init<B>,
+) -> FamilyFeedForward<B, C> {
+    let d = config.dims();
+    let init = init.child(format!("model.layers.{layer}.{}", C::FFN_NAME));
+    if config.is_sparse_layer(layer) {
+        let mut moe =
+            SparseMoeBlock::new(config.router(layer, &init), config.experts(layer, experts, &init.child("experts")));
+        if with_shared {
+            moe.shared_experts = config
+                .shared_expert_intermediate()
+                .map(|inter| SwiGluMlp::new(d.hidden_size, inter, &init.child("shared_experts")));
         }
+        FeedForward::Sparse(moe)
+    } else {
+        FeedForward::Dense(SwiGluMlp::new(d.hidden_size, d.dense_intermediate_size, &init))
+    }
+}
+
+/// Decoder layer `layer` of a family, freshly initialised (every expert).
+pub fn init_layer<B: Backend, C: FamilyConfig>(config: &C, layer: usize, init: &Init<B>) -> FamilyLayer<B, C> {
+    let d = config.dims();
+    let prefix = init.child(format!("model.layers.{layer}"));
+    DecoderLayer {
+        input_layernorm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, &prefix.child("input_layernorm")),
+        self_attn: config.attention(layer, &prefix.child("self_attn")),
+        post_attention_layernorm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, &prefix.child("post_attention_layernorm")),
+        mlp: init_feed_forward(config, layer, 0..config.routed_experts(), true, init),
+        ffn_name: C::FFN_NAME,
+    }
+}
+
+impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
+    /// A freshly initialised model: every tensor drawn from (`seed`, its checkpoint name), as
+    /// [`Init`] describes, with the family's initialiser spread (`initializer_range`).
+    pub fn init(config: C, seed: u64, device: &B::Device) -> Self {
+        let std = config.dims().initializer_range;
+        Self::new(config, &Init::new(seed, std, device))
+    }
+
+    /// A model whose tensors come from `init` (seeded, or placeholders for a checkpoint to fill).
+    pub fn new(config: C, init: &Init<B>) -> Self {
+        let d = config.dims();
+        let (embed_tokens, norm, lm_head) = init_ends(&config, init);
+        let layers = (0..d.num_hidden_layers).map(|l| init_layer(&config, l, init)).collect();
+        let rope = config.rope();
+        Self { embed_tokens, layers, norm, lm_head, config, rope }
     }
 
     /// The model's configuration.
@@ -249,7 +266,7 @@ where
 
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
     pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
-        input_ids(rows, self.config.vocab_size(), device)
+        input_ids(rows, self.config.dims().vocab_size, device)
     }
 
     /// The forward pass.
@@ -262,7 +279,7 @@ where
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
-                                                            // 2. (attention block, expert block) pairs.
+        // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
             x = layer.attention_block(x, cos.clone(), sin.clone());
@@ -276,28 +293,33 @@ where
     }
 
     /// Next-token cross-entropy (labels = inputs shifted by one), plus the family's coefficient
-    /// times the load-balancing loss when `with_aux` and the family has one.
+    /// times its balance loss when `with_aux` and the family has one.
     pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
-        let coef = self.config.aux_loss_coef();
-        causal_lm_loss(out, ids, with_aux && coef.is_some(), coef.unwrap_or(0.0))
-    }
-}
-
-impl<B: Backend, C, A: Module<B>, F: Module<B>> HfCheckpoint<B> for CausalLm<B, C, A, F>
-where
-    C: FamilyConfig<Model<B> = Self>,
-    A: AttentionLayer<B>,
-    F: FeedForwardLayer<B>,
-{
-    fn init_from_config(path: &Path, device: &B::Device) -> Result<Self> {
-        Ok(C::from_file(path)?.init::<B>(device))
+        causal_lm_loss(out, ids, self.config.aux_loss().filter(|_| with_aux))
     }
 
-    fn hf_config(&self) -> serde_json::Value {
-        self.config.to_hf_json()
+    /// Aux-loss-free balancing: each routed layer's router moves its correction bias from its
+    /// expert load of the last step (`counts[i]` for the `i`-th routed layer, the order of
+    /// [`CausalLmOutput::router_stats`]). Routers without a correction bias ignore it; returns
+    /// whether any router changed.
+    pub fn update_router_biases(&mut self, counts: &[Vec<usize>], rate: f64) -> Result<bool> {
+        let moe_layers = self.layers.iter().filter(|l| l.mlp.moe().is_some()).count();
+        if counts.len() != moe_layers {
+            return Err(ModelError::InvalidInput(format!(
+                "update_router_biases: {} count vectors for {moe_layers} MoE layers",
+                counts.len()
+            )));
+        }
+        let mut changed = false;
+        let routers = self.layers.iter_mut().filter_map(|l| l.mlp.moe_mut().map(|m| &mut m.gate));
+        for (router, c) in routers.zip(counts) {
+            changed |= router.update_balance_bias(c, rate)?;
+        }
+        Ok(changed)
     }
 
-    fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+    /// Loads every parameter from a checkpoint by its Hugging Face name.
+    pub fn load_weights(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
         self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             layer.load(ckpt, &format!("model.layers.{i}"), device)?;
@@ -309,7 +331,8 @@ where
         Ok(())
     }
 
-    fn save_into(&self, sink: &mut TensorSink) {
+    /// Puts every parameter into `sink` under its Hugging Face name.
+    pub fn save_into(&self, sink: &mut TensorSink) {
         self.embed_tokens.save(sink, "model.embed_tokens");
         for (i, layer) in self.layers.iter().enumerate() {
             layer.save(sink, &format!("model.layers.{i}"));
@@ -318,9 +341,5 @@ where
         if let Some(head) = &self.lm_head {
             head.save(sink, "lm_head");
         }
-    }
-
-    fn report_unused(&self, unused: Vec<String>) {
-        self.config.report_unused(unused)
     }
 }

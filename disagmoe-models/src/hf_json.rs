@@ -65,3 +65,14 @@ pub(crate) fn expect_model_type(found: Option<&str>, expected: &str) -> Result<(
         _ => Ok(()),
     }
 }
+
+/// An optional token id (`pad_token_id`: absent, `null`, or an id inside the vocabulary).
+pub(crate) fn token_id(field: &str, v: Option<&serde_json::Value>, vocab: usize) -> Result<Option<usize>> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(x) => match x.as_i64() {
+            Some(id) if id >= 0 && (id as usize) < vocab => Ok(Some(id as usize)),
+            _ => Err(ModelError::config(field, format!("must be null or a token id in 0..{vocab}, got {x}"))),
+        },
+    }
+}

@@ -1,40 +1,43 @@
 //! Mixture-of-experts language models in Burn, with Hugging Face `config.json` and safetensors I/O.
 //!
-//! Entry points: [`Qwen3MoeConfig`] (parse and validate a `config.json`, then `init` a fresh model)
-//! and [`Qwen3MoeForCausalLM`] (`from_pretrained`, `forward`, `loss`, `save_pretrained`). The MoE
-//! machinery ([`moe`]) is shared: a router, the [`moe::Experts`] trait that new expert types
-//! implement, the grouped dispatch, and the load-balancing loss.
+//! Entry points: [`ModelConfig`] (parse and validate any supported `config.json`, then `init` a
+//! fresh model) and [`MoeCausalLm`] (a model of any family: `from_pretrained`, `forward`, `loss`,
+//! `save_pretrained`). Each family lives in its own folder under [`families`] and is registered by
+//! one line there. The MoE machinery ([`moe`]) is shared: the [`Router`] and [`Experts`] traits
+//! that new routing rules and expert types implement, the grouped dispatch, and the balance losses
+//! ([`balance`]).
 //!
-//! **This crate knows nothing about device groups, ranks or transports.** A model is a sequence of
-//! (attention block, expert block) pairs plus embedding and head; partitioning and placement happen
-//! in `disagmoe-train` on that shape. Everything is computed in f32; checkpoints may be f32, bf16 or
-//! f16.
+//! **This crate knows nothing about device groups, ranks or transports, and never communicates.**
+//! A model is a sequence of (attention block, expert block) pairs plus embedding and head;
+//! [`stages`] takes it apart, and the runtime in `disagmoe-train` decides who holds which piece.
+//! Everything is computed in f32; checkpoints may be f32, bf16 or f16. Every freshly initialised
+//! tensor is drawn from the run seed and its checkpoint name ([`init`]), so any part of a model can be
+//! built alone.
 
 pub mod attention;
+pub mod balance;
 pub mod causal_lm;
-pub mod config;
 pub mod decoder;
-pub mod deepseek_router;
-pub mod deepseek_v3;
 pub mod error;
-pub mod family;
-pub mod gpt_oss;
+pub mod families;
 mod hf_json;
+pub mod init;
 pub mod mla;
 pub mod moe;
 pub mod nn;
-pub mod qwen3_moe;
 pub mod rope;
 pub mod stages;
 pub mod weights;
 
-pub use causal_lm::HfCheckpoint;
-pub use config::{Qwen3MoeConfig, RopeScaling};
-pub use decoder::{CausalLm, FamilyConfig};
-pub use deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
+pub use balance::{AuxLoss, BalanceLoss, LayerRouting};
+pub use causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
+pub use decoder::{CausalLm, FamilyModel};
 pub use error::{ModelError, Result};
-pub use family::{ModelConfig, MoeCausalLm, SUPPORTED_MODEL_TYPES};
-pub use gpt_oss::{GptOssConfig, GptOssForCausalLM};
+pub use families::deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
+pub use families::gpt_oss::{GptOssConfig, GptOssForCausalLM};
+pub use families::qwen3_moe::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+pub use families::{model_presets, FamilyConfig, FamilyVisitor, ModelConfig, MoeCausalLm, TrainModule, SUPPORTED_MODEL_TYPES};
+pub use init::Init;
 pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
-pub use qwen3_moe::{CausalLmOutput, LossParts, Qwen3MoeForCausalLM};
+pub use rope::RopeScaling;
 pub use weights::{CheckpointReader, TensorSink};

@@ -11,12 +11,11 @@
 //! dims of q and k (stored as interleaved pairs when `rope_interleave`).
 
 use burn::module::Module;
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use crate::attention::causal_mask;
 use crate::error::Result;
+use crate::init::Init;
 use crate::nn::{Linear, RmsNorm};
 use crate::rope::{apply_rotary, deinterleave};
 use crate::weights::{CheckpointReader, TensorSink};
@@ -82,7 +81,7 @@ pub struct MlaAttention<B: Backend> {
 
 impl<B: Backend> MlaAttention<B> {
     /// A freshly initialised layer (normal(0, std) weights, norms at one, biases zero).
-    pub fn new(shape: MlaShape, std: f64, device: &B::Device) -> Self {
+    pub fn new(shape: MlaShape, init: &Init<B>) -> Self {
         let MlaShape {
             hidden: m,
             heads: h,
@@ -96,24 +95,24 @@ impl<B: Backend> MlaAttention<B> {
         let dq = dn + dr;
         let query = match shape.q_lora_rank {
             None => MlaQuery {
-                q_proj: Some(Linear::new(m, h * dq, false, std, device)),
+                q_proj: Some(Linear::new(m, h * dq, false, &init.child("q_proj"))),
                 q_a_proj: None,
                 q_a_layernorm: None,
                 q_b_proj: None,
             },
             Some(rq) => MlaQuery {
                 q_proj: None,
-                q_a_proj: Some(Linear::new(m, rq, bias, std, device)),
-                q_a_layernorm: Some(RmsNorm::new(rq, LATENT_NORM_EPS, device)),
-                q_b_proj: Some(Linear::new(rq, h * dq, false, std, device)),
+                q_a_proj: Some(Linear::new(m, rq, bias, &init.child("q_a_proj"))),
+                q_a_layernorm: Some(RmsNorm::new(rq, LATENT_NORM_EPS, &init.child("q_a_layernorm"))),
+                q_b_proj: Some(Linear::new(rq, h * dq, false, &init.child("q_b_proj"))),
             },
         };
         Self {
             query,
-            kv_a_proj_with_mqa: Linear::new(m, r + dr, bias, std, device),
-            kv_a_layernorm: RmsNorm::new(r, LATENT_NORM_EPS, device),
-            kv_b_proj: Linear::new(r, h * (dn + dv), false, std, device),
-            o_proj: Linear::new(h * dv, m, bias, std, device),
+            kv_a_proj_with_mqa: Linear::new(m, r + dr, bias, &init.child("kv_a_proj_with_mqa")),
+            kv_a_layernorm: RmsNorm::new(r, LATENT_NORM_EPS, &init.child("kv_a_layernorm")),
+            kv_b_proj: Linear::new(r, h * (dn + dv), false, &init.child("kv_b_proj")),
+            o_proj: Linear::new(h * dv, m, bias, &init.child("o_proj")),
             shape,
         }
     }
@@ -161,20 +160,13 @@ impl<B: Backend> MlaAttention<B> {
         let v = kv.narrow(3, dn, dv); // [B, H, S, Dv]
         let k = Tensor::cat(vec![k_nope, k_rot.expand([b, h, s, dr])], 3); // [B, H, S, Dq]
         let q = Tensor::cat(vec![q_pass, q_rot], 3); // [B, H, S, Dq]
-        if disagmoe_kernels::fused::available::<B>() {
-            // Fused path (disagmoe_kernels::fused): the same steps 5-6 in one operation.
-            let (qs, ks, vs) = (q.clone().swap_dims(1, 2), k.clone().swap_dims(1, 2), v.clone().swap_dims(1, 2));
-            if let Some(out) = disagmoe_kernels::fused::attention(qs, ks, vs, None, self.shape.softmax_scale, None) {
-                return self.o_proj.forward(out.reshape([b, s, h * dv]));
-            }
-        }
-        // 5. Scaled scores, causal mask, softmax.
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.shape.softmax_scale); // [B, H, S, S]
-        let mask = causal_mask::<B>(s, None, &scores.device()); // [S, S], true = hidden
-        let probs = softmax(scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9), 3);
-        // 6. Weighted values, merge heads, output projection.
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * dv]); // [B, S, H*Dv]
-        self.o_proj.forward(out)
+        // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
+        //      operation or kernel for this backend, else its reference), merge heads, project.
+        let (qs, ks, vs) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)); // [B, S, H, *]
+        let scale = self.shape.softmax_scale;
+        let out = disagmoe_kernels::fused::attention(qs.clone(), ks.clone(), vs.clone(), None, scale, None)
+            .unwrap_or_else(|| disagmoe_kernels::reference::attention(qs, ks, vs, None, scale, None)); // [B, S, H, Dv]
+        self.o_proj.forward(out.reshape([b, s, h * dv]))
     }
 
     /// Loads `{prefix}.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `{prefix}.kv_a_proj_with_mqa`,

@@ -20,10 +20,12 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
+use crate::balance::LayerRouting;
 use crate::error::{ModelError, Result};
-use crate::nn::{normal_init, Linear};
+use crate::init::Init;
+use crate::nn::Linear;
 use crate::weights::{CheckpointReader, TensorSink};
 
 /// A set of `E` experts computed group by group.
@@ -53,8 +55,9 @@ pub trait Experts<B: Backend> {
         false
     }
 
-    /// Keeps experts `range` (local ids) and drops the others, for expert parallelism. Expert
-    /// types that do not implement it run on one holder per layer only.
+    /// Keeps experts `range` (local ids) and drops the others, for expert parallelism; the kept
+    /// experts keep their checkpoint names. Expert types that do not implement it run on one
+    /// holder per layer only.
     fn shard(self, range: std::ops::Range<usize>) -> Result<Self>
     where
         Self: Sized,
@@ -97,12 +100,18 @@ pub struct SwiGluMlp<B: Backend> {
 }
 
 impl<B: Backend> SwiGluMlp<B> {
-    /// A freshly initialised MLP of width `hidden` and intermediate size `inter`.
-    pub fn new(hidden: usize, inter: usize, std: f64, device: &B::Device) -> Self {
+    /// A freshly initialised MLP of width `hidden` and intermediate size `inter`, its projections
+    /// named `gate_proj`, `up_proj`, `down_proj` below `init`'s prefix.
+    pub fn new(hidden: usize, inter: usize, init: &Init<B>) -> Self {
+        Self::named(hidden, inter, ExpertNames::HF, init)
+    }
+
+    /// [`SwiGluMlp::new`] with the projections named by `names`.
+    pub fn named(hidden: usize, inter: usize, names: ExpertNames, init: &Init<B>) -> Self {
         Self {
-            gate_proj: Linear::new(hidden, inter, false, std, device),
-            up_proj: Linear::new(hidden, inter, false, std, device),
-            down_proj: Linear::new(inter, hidden, false, std, device),
+            gate_proj: Linear::new(hidden, inter, false, &init.child(names.gate)),
+            up_proj: Linear::new(hidden, inter, false, &init.child(names.up)),
+            down_proj: Linear::new(inter, hidden, false, &init.child(names.down)),
         }
     }
 
@@ -116,30 +125,73 @@ impl<B: Backend> SwiGluMlp<B> {
 
     /// Loads `{prefix}.{gate,up,down}_proj.weight`.
     pub fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
-        self.gate_proj.load(ckpt, &format!("{prefix}.gate_proj"), device)?;
-        self.up_proj.load(ckpt, &format!("{prefix}.up_proj"), device)?;
-        self.down_proj.load(ckpt, &format!("{prefix}.down_proj"), device)
+        self.load_named(ckpt, prefix, ExpertNames::HF, device)
+    }
+
+    /// Loads `{prefix}.{names}.weight`.
+    pub fn load_named(
+        &mut self,
+        ckpt: &mut CheckpointReader,
+        prefix: &str,
+        names: ExpertNames,
+        device: &B::Device,
+    ) -> Result<()> {
+        self.gate_proj.load(ckpt, &format!("{prefix}.{}", names.gate), device)?;
+        self.up_proj.load(ckpt, &format!("{prefix}.{}", names.up), device)?;
+        self.down_proj.load(ckpt, &format!("{prefix}.{}", names.down), device)
     }
 
     /// Saves under the names [`SwiGluMlp::load`] reads.
     pub fn save(&self, sink: &mut TensorSink, prefix: &str) {
-        self.gate_proj.save(sink, &format!("{prefix}.gate_proj"));
-        self.up_proj.save(sink, &format!("{prefix}.up_proj"));
-        self.down_proj.save(sink, &format!("{prefix}.down_proj"));
+        self.save_named(sink, prefix, ExpertNames::HF)
+    }
+
+    /// Saves under the names [`SwiGluMlp::load_named`] reads.
+    pub fn save_named(&self, sink: &mut TensorSink, prefix: &str, names: ExpertNames) {
+        self.gate_proj.save(sink, &format!("{prefix}.{}", names.gate));
+        self.up_proj.save(sink, &format!("{prefix}.{}", names.up));
+        self.down_proj.save(sink, &format!("{prefix}.{}", names.down));
     }
 }
 
-/// `E` SwiGLU experts (Qwen3-MoE, Mixtral, DeepSeek routed experts).
+/// Checkpoint names of a SwiGLU MLP's three projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertNames {
+    /// The gate projection (`silu` side).
+    pub gate: &'static str,
+    /// The up projection.
+    pub up: &'static str,
+    /// The down projection.
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    /// `gate_proj`, `up_proj`, `down_proj` (Qwen3-MoE, OLMoE, DeepSeek).
+    pub const HF: Self = Self { gate: "gate_proj", up: "up_proj", down: "down_proj" };
+    /// `w1`, `w3`, `w2` (Mixtral: gate = w1, up = w3, down = w2).
+    pub const MIXTRAL: Self = Self { gate: "w1", up: "w3", down: "w2" };
+}
+
+/// SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE, DeepSeek routed experts), each an MLP of its own
+/// named `{prefix}.{j}.{gate,up,down}` in checkpoints (`j` the expert's global index).
 #[derive(Module, Debug)]
 pub struct SwiGluExperts<B: Backend> {
-    /// One MLP per expert.
+    /// One MLP per expert held.
     pub experts: Vec<SwiGluMlp<B>>,
+    /// Global index of the first expert held.
+    #[module(skip)]
+    pub first: usize,
+    /// Checkpoint names of each expert's projections.
+    #[module(skip)]
+    pub names: ExpertNames,
 }
 
 impl<B: Backend> SwiGluExperts<B> {
-    /// `num` freshly initialised experts.
-    pub fn new(num: usize, hidden: usize, inter: usize, std: f64, device: &B::Device) -> Self {
-        Self { experts: (0..num).map(|_| SwiGluMlp::new(hidden, inter, std, device)).collect() }
+    /// Experts `range` (global indices) of a layer, freshly initialised; `init` is scoped to the
+    /// experts' prefix (`model.layers.3.mlp.experts`).
+    pub fn new(range: std::ops::Range<usize>, hidden: usize, inter: usize, names: ExpertNames, init: &Init<B>) -> Self {
+        let experts = range.clone().map(|j| SwiGluMlp::named(hidden, inter, names, &init.child(j.to_string()))).collect();
+        Self { experts, first: range.start, names }
     }
 }
 
@@ -149,21 +201,14 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
     }
 
     fn forward_grouped(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
-        let no_bias = self
+        // Expert projections have no biases (`SwiGluMlp` builds and loads none).
+        let weights: Vec<_> = self
             .experts
             .iter()
-            .all(|e| e.gate_proj.bias.is_none() && e.up_proj.bias.is_none() && e.down_proj.bias.is_none());
-        if no_bias && disagmoe_kernels::fused::available::<B>() {
-            let weights: Vec<_> = self
-                .experts
-                .iter()
-                .map(|e| (e.gate_proj.weight.val(), e.up_proj.weight.val(), e.down_proj.weight.val()))
-                .collect();
-            if let Some(ys) = disagmoe_kernels::fused::swiglu_experts(xs.clone(), counts, &weights) {
-                return ys;
-            }
-        }
-        map_groups(xs, counts, |e, x| self.experts[e].forward(x))
+            .map(|e| (e.gate_proj.weight.val(), e.up_proj.weight.val(), e.down_proj.weight.val()))
+            .collect();
+        disagmoe_kernels::fused::swiglu_experts(xs.clone(), counts, &weights)
+            .unwrap_or_else(|| disagmoe_kernels::reference::swiglu_experts(xs, counts, &weights))
     }
 
     /// Reads the Hub's per-expert names (`{prefix}.{j}.gate_proj.weight`, ...) or, when those are
@@ -171,11 +216,12 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
     /// `[E, 2I, M]` with gate rows first, `{prefix}.down_proj` `[E, M, I]`).
     fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         let fused = format!("{prefix}.gate_up_proj");
-        if !ckpt.contains(&format!("{prefix}.0.gate_proj.weight")) && ckpt.contains(&fused) {
-            let e = self.experts.len();
+        let first = format!("{prefix}.{}.{}.weight", self.first, self.names.gate);
+        if !ckpt.contains(&first) && ckpt.contains(&fused) && !self.experts.is_empty() {
+            let (n, start) = (self.experts.len(), self.first);
             let (inter, hidden) = self.experts[0].gate_proj.dims();
-            let gate_up = ckpt.tensor::<B, 3>(&fused, [e, 2 * inter, hidden], device)?;
-            let down = ckpt.tensor::<B, 3>(&format!("{prefix}.down_proj"), [e, hidden, inter], device)?;
+            let gate_up = ckpt.tensor_rows::<B, 3>(&fused, [n, 2 * inter, hidden], start, device)?;
+            let down = ckpt.tensor_rows::<B, 3>(&format!("{prefix}.down_proj"), [n, hidden, inter], start, device)?;
             for (j, expert) in self.experts.iter_mut().enumerate() {
                 let gu = gate_up.clone().narrow(0, j, 1).reshape([2 * inter, hidden]);
                 expert.gate_proj.weight = Param::from_tensor(gu.clone().narrow(0, 0, inter));
@@ -184,15 +230,16 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
             }
             return Ok(());
         }
+        let (first, names) = (self.first, self.names);
         for (j, expert) in self.experts.iter_mut().enumerate() {
-            expert.load(ckpt, &format!("{prefix}.{j}"), device)?;
+            expert.load_named(ckpt, &format!("{prefix}.{}", first + j), names, device)?;
         }
         Ok(())
     }
 
     fn save(&self, sink: &mut TensorSink, prefix: &str) {
         for (j, expert) in self.experts.iter().enumerate() {
-            expert.save(sink, &format!("{prefix}.{j}"));
+            expert.save_named(sink, &format!("{prefix}.{}", self.first + j), self.names);
         }
     }
 
@@ -200,7 +247,8 @@ impl<B: Backend> Experts<B> for SwiGluExperts<B> {
         if range.end > self.experts.len() {
             return Err(ModelError::InvalidInput(format!("expert shard {range:?} of {} experts", self.experts.len())));
         }
-        Ok(Self { experts: self.experts.into_iter().skip(range.start).take(range.len()).collect() })
+        let first = self.first + range.start;
+        Ok(Self { experts: self.experts.into_iter().skip(range.start).take(range.len()).collect(), first, ..self })
     }
 }
 
@@ -252,16 +300,10 @@ pub struct RouterOutput<B: Backend> {
 }
 
 impl<B: Backend> TopKRouter<B> {
-    /// A router over `experts` experts for width `hidden`.
-    pub fn new(
-        hidden: usize,
-        experts: usize,
-        top_k: usize,
-        norm_topk_prob: bool,
-        std: f64,
-        device: &B::Device,
-    ) -> Self {
-        Self { weight: Param::from_tensor(normal_init([experts, hidden], std, device)), top_k, norm_topk_prob }
+    /// A router over `experts` experts for width `hidden`, its weight `{block}.gate.weight` (`init`
+    /// is scoped to the MoE block).
+    pub fn new(hidden: usize, experts: usize, top_k: usize, norm_topk_prob: bool, init: &Init<B>) -> Self {
+        Self { weight: Param::from_tensor(init.child("gate").normal("weight", [experts, hidden])), top_k, norm_topk_prob }
     }
 }
 
@@ -355,69 +397,71 @@ pub struct Dispatch {
 impl Dispatch {
     /// A stable counting sort of the routed copies by expert id.
     pub fn new(ids: &[usize], num_experts: usize, top_k: usize) -> Self {
-        let mut counts = vec![0usize; num_experts];
-        for &e in ids {
-            counts[e] += 1;
+        Self::for_experts(ids, 0..num_experts, top_k)
+    }
+
+    /// The same sort of only the copies routed to `experts` (a holder's shard): `counts` has one
+    /// entry per expert of the range, `slots` lists only those copies. Permute and combine work on
+    /// such a subset unchanged; the other holders' shares add up to the layer's output.
+    pub fn for_experts(ids: &[usize], experts: std::ops::Range<usize>, top_k: usize) -> Self {
+        let mut counts = vec![0usize; experts.len()];
+        for &e in ids.iter().filter(|e| experts.contains(e)) {
+            counts[e - experts.start] += 1;
         }
         let mut next = exclusive_prefix_sum(&counts);
-        let mut slots = vec![0usize; ids.len()];
-        for (slot, &e) in ids.iter().enumerate() {
-            slots[next[e]] = slot;
-            next[e] += 1;
+        let mut slots = vec![0usize; counts.iter().sum()];
+        for (slot, &e) in ids.iter().enumerate().filter(|(_, e)| experts.contains(e)) {
+            slots[next[e - experts.start]] = slot;
+            next[e - experts.start] += 1;
         }
         Self { counts, slots, top_k }
     }
 
-    fn index_tensor<B: Backend>(values: impl Iterator<Item = usize>, device: &B::Device) -> Tensor<B, 1, Int> {
-        let v: Vec<i64> = values.map(|x| x as i64).collect();
-        let n = v.len();
-        Tensor::from_data(TensorData::new(v, [n]), device)
+    /// Routed copies sorted here (`N`).
+    pub fn rows(&self) -> usize {
+        self.slots.len()
     }
 
-    /// Token index of each sorted row, `[N]`.
-    pub fn token_index<B: Backend>(&self, device: &B::Device) -> Tensor<B, 1, Int> {
-        Self::index_tensor::<B>(self.slots.iter().map(|s| s / self.top_k), device)
-    }
-
-    /// Gathers each token once per chosen expert, in expert order.
+    /// Gathers each token once per chosen expert, in expert order (the fused operation or kernel
+    /// where `disagmoe_kernels::fused` has one, else its reference).
     ///
     /// # Shapes
     /// - x: `[T, M]` -> `[N, M]`
-    pub fn permute<B: Backend>(&self, x: Tensor<B, 2>, tokens: Tensor<B, 1, Int>) -> Tensor<B, 2> {
-        disagmoe_kernels::fused::permute_rows(x.clone(), &self.slots, self.top_k).unwrap_or_else(|| x.select(0, tokens))
+    pub fn permute<B: Backend>(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        disagmoe_kernels::fused::permute_rows(x.clone(), &self.slots, self.top_k)
+            .unwrap_or_else(|| disagmoe_kernels::reference::permute_rows(x, &self.slots, self.top_k))
     }
 
     /// Weights each expert output by its gate and sums a token's `k` outputs in token order.
     ///
     /// # Shapes
     /// - ys: `[N, M]` (expert order); weights: `[T, k]`; output: `[T, M]`
-    pub fn combine<B: Backend>(
-        &self,
-        ys: Tensor<B, 2>,
-        weights: Tensor<B, 2>,
-        tokens: Tensor<B, 1, Int>,
-    ) -> Tensor<B, 2> {
-        if let Some(out) = disagmoe_kernels::fused::combine_rows(ys.clone(), weights.clone(), &self.slots) {
-            return out;
-        }
-        let [t, k] = weights.dims();
-        let [n, m] = ys.dims();
-        let device = ys.device();
-        let slot_idx = Self::index_tensor::<B>(self.slots.iter().copied(), &device);
-        let w = weights.reshape([t * k]).select(0, slot_idx).reshape([n, 1]); // [N, 1]
-        Tensor::zeros([t, m], &device).select_assign(0, tokens, ys * w, IndexingUpdateOp::Add)
+    pub fn combine<B: Backend>(&self, ys: Tensor<B, 2>, weights: Tensor<B, 2>) -> Tensor<B, 2> {
+        disagmoe_kernels::fused::combine_rows(ys.clone(), weights.clone(), &self.slots)
+            .unwrap_or_else(|| disagmoe_kernels::reference::combine_rows(ys, weights, &self.slots))
     }
 }
 
 /// What one MoE layer reports for the load-balancing loss and the load metrics.
 #[derive(Debug, Clone)]
 pub struct RouterStats<B: Backend> {
-    /// `[E]`: sum over tokens of the router's softmax probabilities (differentiable).
-    pub prob_sum: Tensor<B, 1>,
-    /// Routed copies per expert (tokens per expert counted once per top-k slot).
+    /// `[B, E]`: per sequence, the sum over its tokens of the router's scores (softmax
+    /// probabilities; DeepSeek-V3's sigmoid scores), differentiable.
+    pub prob_sum: Tensor<B, 2>,
+    /// Routed copies per expert, all sequences together.
     pub counts: Vec<usize>,
-    /// Tokens `T` routed by this layer.
-    pub tokens: usize,
+    /// The routing per sequence on the host, what the balance losses need besides `prob_sum`.
+    pub routing: LayerRouting,
+}
+
+impl<B: Backend> RouterStats<B> {
+    /// The statistics of a router's decision over `sequences` sequences of `T / sequences` tokens.
+    pub fn new(route: &RouterOutput<B>, sequences: usize, experts: usize, top_k: usize) -> Self {
+        let [t, _] = route.probs.dims();
+        let prob_sum = route.probs.clone().reshape([sequences, t / sequences.max(1), experts]).sum_dim(1).reshape([sequences, experts]);
+        let routing = LayerRouting::from_ids(&route.ids, sequences, t, experts, top_k);
+        Self { prob_sum, counts: routing.per_expert(), routing }
+    }
 }
 
 /// A sparse MoE block: a router of any [`Router`] type, `E` experts of any [`Experts`] type, and
@@ -443,24 +487,19 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
     pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, RouterStats<B>) {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]); // [T, M]
-                                          // 1. route
+        // 1. route
         let routed = self.gate.route(flat.clone());
         // 2. dispatch
         let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k());
-        let tokens = dispatch.token_index::<B>(&flat.device());
-        let xs = dispatch.permute(flat.clone(), tokens.clone()); // [N, M]
-                                                                 // 3. compute
+        let xs = dispatch.permute(flat.clone()); // [N, M]
+        // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
-                                                                     // 4. combine
-        let mut out = dispatch.combine(ys, routed.weights, tokens); // [T, M]
+        // 4. combine
+        let mut out = dispatch.combine(ys, routed.weights.clone()); // [T, M]
         if let Some(shared) = &self.shared_experts {
             out = out + shared.forward(flat);
         }
-        let stats = RouterStats {
-            prob_sum: routed.probs.sum_dim(0).reshape([dispatch.counts.len()]),
-            counts: dispatch.counts,
-            tokens: b * s,
-        };
+        let stats = RouterStats::new(&routed, b, dispatch.counts.len(), self.gate.top_k());
         (out.reshape([b, s, m]), stats)
     }
 
@@ -514,28 +553,6 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
             shared.save(sink, &format!("{prefix}.shared_experts"));
         }
     }
-}
-
-/// The Switch/Mixtral load-balancing loss exactly as transformers' `load_balancing_loss_func`
-/// computes it over the concatenation of all MoE layers' rows:
-/// `E * sum_e (C_e / R) * (P_e / R)`, with `C_e` the routed copies of expert `e` and `P_e` the sum of
-/// its router probabilities over all layers and tokens, and `R` the number of rows (layers x tokens).
-///
-/// Returns `None` when there is no MoE layer.
-pub fn load_balancing_loss<B: Backend>(stats: &[RouterStats<B>]) -> Option<Tensor<B, 1>> {
-    let first = stats.first()?;
-    let e = first.counts.len();
-    let rows: usize = stats.iter().map(|s| s.tokens).sum();
-    let mut counts = vec![0f32; e];
-    for s in stats {
-        for (c, &n) in counts.iter_mut().zip(&s.counts) {
-            *c += n as f32;
-        }
-    }
-    let device = first.prob_sum.device();
-    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [e]), &device).div_scalar(rows as f64);
-    let prob = stats.iter().map(|s| s.prob_sum.clone()).reduce(|a, b| a + b)?.div_scalar(rows as f64);
-    Some((counts * prob).sum().mul_scalar(e as f64))
 }
 
 /// Validates token ids against a vocabulary size.

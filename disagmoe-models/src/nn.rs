@@ -1,20 +1,16 @@
 //! Small building blocks shared by the model families: linear layers stored as Hugging Face stores
-//! them, RMSNorm, token embedding, and the initialisers.
+//! them, RMSNorm and token embedding.
 //!
 //! Weights keep PyTorch's `[out_features, in_features]` layout so that a checkpoint tensor maps to a
 //! parameter without a transpose, on load and on save.
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 
 use crate::error::Result;
+use crate::init::Init;
 use crate::weights::{CheckpointReader, TensorSink};
-
-/// A normal(0, std) initialised tensor, as transformers' `_init_weights` does for linears and embeddings.
-pub fn normal_init<B: Backend, const D: usize>(shape: [usize; D], std: f64, device: &B::Device) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, std), device)
-}
 
 /// `y = x W^T + b` with `W: [out, in]` (PyTorch's `nn.Linear`).
 #[derive(Module, Debug)]
@@ -26,11 +22,12 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    /// A linear layer initialised from normal(0, std), bias zero.
-    pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
+    /// A linear layer `{prefix}.weight` initialised from normal(0, std), bias zero (as transformers'
+    /// `_init_weights`).
+    pub fn new(d_in: usize, d_out: usize, bias: bool, init: &Init<B>) -> Self {
         Self {
-            weight: Param::from_tensor(normal_init([d_out, d_in], std, device)),
-            bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
+            weight: Param::from_tensor(init.normal("weight", [d_out, d_in])),
+            bias: bias.then(|| Param::from_tensor(init.zeros([d_out]))),
         }
     }
 
@@ -89,9 +86,9 @@ pub struct RmsNorm<B: Backend> {
 }
 
 impl<B: Backend> RmsNorm<B> {
-    /// A norm over `dim` features.
-    pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: Param::from_tensor(Tensor::ones([dim], device)), eps }
+    /// A norm over `dim` features, weight at one.
+    pub fn new(dim: usize, eps: f64, init: &Init<B>) -> Self {
+        Self { weight: Param::from_tensor(init.ones([dim])), eps }
     }
 
     /// # Shapes
@@ -117,17 +114,25 @@ impl<B: Backend> RmsNorm<B> {
     }
 }
 
-/// Token embedding table.
+/// Token embedding table, with PyTorch's `padding_idx`: the padding token's row starts at zero and
+/// never receives a gradient.
 #[derive(Module, Debug)]
 pub struct Embedding<B: Backend> {
     /// `[vocab, hidden]`
     pub weight: Param<Tensor<B, 2>>,
+    /// The padding token (`pad_token_id`), whose row is not trained.
+    #[module(skip)]
+    pub padding_idx: Option<usize>,
 }
 
 impl<B: Backend> Embedding<B> {
-    /// A table initialised from normal(0, std).
-    pub fn new(vocab: usize, hidden: usize, std: f64, device: &B::Device) -> Self {
-        Self { weight: Param::from_tensor(normal_init([vocab, hidden], std, device)) }
+    /// A table `{prefix}.weight` initialised from normal(0, std), the padding row zero.
+    pub fn new(vocab: usize, hidden: usize, padding_idx: Option<usize>, init: &Init<B>) -> Self {
+        let mut weight = init.normal("weight", [vocab, hidden]);
+        if let Some(p) = padding_idx.filter(|&p| p < vocab) {
+            weight = weight.slice_assign([p..p + 1, 0..hidden], init.zeros([1, hidden]));
+        }
+        Self { weight: Param::from_tensor(weight), padding_idx }
     }
 
     /// # Shapes
@@ -135,7 +140,17 @@ impl<B: Backend> Embedding<B> {
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [b, s] = ids.dims();
         let [_, h] = self.weight.dims();
-        self.weight.val().select(0, ids.reshape([b * s])).reshape([b, s, h])
+        let flat = ids.reshape([b * s]);
+        let x = self.weight.val().select(0, flat.clone()); // [T, M]
+        let x = match self.padding_idx {
+            // The padding rows' values, cut from the graph: no gradient reaches their table row.
+            Some(p) => {
+                let keep = flat.not_equal_elem(p as i64).float().unsqueeze_dim::<2>(1); // [T, 1]
+                x.clone() * keep.clone() + x.detach() * keep.neg().add_scalar(1.0)
+            }
+            None => x,
+        };
+        x.reshape([b, s, h])
     }
 
     /// Loads `{prefix}.weight`.

@@ -19,13 +19,15 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, ModuleDisplay};
+use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 
-use crate::decoder::{AttentionLayer, CausalLm, DecoderLayer, FamilyConfig, FeedForward, FeedForwardLayer};
+use crate::balance::AuxLoss;
+use crate::decoder::{AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
 use crate::error::{ModelError, Result};
-use crate::moe::{exclusive_prefix_sum, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
+use crate::families::FamilyConfig;
+use crate::moe::{Dispatch, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 
@@ -173,31 +175,14 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         let mut out: Option<Tensor<B, 2>> = None;
         if let (Some(experts), Some(w)) = (&self.experts, weights) {
             let k = if n == 0 { 1 } else { ids.len() / n };
-            let local = self.local_experts();
-            // 1. A stable counting sort of this holder's (token, choice) slots by local expert.
-            let mut counts = vec![0usize; local.len()];
-            for &e in ids.iter().filter(|e| local.contains(e)) {
-                counts[e - local.start] += 1;
-            }
-            let mut next = exclusive_prefix_sum(&counts);
-            let total: usize = counts.iter().sum();
-            if total > 0 {
-                let mut slots = vec![0usize; total];
-                for (slot, &e) in ids.iter().enumerate().filter(|(_, e)| local.contains(e)) {
-                    slots[next[e - local.start]] = slot;
-                    next[e - local.start] += 1;
-                }
-                let index = |v: Vec<i64>| {
-                    let len = v.len();
-                    Tensor::<B, 1, Int>::from_data(TensorData::new(v, [len]), &device)
-                };
-                let tokens = index(slots.iter().map(|&s| (s / k) as i64).collect());
-                let slot_idx = index(slots.iter().map(|&s| s as i64).collect());
-                // 2. Permute, compute, weight, and sum back per token.
-                let xs = y.clone().select(0, tokens.clone()); // [N, M]
-                let ys = experts.forward_grouped(xs, &counts); // [N, M]
-                let gate = w.reshape([n * k]).select(0, slot_idx).reshape([total, 1]); // [N, 1]
-                out = Some(Tensor::zeros([n, m], &device).select_assign(0, tokens, ys * gate, IndexingUpdateOp::Add));
+            // 1. The model's dispatch over this holder's experts: a stable counting sort of the
+            //    (token, choice) slots that chose them; the others are other holders' share.
+            let dispatch = Dispatch::for_experts(ids, self.local_experts(), k);
+            if dispatch.rows() > 0 {
+                // 2. Permute, compute, and combine gate-weighted back in token order.
+                let xs = dispatch.permute(y.clone()); // [N, M]
+                let ys = experts.forward_grouped(xs, &dispatch.counts); // [N, M]
+                out = Some(dispatch.combine(ys, w)); // [n, M]
             }
         }
         if let Some(shared) = &self.shared_experts {
@@ -211,75 +196,49 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
     }
 }
 
-/// A feed-forward layer type that splits into a router and an expert stage.
-pub trait SplitFeedForward<B: Backend>: Module<B> {
-    /// The router type.
-    type Router: Module<B> + ModuleDisplay + Router<B>;
-    /// The routed experts type.
-    type Experts: Module<B> + ModuleDisplay + Experts<B>;
-    /// The router (routed layers) and everything else.
-    fn split(self) -> (Option<Self::Router>, ExpertStage<B, Self::Experts>);
-}
-
-impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>>
-    SplitFeedForward<B> for SparseMoeBlock<B, R, X>
-{
-    type Router = R;
-    type Experts = X;
-    fn split(self) -> (Option<R>, ExpertStage<B, X>) {
-        let Self { gate, experts, shared_experts } = self;
-        (Some(gate), ExpertStage { experts: Some(experts), shared_experts, dense: None, first_expert: 0 })
-    }
-}
-
-impl<B: Backend, R: Module<B> + ModuleDisplay + Router<B>, X: Module<B> + ModuleDisplay + Experts<B>>
-    SplitFeedForward<B> for FeedForward<B, R, X>
-{
-    type Router = R;
-    type Experts = X;
-    fn split(self) -> (Option<R>, ExpertStage<B, X>) {
-        match (self.moe, self.dense) {
-            (Some(moe), _) => moe.split(),
-            (None, dense) => (None, ExpertStage { experts: None, shared_experts: None, dense, first_expert: 0 }),
+impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForward<B, R, X> {
+    /// The router (routed layers) and everything else as an expert stage.
+    pub fn split(self) -> (Option<R>, ExpertStage<B, X>) {
+        match self {
+            FeedForward::Sparse(SparseMoeBlock { gate, experts, shared_experts }) => {
+                (Some(gate), ExpertStage { experts: Some(experts), shared_experts, dense: None, first_expert: 0 })
+            }
+            FeedForward::Dense(mlp) => {
+                (None, ExpertStage { experts: None, shared_experts: None, dense: Some(mlp), first_expert: 0 })
+            }
         }
     }
 }
 
 /// A model taken apart: ends, one attention stage and one expert stage per layer, the RoPE tables'
 /// source, and the loss settings.
-pub struct Stages<B: Backend, A: Module<B>, F: SplitFeedForward<B>> {
+pub struct Stages<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
     /// Embedding, final norm, head.
     pub ends: Ends<B>,
     /// Attention side of each layer, in order.
-    pub attention: Vec<AttentionStage<B, A, F::Router>>,
+    pub attention: Vec<AttentionStage<B, A, R>>,
     /// Expert side of each layer, in order (all experts).
-    pub experts: Vec<ExpertStage<B, F::Experts>>,
+    pub experts: Vec<ExpertStage<B, X>>,
     /// Rotary embedding of the attention layers.
     pub rope: Rope,
-    /// Coefficient of the load-balancing loss (`None`: the family has none).
-    pub aux_loss_coef: Option<f64>,
+    /// The balance loss and its coefficient (`None`: the family has none).
+    pub aux_loss: Option<AuxLoss>,
     /// Vocabulary size.
     pub vocab_size: usize,
 }
 
-impl<B: Backend, C, A, F> CausalLm<B, C, A, F>
-where
-    C: FamilyConfig,
-    A: Module<B> + AttentionLayer<B>,
-    F: SplitFeedForward<B> + FeedForwardLayer<B>,
-{
+impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     /// Takes the model apart into [`Stages`].
-    pub fn into_stages(self) -> Stages<B, A, F> {
-        let (vocab_size, aux_loss_coef) = (self.config().vocab_size(), self.config().aux_loss_coef());
-        let rope = self.rope().clone();
+    pub fn into_stages(self) -> Stages<B, C::Attention<B>, C::Router<B>, C::Experts<B>> {
+        let (vocab_size, aux_loss, rope) = (self.config().dims().vocab_size, self.config().aux_loss(), self.rope().clone());
         let Self { embed_tokens, layers, norm, lm_head, .. } = self;
         let mut attention = Vec::with_capacity(layers.len());
         let mut experts = Vec::with_capacity(layers.len());
-        for DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp } in layers {
+        for DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp, .. } in layers {
             let (router, stage) = mlp.split();
             attention.push(AttentionStage { input_layernorm, self_attn, post_attention_layernorm, router });
             experts.push(stage);
         }
-        Stages { ends: Ends { embed_tokens, norm, lm_head }, attention, experts, rope, aux_loss_coef, vocab_size }
+        Stages { ends: Ends { embed_tokens, norm, lm_head }, attention, experts, rope, aux_loss, vocab_size }
     }
 }

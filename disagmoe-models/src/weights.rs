@@ -152,14 +152,46 @@ impl CheckpointReader {
     /// Reads a tensor (F32, BF16 or F16) as f32 with its shape, marking it used.
     pub fn read_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let (bytes, dtype, shape) = self.raw(name)?;
-        let values: Vec<f32> = match dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
-        };
+        let values = to_f32(name, bytes, dtype)?;
         self.taken.insert(name.to_owned());
         Ok((shape, values))
+    }
+
+    /// Reads rows `first..first + n` (along dimension 0) of a tensor as f32, converting only those
+    /// rows from the memory map: an expert shard of a fused `[E, ...]` tensor reads its experts only.
+    /// Returns the full tensor's shape and the rows' values.
+    pub fn read_rows_f32(&mut self, name: &str, first: usize, n: usize) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        let rows = shape.first().copied().unwrap_or(1);
+        if first + n > rows {
+            return Err(ModelError::ShapeMismatch {
+                name: name.into(),
+                found: shape.clone(),
+                expected: std::iter::once(first + n).chain(shape.iter().skip(1).copied()).collect(),
+            });
+        }
+        let row_bytes = bytes.len() / rows.max(1);
+        let values = to_f32(name, &bytes[first * row_bytes..(first + n) * row_bytes], dtype)?;
+        self.taken.insert(name.to_owned());
+        Ok((shape, values))
+    }
+
+    /// Rows `first..first + shape[0]` of a tensor stacked along dimension 0, checked against
+    /// `shape` in every other dimension, on `device`.
+    pub fn tensor_rows<B: Backend, const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        first: usize,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>> {
+        let (found, values) = self.read_rows_f32(name, first, shape[0])?;
+        if found.len() != D || found[1..] != shape[1..] {
+            let mut expected = shape.to_vec();
+            expected[0] = found.first().copied().unwrap_or(0);
+            return Err(ModelError::ShapeMismatch { name: name.into(), found, expected });
+        }
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
     }
 
     /// Reads a `U8` tensor (e.g. MXFP4 blocks and scales) as raw bytes with its shape.
@@ -169,6 +201,26 @@ impl CheckpointReader {
             return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{dtype:?} (expected U8)") });
         }
         let out = bytes.to_vec();
+        self.taken.insert(name.to_owned());
+        Ok((shape, out))
+    }
+
+    /// Reads rows `first..first + n` (along dimension 0) of a `U8` tensor; returns the full shape.
+    pub fn read_rows_u8(&mut self, name: &str, first: usize, n: usize) -> Result<(Vec<usize>, Vec<u8>)> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        if dtype != Dtype::U8 {
+            return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{dtype:?} (expected U8)") });
+        }
+        let rows = shape.first().copied().unwrap_or(1);
+        if first + n > rows {
+            return Err(ModelError::ShapeMismatch {
+                name: name.into(),
+                found: shape.clone(),
+                expected: std::iter::once(first + n).chain(shape.iter().skip(1).copied()).collect(),
+            });
+        }
+        let row_bytes = bytes.len() / rows.max(1);
+        let out = bytes[first * row_bytes..(first + n) * row_bytes].to_vec();
         self.taken.insert(name.to_owned());
         Ok((shape, out))
     }
@@ -193,6 +245,16 @@ impl CheckpointReader {
         v.sort();
         v
     }
+}
+
+/// Little-endian F32, BF16 or F16 values as f32.
+fn to_f32(name: &str, bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(ModelError::UnsupportedDtype { name: name.into(), dtype: format!("{other:?}") }),
+    })
 }
 
 /// Collects named f32 tensors and writes them as a Hugging Face safetensors checkpoint.

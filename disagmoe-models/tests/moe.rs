@@ -5,7 +5,10 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
-use disagmoe_models::moe::{map_groups, top_k_rows, Dispatch, Experts, SparseMoeBlock, SwiGluExperts, TopKRouter};
+use disagmoe_models::moe::{
+    map_groups, top_k_rows, Dispatch, ExpertNames, Experts, SparseMoeBlock, SwiGluExperts, TopKRouter,
+};
+use disagmoe_models::Init;
 use disagmoe_models::weights::{CheckpointReader, TensorSink};
 use disagmoe_models::{Qwen3MoeConfig, Result};
 
@@ -21,10 +24,9 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
 
 fn block(experts: usize, k: usize, norm: bool) -> SparseMoeBlock<B, TopKRouter<B>, SwiGluExperts<B>> {
     let device = Default::default();
-    <B as Backend>::seed(&device, 3);
     SparseMoeBlock::new(
-        TopKRouter::new(16, experts, k, norm, 0.5, &device),
-        SwiGluExperts::new(experts, 16, 12, 0.3, &device),
+        TopKRouter::new(16, experts, k, norm, &Init::new(3, 0.5, &device)),
+        SwiGluExperts::new(0..experts, 16, 12, ExpertNames::HF, &Init::new(4, 0.3, &device)),
     )
 }
 
@@ -108,7 +110,7 @@ fn a_new_expert_type_plugs_in_without_touching_router_or_layer() {
     let device = Default::default();
     let init = |r, c| Param::from_tensor(Tensor::<B, 2>::random([r, c], Distribution::Normal(0.0, 0.3), &device));
     let moe = SparseMoeBlock::new(
-        TopKRouter::new(8, 4, 2, true, 0.5, &device),
+        TopKRouter::new(8, 4, 2, true, &Init::new(5, 0.5, &device)),
         ReluExperts { up: (0..4).map(|_| init(8, 6)).collect(), down: (0..4).map(|_| init(6, 8)).collect() },
     );
     let x = Tensor::<B, 3>::random([1, 9, 8], Distribution::Normal(0.0, 1.0), &device);

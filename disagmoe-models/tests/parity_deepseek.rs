@@ -190,17 +190,6 @@ fn optimizer_steps_leave_the_correction_bias_and_update_bias_moves_it() {
 }
 
 #[test]
-fn deepseek_moe_16b_preset_has_16_4b_parameters() {
-    let c = DeepseekV3Config::deepseek_moe_16b();
-    let n = c.num_parameters() as f64;
-    println!("deepseek_moe_16b preset: {n:.4e} parameters");
-    assert!((n - 16.4e9).abs() / 16.4e9 < 0.01, "{n:.4e} parameters, expected ~16.4e9");
-    // Through the same config path: the preset survives config.json.
-    let again = DeepseekV3Config::from_json_str(&c.to_hf_json().to_string()).unwrap();
-    assert_eq!(DeepseekV3Config { torch_dtype: c.torch_dtype.clone(), ..again }, c);
-}
-
-#[test]
 fn parameter_count_matches_a_built_model() {
     for dir in fixtures() {
         let model = DeepseekV3ForCausalLM::<Flex>::from_pretrained(&dir, &Default::default()).unwrap();
@@ -217,7 +206,7 @@ fn grouped_moe_matches_the_per_token_path_gradients_included() {
         let model = DeepseekV3ForCausalLM::<B>::from_pretrained(&dir, &device).unwrap();
         let m = model.config().hidden_size;
         let layer = (0..model.config().num_hidden_layers).find(|&l| model.config().is_sparse_layer(l)).unwrap();
-        let moe = model.layers[layer].mlp.moe.as_ref().unwrap();
+        let moe = model.layers[layer].mlp.moe().unwrap();
         let x = Tensor::<B, 3>::random([2, 7, m], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
         let grouped = moe.forward(x.clone()).0;
         let per_token = moe.forward_per_token(x);

@@ -189,6 +189,14 @@ pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
     Ok(None)
 }
 
+/// The [`TrainState`] of a checkpoint (`state.json`).
+pub fn read_state(path: &Path) -> Result<TrainState> {
+    let state_path = path.join("state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(io("cannot read", &state_path))?;
+    serde_json::from_str(&text)
+        .map_err(|e| TrainError::Checkpoint { path: state_path.clone(), message: format!("state.json: {e}") })
+}
+
 /// Loads a verified checkpoint: the model, the optimizer moments into `optimizer`, and the state.
 pub fn load_checkpoint<B: AutodiffBackend>(
     path: &Path,
@@ -197,10 +205,7 @@ pub fn load_checkpoint<B: AutodiffBackend>(
 ) -> Result<(MoeCausalLm<B>, TrainState)> {
     verify_checkpoint(path)?;
     let model = MoeCausalLm::<B>::from_pretrained(path, device)?;
-    let state_path = path.join("state.json");
-    let text = std::fs::read_to_string(&state_path).map_err(io("cannot read", &state_path))?;
-    let state: TrainState = serde_json::from_str(&text)
-        .map_err(|e| TrainError::Checkpoint { path: state_path.clone(), message: format!("state.json: {e}") })?;
+    let state = read_state(path)?;
     let mut reader = CheckpointReader::open_file(path.join("optimizer.safetensors"))?;
     optimizer.import_moments(&mut reader, &model.state_dict_names(), device)?;
     optimizer.set_steps_taken(state.optimizer_steps);

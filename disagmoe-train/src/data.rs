@@ -13,8 +13,8 @@ use rand::SeedableRng;
 
 use crate::error::{Result, TrainError};
 
-/// The corpus shipped with the crate (public-domain KJV text, see `data/README.md`).
-pub const BUNDLED_CORPUS: &str = include_str!("../../data/kjv-genesis-leviticus.txt");
+/// The corpus shipped with the crate (public-domain KJV text, see `disagmoe-train/data/README.md`).
+pub const BUNDLED_CORPUS: &str = include_str!("../data/kjv-genesis-leviticus.txt");
 /// Name of the bundled corpus in reports.
 pub const BUNDLED_CORPUS_NAME: &str = "bundled:kjv-genesis-leviticus.txt";
 
@@ -137,6 +137,24 @@ impl PackedDataset {
             Self { tokens, seq, seed, order: Vec::new(), position: DataPosition::default(), source: source.into() };
         ds.shuffle();
         Ok(ds)
+    }
+
+    /// The data of a run: its corpus (the bundled one by default) with its tokenizer (the given
+    /// `tokenizer.json`, else the checkpoint's own when it has one, else bytes), checked against
+    /// the model's vocabulary.
+    pub fn for_run(cfg: &crate::config::RunConfig, model_vocab: usize) -> Result<Self> {
+        let tokenizer: Box<dyn Tokenizer> = match (&cfg.data.tokenizer, &cfg.model.dir) {
+            (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
+            (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
+                Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?)
+            }
+            _ => Box::new(ByteTokenizer),
+        };
+        let (seq, seed, batch) = (cfg.data.seq, cfg.seed, cfg.data.batch);
+        match &cfg.data.path {
+            Some(path) => Self::from_file(path, tokenizer.as_ref(), seq, seed, model_vocab, batch),
+            None => Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), seq, seed, model_vocab, batch),
+        }
     }
 
     /// Reads a UTF-8 text file and packs it (see [`PackedDataset::new`]).

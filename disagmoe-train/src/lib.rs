@@ -1,25 +1,33 @@
-//! Training for DisagMoE: data, optimizer, single-device trainer, metrics.
+//! Training for DisagMoE: the run configuration, the one training loop, and the step engines it
+//! drives (one device, or the AF-Pipe runtime on attention and expert workers).
 //!
-//! Entry points: [`RunConfig`] (every option of a run, TOML or flags, validated once) and [`train`]
-//! (one device; returns a [`TrainSummary`]). The backend is chosen at build time in [`backend`].
+//! Entry points: [`RunConfig`] (every option of a run by section, TOML or flags, validated once)
+//! and [`train`] (returns a [`TrainSummary`]). The loop ([`trainer`]) runs any [`StepEngine`]:
+//! [`single::SingleDevice`] or the distributed runtime ([`runtime`]); [`launch`] picks one for the
+//! run's placement. The backend is chosen at build time in [`backend`].
 //!
-//! **Only this crate communicates** (the AF-Pipe runtime, workers and transports: [`runtime`]);
-//! models come from `disagmoe-models` and know nothing about where they run.
+//! **Only this crate communicates** (the runtime's workers and transports); models come from
+//! `disagmoe-models` and know nothing about where they run. **The loop does not know the runtime,
+//! and the runtime knows the loop only through the step-engine trait.**
 
 pub mod backend;
 pub mod checkpoint;
+pub mod config;
 pub mod data;
 pub mod error;
+pub mod launch;
 pub mod metrics;
 pub mod optim;
 pub mod runtime;
+pub mod single;
 pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
-pub use error::{Result, TrainError};
-pub use runtime::layout::Placement;
-pub use runtime::{train_distributed, TransportKind, WorkerFault};
-pub use trainer::{
-    build_model, model_preset, train, train_until, AllocationMode, FaultInjection, NonFinitePolicy, RunConfig,
-    TrainSummary, DEFAULT_MODEL_CONFIG, MODEL_PRESETS,
+pub use config::{
+    AllocationMode, FaultInjection, FaultPlan, NonFinitePolicy, Placement, RunConfig, TransportKind, WorkerFault,
 };
+pub use error::{Result, TrainError};
+pub use launch::{train, train_until};
+pub use runtime::is_primary;
+pub use single::build_model;
+pub use trainer::{StepEngine, TrainSummary};

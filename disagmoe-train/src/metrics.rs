@@ -1,4 +1,4 @@
-//! Per-step training metrics and the JSONL file they are appended to.
+//! Per-step training metrics (one schema for every placement) and the JSONL file they are appended to.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -58,6 +58,14 @@ pub struct StepMetrics {
     pub step_s: f64,
     /// Tokens per second of this step.
     pub tokens_per_s: f64,
+    /// Seconds compute streams sat waiting for data, summed over workers (0 on one device).
+    pub exposed_comm_s: f64,
+    /// The part of `exposed_comm_s` with the awaited data already on the wire.
+    pub in_flight_wait_s: f64,
+    /// Seconds compute streams computed, summed over workers (the step's wall time on one device).
+    pub compute_s: f64,
+    /// Seconds transfers spent on emulated links, summed over workers.
+    pub link_s: f64,
     /// Expert load of each MoE layer.
     pub expert_load: Vec<ExpertLoad>,
 }

@@ -111,6 +111,27 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &Gr
     GradNorms { total, per_param }
 }
 
+struct SquareSum<'a, B: Backend> {
+    parts: &'a mut Vec<Tensor<B, 1>>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for SquareSum<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.parts.push(param.val().square().sum());
+    }
+}
+
+/// Sum of squares of all parameters of a module (one host read, accumulated in f64).
+pub fn sum_of_squares<B: Backend, M: burn::module::Module<B>>(module: &M) -> f64 {
+    let mut parts = Vec::new();
+    module.visit(&mut SquareSum { parts: &mut parts });
+    if parts.is_empty() {
+        return 0.0;
+    }
+    let host: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64");
+    host.iter().sum()
+}
+
 struct StepMapper<'a, B: AutodiffBackend> {
     opt: &'a mut AdamW<B>,
     grads: &'a mut GradientsParams,

@@ -5,20 +5,15 @@
 
 use burn::backend::Autodiff;
 use disagmoe_kernels::cube::{ops_run, WgpuCube};
-use disagmoe_train::trainer::{train, RunConfig};
+use disagmoe_train::{train, RunConfig};
 
 type B = Autodiff<WgpuCube>;
 
 fn run(preset: &str, kernels: bool) -> Vec<f64> {
     disagmoe_kernels::set_enabled(kernels);
-    let cfg = RunConfig {
-        model_preset: Some(preset.to_string()),
-        steps: 4,
-        batch: 2,
-        seq: 48,
-        progress: false,
-        ..Default::default()
-    };
+    let mut cfg = RunConfig { steps: 4, progress: false, ..Default::default() };
+    cfg.model.preset = Some(preset.to_string());
+    (cfg.data.batch, cfg.data.seq) = (2, 48);
     let device = Default::default();
     let probe =
         std::panic::catch_unwind(|| burn::tensor::Tensor::<WgpuCube, 1>::ones([2], &device).sum().into_scalar());
@@ -28,7 +23,7 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
         return Vec::new();
     }
     let before = ops_run();
-    let (summary, _) = train::<B>(&cfg, &device).expect("training runs");
+    let summary = train::<B>(&cfg, &device).expect("training runs");
     let used = ops_run() - before;
     if kernels {
         assert!(used > 0, "{preset}: the kernels were not used");

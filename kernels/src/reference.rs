@@ -1,6 +1,7 @@
 //! The operations of [`crate::cube`] (and [`crate::cpu`]) written in plain Burn tensor operations,
-//! for any backend: what the kernels are tested against and benchmarked beside. They follow the
-//! models' own compositions (`disagmoe-models`), which stay the definition.
+//! for any backend: the one definition of each. The models (`disagmoe-models`) run them wherever
+//! [`crate::fused`] has no fused operation for the backend, and the kernels are tested against and
+//! benchmarked beside them.
 
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;

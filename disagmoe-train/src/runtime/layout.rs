@@ -12,33 +12,8 @@
 
 use std::ops::Range;
 
-use serde::{Deserialize, Serialize};
-
+pub use crate::config::Placement;
 use crate::error::{Result, TrainError};
-
-/// How a run is placed on workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Placement {
-    /// The plain model on one device.
-    #[default]
-    Single,
-    /// Attention and experts on disjoint workers, pipelined (AF-Pipe).
-    Disagg,
-    /// Every worker holds attention and a shard of the experts; all-to-all dispatch (EP baseline).
-    Ep,
-}
-
-impl Placement {
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Placement::Single => "single",
-            Placement::Disagg => "disagg",
-            Placement::Ep => "ep",
-        }
-    }
-}
 
 /// The placement of a distributed run, resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,6 +38,8 @@ pub struct Layout {
     pub workers: usize,
     /// Layers with shared experts (their first holder gets every token); set by the runner.
     pub shared_experts: Vec<bool>,
+    /// Layers with routed experts (the others are dense); set by the runner.
+    pub sparse: Vec<bool>,
 }
 
 impl Layout {
@@ -100,6 +77,7 @@ impl Layout {
             attn_workers: attn,
             workers: attn + ffn,
             shared_experts: vec![false; layers],
+            sparse: vec![true; layers],
         })
     }
 
@@ -125,6 +103,7 @@ impl Layout {
             attn_workers: 0,
             workers,
             shared_experts: vec![false; layers],
+            sparse: vec![true; layers],
         })
     }
 

@@ -13,20 +13,14 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use burn::module::{AutodiffModule, Module, ModuleDisplay};
-use burn::tensor::backend::AutodiffBackend;
 use mpi::collective::CommunicatorCollectives;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage, SplitFeedForward, Stages};
-
-use super::transport::{receive_within, Endpoint, Envelope, Msg, Port};
-use super::worker::WorkerPart;
-use super::{link_model, part_for, worker_main, RankZero, Shared};
+use super::transport::{receive_within, Endpoint, Envelope, Msg};
+use crate::config::{RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(0);
@@ -155,59 +149,62 @@ fn start_mpi() -> Result<Universe> {
     Ok(universe)
 }
 
-/// Runs this process's worker of an MPI job.
-pub(crate) fn run_mpi<B, A, F>(shared: Shared<B>, stages: Stages<B, A, F>, device: &B::Device) -> Result<RankZero>
-where
-    B: AutodiffBackend,
-    A: Module<B> + ModuleDisplay + AttentionLayer<B> + Send + 'static,
-    F: SplitFeedForward<B>,
-    WorkerPart<B, A, F::Router, F::Experts>: AutodiffModule<B> + Send + 'static,
-    ExpertStage<B, F::Experts>: AutodiffModule<B>,
-    AttentionStage<B, A, F::Router>: AutodiffModule<B>,
-    Ends<B>: AutodiffModule<B>,
-{
-    let universe = start_mpi()?;
-    let world = universe.world();
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
-    WORLD_RANK.store(rank, Ordering::SeqCst);
-    if size != shared.layout.workers {
-        let err = TrainError::option(
-            "transport",
-            format!(
-                "mpirun started {size} processes but placement {} needs {} workers (mpirun -np {})",
-                shared.cfg.placement.name(),
-                shared.layout.workers,
-                shared.layout.workers
-            ),
-        );
-        drop(universe);
-        return Err(err);
-    }
-    let part = part_for(&stages, &shared.layout, rank, device)?;
-    drop(stages);
-    // The worker owns the endpoint; dropping it (when the worker ends) flushes the sends.
-    let endpoint: Box<dyn Endpoint> = match shared.cfg.transport {
-        #[cfg(feature = "nccl")]
-        super::TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&world) {
-            Ok(e) => Box::new(e),
-            Err(e) => {
-                eprintln!("error: {e}");
-                world.abort(2);
-            }
-        },
-        _ => Box::new(MpiEndpoint::start()),
-    };
-    let port = Port::new(endpoint, link_model(&shared.cfg));
-    match worker_main(&shared, port, part, device.clone()) {
-        Ok(report) => {
-            world.barrier();
+/// This process's place in an MPI job: the MPI environment (finalised when dropped) and its rank.
+pub struct Process {
+    universe: Universe,
+    rank: usize,
+}
+
+impl Process {
+    /// Starts MPI and checks that `mpirun` started as many processes as the run has workers.
+    pub fn start(cfg: &RunConfig, workers: usize) -> Result<Self> {
+        let universe = start_mpi()?;
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        WORLD_RANK.store(rank, Ordering::SeqCst);
+        if size != workers {
+            let err = TrainError::option(
+                "transport",
+                format!(
+                    "mpirun started {size} processes but placement {} needs {workers} workers (mpirun -np {workers})",
+                    cfg.parallel.placement.name(),
+                ),
+            );
             drop(universe);
-            Ok(report)
+            return Err(err);
         }
-        Err(e) => {
-            // The others have been told; take the whole job down so nothing waits for this rank.
-            eprintln!("error: {e}");
-            world.abort(2);
+        Ok(Self { universe, rank })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// This rank's endpoint of the transport.
+    pub fn endpoint(&self, transport: TransportKind) -> Box<dyn Endpoint> {
+        match transport {
+            #[cfg(feature = "nccl")]
+            TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&self.universe.world()) {
+                Ok(e) => Box::new(e),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    self.universe.world().abort(2);
+                }
+            },
+            _ => Box::new(MpiEndpoint::start()),
         }
+    }
+
+    /// Ends the whole job: prints the error and aborts every process (the others have been told, so
+    /// nothing waits for this rank).
+    pub fn abort(&self, e: &TrainError) -> ! {
+        eprintln!("error: {e}");
+        self.universe.world().abort(2)
+    }
+
+    /// Waits for every process (the end of a run).
+    pub fn barrier(&self) {
+        self.universe.world().barrier();
     }
 }

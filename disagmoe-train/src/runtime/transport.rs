@@ -14,6 +14,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use disagmoe_models::LayerRouting;
+
 use crate::error::{Result, TrainError};
 
 /// Microseconds since the Unix epoch: one clock for every worker of a machine.
@@ -49,15 +51,33 @@ pub struct NamedTensor {
     pub tensor: HostTensor,
 }
 
-/// Per micro-batch sums the load-balancing loss needs, carried along the layers of the forward pass.
+/// One routed layer's share of the balance loss of a micro-batch: its routing and the sums of its
+/// router's scores per sequence.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LayerAux {
+    /// The layer.
+    pub layer: usize,
+    /// Routed copies per sequence and expert.
+    pub routing: LayerRouting,
+    /// `[B, E]` sums of the router's scores per sequence and expert.
+    pub prob_sum: Vec<f64>,
+}
+
+/// What the balance loss needs, carried along the layers of a micro-batch's forward pass.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct AuxSums {
-    /// Routed copies per expert, summed over the routed layers so far.
-    pub counts: Vec<f64>,
-    /// Router probabilities per expert, summed over tokens and routed layers so far.
-    pub prob_sum: Vec<f64>,
-    /// Rows (tokens x routed layers) so far.
-    pub rows: usize,
+    /// The routed layers so far, in order.
+    pub layers: Vec<LayerAux>,
+}
+
+/// The gradient of the loss with respect to one routed layer's score sums (`[B, E]`), the
+/// coefficient and the micro-batch weight included.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LayerCoefficients {
+    /// The layer.
+    pub layer: usize,
+    /// `[B, E]` row-major.
+    pub values: Vec<f32>,
 }
 
 /// What workers send each other.
@@ -119,8 +139,9 @@ pub enum Msg {
         layer: usize,
         /// `[T, M]`
         g: HostTensor,
-        /// `[E]`
-        aux_coef: Vec<f32>,
+        /// Per routed layer, the gradient of the loss with respect to its score sums (empty
+        /// without a balance loss).
+        aux_coef: Vec<LayerCoefficients>,
     },
     /// Backward, expert holder -> attention worker: gradients of the expert inputs and gate weights.
     GradDispatch {
@@ -164,9 +185,11 @@ impl Msg {
                 tokens.len() * 4 + t(y) + weights.as_ref().map(t).unwrap_or(0) + ids.len() * 4
             }
             Msg::Combine { tokens, out, .. } => tokens.len() * 4 + t(out),
-            Msg::Residual { x, aux, .. } => t(x) + (aux.counts.len() + aux.prob_sum.len()) * 8,
+            Msg::Residual { x, aux, .. } => {
+                t(x) + aux.layers.iter().map(|l| l.routing.counts.len() * 4 + l.prob_sum.len() * 8).sum::<usize>()
+            }
             Msg::GradCombine { g, .. } => t(g),
-            Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.len() * 4,
+            Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.iter().map(|c| c.values.len() * 4).sum::<usize>(),
             Msg::GradDispatch { gy, gw, .. } => t(gy) + gw.as_ref().map(t).unwrap_or(0),
             // Gradients and sums travel as f32 in a real all-reduce; f64 is only how we add them.
             Msg::Reduce { data, .. } => data.len() * 4,

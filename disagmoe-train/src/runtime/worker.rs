@@ -24,21 +24,22 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use burn::module::{AutodiffModule, Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 
 use disagmoe_models::causal_lm::next_token_cross_entropy;
 use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::moe::{Experts, Router};
+use disagmoe_models::moe::{Experts, Router, RouterStats};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
+use disagmoe_models::{AuxLoss, TrainModule};
 
 use super::layout::{Layout, Placement};
 use super::trace::{Tracer, COMM, COMPUTE};
-use super::transport::{now_us, AuxSums, Envelope, HostTensor, Msg, NamedTensor, Port};
+use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, NamedTensor, Port};
 use crate::error::{Result, TrainError};
-use crate::optim::{grad_norm, AdamW};
+use crate::optim::{grad_norm, sum_of_squares, AdamW};
 
 /// What one worker holds.
 #[derive(Module, Debug)]
@@ -58,10 +59,8 @@ pub struct StepSettings {
     pub mb_rows: usize,
     /// Tokens per sequence.
     pub seq: usize,
-    /// Add the load-balancing loss.
-    pub with_aux: bool,
-    /// Its coefficient.
-    pub aux_coef: f64,
+    /// The balance loss and its coefficient, when the run adds it.
+    pub aux: Option<AuxLoss>,
     /// Clip the global gradient norm to this (0: off).
     pub grad_clip: f64,
     /// Correction-bias step (0: off).
@@ -81,7 +80,7 @@ pub struct StepSettings {
 }
 
 /// What a step measured, the same on every worker after the step's global reduction.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct StepOutcome {
     /// Mean over micro-batches of LM loss + coefficient x aux loss.
     pub loss: f64,
@@ -103,6 +102,8 @@ pub struct StepOutcome {
     pub compute_s: f64,
     /// Seconds transfers spent on the (emulated) links, summed over workers.
     pub link_s: f64,
+    /// Routed copies per expert of every MoE layer, in layer order.
+    pub expert_counts: Vec<Vec<usize>>,
 }
 
 #[derive(Debug)]
@@ -139,7 +140,7 @@ struct LayerInput {
 
 #[derive(Default)]
 struct GradInput {
-    residual: Option<(HostTensor, Vec<f32>)>,
+    residual: Option<(HostTensor, Vec<LayerCoefficients>)>,
     dispatch: Vec<(usize, HostTensor, Option<HostTensor>)>,
 }
 
@@ -156,7 +157,8 @@ struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     from: Vec<(usize, Vec<u32>)>,
     residual: Tensor<B, 2>,
     sent: Vec<SentDispatch<B>>,
-    prob_sum: Option<Tensor<B, 1>>,
+    /// `[B, E]` score sums per sequence of a routed layer, when the balance loss is on.
+    prob_sum: Option<Tensor<B, 2>>,
 }
 
 struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
@@ -337,14 +339,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Restore<'_> {
 impl<B, A, R, X> Worker<B, A, R, X>
 where
     B: AutodiffBackend,
-    A: Module<B> + ModuleDisplay + AttentionLayer<B>,
-    R: Module<B> + ModuleDisplay + Router<B>,
-    X: Module<B> + ModuleDisplay + Experts<B>,
-    WorkerPart<B, A, R, X>: AutodiffModule<B>,
-    ExpertStage<B, X>: AutodiffModule<B>,
-    AttentionStage<B, A, R>: AutodiffModule<B>,
-    Ends<B>: AutodiffModule<B>,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
 {
+    /// This worker's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
     /// A worker holding `part`, with RoPE tables for the run's sequence length.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -611,24 +614,20 @@ where
         match (&out.route, top_k) {
             (Some(route), Some(k)) => {
                 let e = self.layout.experts;
-                let mut counts = vec![0usize; e];
-                for &id in &route.ids {
-                    counts[id] += 1;
-                }
-                let ps = route.probs.clone().sum_dim(0).reshape([e]);
-                if self.settings.with_aux {
-                    let host_ps: Vec<f32> = ps.to_data().convert::<f32>().to_vec().expect("f32");
-                    aux.counts.resize(e, 0.0);
-                    aux.prob_sum.resize(e, 0.0);
-                    for j in 0..e {
-                        aux.counts[j] += counts[j] as f64;
-                        aux.prob_sum[j] += host_ps[j] as f64;
-                    }
-                    aux.rows += t;
-                    prob_sum = Some(ps);
+                // Routing statistics per sequence: the load metrics, the aux-loss-free bias update,
+                // and (carried to the head) the balance loss.
+                let stats = RouterStats::new(route, self.settings.mb_rows, e, k);
+                if self.settings.aux.is_some() {
+                    let host_ps: Vec<f32> = stats.prob_sum.to_data().convert::<f32>().to_vec().expect("f32");
+                    aux.layers.push(LayerAux {
+                        layer,
+                        routing: stats.routing.clone(),
+                        prob_sum: host_ps.iter().map(|&x| x as f64).collect(),
+                    });
+                    prob_sum = Some(stats.prob_sum.clone());
                 }
                 let acc = self.counts.entry(layer).or_insert_with(|| vec![0; e]);
-                for (a, c) in acc.iter_mut().zip(&counts) {
+                for (a, c) in acc.iter_mut().zip(&stats.counts) {
                     *a += c;
                 }
                 for (i, &holder) in holders.iter().enumerate() {
@@ -777,7 +776,7 @@ where
         layer: usize,
         gh: HostTensor,
         from: &[(usize, Vec<u32>)],
-        aux_coef: Vec<f32>,
+        aux_coef: Vec<LayerCoefficients>,
     ) -> Result<()> {
         let m = *gh.shape.last().expect("[B, S, M]");
         for (holder, tokens) in from {
@@ -802,26 +801,37 @@ where
         let layers = self.layout.layers;
         let (h, aux, from, _) = self.assemble(mb, layers);
         let ids = self.ids(mb)?;
-        let k = self.layout.micro_batches as f64;
+        let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
         let ends = self.part().ends.clone().expect("the head worker holds the ends").map(&mut Fork { device: &device });
         let ce = next_token_cross_entropy(ends.logits(h.clone()), ids);
         let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
-        // Load-balancing loss from the sums carried along the layers: E * sum_e (C_e/R) (P_e/R).
-        let (aux_loss, aux_coef) = if self.settings.with_aux && aux.rows > 0 {
-            let e = aux.counts.len() as f64;
-            let r = aux.rows as f64;
-            let loss: f64 = aux.counts.iter().zip(&aux.prob_sum).map(|(c, p)| (c / r) * (p / r)).sum::<f64>() * e;
-            let coef: Vec<f32> =
-                aux.counts.iter().map(|c| (self.settings.aux_coef * e * c / (r * r) / k) as f32).collect();
-            (loss, coef)
-        } else {
-            (0.0, Vec::new())
+        // The balance loss from the sums carried along the layers (its one definition, in
+        // `disagmoe_models::balance`), and each layer's coefficients as the gradient of its sums.
+        let (aux_loss, aux_coef) = match (&self.settings.aux, aux.layers.is_empty()) {
+            (Some(a), false) => {
+                let routing: Vec<_> = aux.layers.iter().map(|l| l.routing.clone()).collect();
+                let sums: Vec<Vec<f64>> = aux.layers.iter().map(|l| l.prob_sum.clone()).collect();
+                let coefficients = a.kind.coefficients(&routing);
+                let loss = a.kind.value(&routing, &sums);
+                let per_layer = aux
+                    .layers
+                    .iter()
+                    .zip(coefficients)
+                    .map(|(l, c)| LayerCoefficients {
+                        layer: l.layer,
+                        values: c.iter().map(|&x| (a.coef * x / mbs) as f32).collect(),
+                    })
+                    .collect();
+                (loss, per_layer)
+            }
+            _ => (0.0, Vec::new()),
         };
-        self.losses.0 += lm + self.settings.aux_coef * aux_loss;
+        let coef = self.settings.aux.map_or(0.0, |a| a.coef);
+        self.losses.0 += lm + coef * aux_loss;
         self.losses.1 += lm;
         self.losses.2 += aux_loss;
-        let mut grads = ce.div_scalar(k).backward();
+        let mut grads = ce.div_scalar(mbs).backward();
         let shape = h.dims().to_vec();
         let gh = grad_of(&Some(h), &mut grads, &shape);
         self.accumulate(&mut grads, &ends);
@@ -842,9 +852,9 @@ where
                 objective = objective + (w.clone() * constant::<B, 2>(&gw, &self.device)).sum();
             }
         }
-        if let (Some(ps), false) = (&saved.prob_sum, aux_coef.is_empty()) {
-            let n = aux_coef.len();
-            let c = Tensor::<B, 1>::from_data(TensorData::new(aux_coef.clone(), [n]), &self.device);
+        if let (Some(ps), Some(c)) = (&saved.prob_sum, aux_coef.iter().find(|c| c.layer == layer)) {
+            let [b, e] = ps.dims();
+            let c = Tensor::<B, 2>::from_data(TensorData::new(c.values.clone(), [b, e]), &self.device);
             objective = objective + (ps.clone() * c).sum();
         }
         let mut grads = objective.backward();
@@ -991,19 +1001,36 @@ where
         let waits_s = wire_s + (self.wait_bubble_us - wait_b) as f64 * 1e-6;
         let compute_s = (self.compute_us - comp) as f64 * 1e-6;
         let link_s = (self.link_us - link0) as f64 * 1e-6;
-        let g = self.allreduce(&all, TAG_GLOBAL, vec![sq, loss, lm, aux, waits_s, wire_s, compute_s, link_s])?;
-        let k = self.layout.micro_batches as f64;
+        // Expert load of every MoE layer: its attention group's first copy counts it.
+        let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
+        let mut sums = vec![sq, loss, lm, aux, waits_s, wire_s, compute_s, link_s];
+        let counts_at = sums.len();
+        sums.resize(counts_at + sparse.len() * e, 0.0);
+        if replicas.first() == Some(&self.rank) {
+            for (i, l) in sparse.iter().enumerate() {
+                if let Some(c) = self.counts.get(l) {
+                    for (j, &x) in c.iter().enumerate() {
+                        sums[counts_at + i * e + j] = x as f64;
+                    }
+                }
+            }
+        }
+        let g = self.allreduce(&all, TAG_GLOBAL, sums)?;
+        let expert_counts =
+            (0..sparse.len()).map(|i| g[counts_at + i * e..counts_at + (i + 1) * e].iter().map(|&x| x as usize).collect()).collect();
+        let mbs = self.layout.micro_batches as f64;
         let norm = g[0].sqrt();
         let out = StepOutcome {
-            loss: g[1] / k,
-            lm_loss: g[2] / k,
-            aux_loss: self.settings.with_aux.then_some(g[3] / k),
+            loss: g[1] / mbs,
+            lm_loss: g[2] / mbs,
+            aux_loss: self.settings.aux.is_some().then_some(g[3] / mbs),
             grad_norm: norm,
             skipped: !(g[1].is_finite() && norm.is_finite()),
             exposed_comm_s: g[4],
             in_flight_wait_s: g[5],
             compute_s: g[6],
             link_s: g[7],
+            expert_counts,
         };
         if out.skipped && self.settings.abort_on_nonfinite {
             return Err(TrainError::NonFinite {
@@ -1041,9 +1068,9 @@ where
     /// Sum of squares of all parameters of the run (each once), the same on every worker.
     pub fn param_checksum(&mut self) -> Result<f64> {
         let part = self.part.as_ref().expect("part");
-        let mut own = crate::trainer::param_checksum(&part.experts);
+        let mut own = sum_of_squares(&part.experts);
         if self.layout.replicas(self.rank).first() == Some(&self.rank) {
-            own += crate::trainer::param_checksum(&part.ends) + crate::trainer::param_checksum(&part.attention);
+            own += sum_of_squares(&part.ends) + sum_of_squares(&part.attention);
         }
         let all: Vec<usize> = (0..self.layout.workers).collect();
         Ok(self.allreduce(&all, TAG_CHECKSUM, vec![own])?[0])

@@ -1,0 +1,124 @@
+//! What each Qwen3-MoE layer is made of.
+
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use disagmoe_core::model_shape::{AttentionShape as ShapeOfAttention, ModelShape, MoeShape};
+
+use super::config::Qwen3MoeConfig;
+use crate::attention::{AttentionOptions, AttentionShape, GqaAttention, QkNorm};
+use crate::balance::{AuxLoss, BalanceLoss};
+use crate::decoder::FamilyModel;
+use crate::error::Result;
+use crate::families::{FamilyConfig, ModelDims};
+use crate::init::Init;
+use crate::moe::{ExpertNames, SwiGluExperts, TopKRouter};
+use crate::rope::Rope;
+
+/// Qwen3-MoE causal language model.
+pub type Qwen3MoeForCausalLM<B> = FamilyModel<B, Qwen3MoeConfig>;
+
+impl FamilyConfig for Qwen3MoeConfig {
+    const MODEL_TYPE: &'static str = "qwen3_moe";
+    type Attention<B: Backend> = GqaAttention<B>;
+    type Router<B: Backend> = TopKRouter<B>;
+    type Experts<B: Backend> = SwiGluExperts<B>;
+
+    fn from_json_str(text: &str) -> Result<Self> {
+        Qwen3MoeConfig::from_json_str(text)
+    }
+
+    fn to_hf_json(&self) -> serde_json::Value {
+        Qwen3MoeConfig::to_hf_json(self)
+    }
+
+    fn dims(&self) -> ModelDims {
+        ModelDims {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_hidden_layers: self.num_hidden_layers,
+            dense_intermediate_size: self.intermediate_size,
+            rms_norm_eps: self.rms_norm_eps,
+            initializer_range: self.initializer_range,
+            tie_word_embeddings: self.tie_word_embeddings,
+            pad_token_id: self.pad_token_id,
+        }
+    }
+
+    fn rope(&self) -> Rope {
+        Rope::new(self.head_dim, self.rope_theta, &self.rope_scaling)
+    }
+
+    fn is_sparse_layer(&self, layer: usize) -> bool {
+        Qwen3MoeConfig::is_sparse_layer(self, layer)
+    }
+
+    fn routed_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    fn attention<B: Backend>(&self, layer: usize, init: &Init<B>) -> GqaAttention<B> {
+        GqaAttention::new(
+            AttentionShape {
+                hidden: self.hidden_size,
+                heads: self.num_attention_heads,
+                kv_heads: self.num_key_value_heads,
+                head_dim: self.head_dim,
+                window: self.layer_window(layer),
+            },
+            AttentionOptions {
+                bias: self.attention_bias,
+                qk_norm: QkNorm::PerHead { eps: self.rms_norm_eps },
+                clip_qkv: None,
+                sinks: false,
+            },
+            init,
+        )
+    }
+
+    fn router<B: Backend>(&self, _layer: usize, init: &Init<B>) -> TopKRouter<B> {
+        TopKRouter::new(self.hidden_size, self.num_experts, self.num_experts_per_tok, self.norm_topk_prob, init)
+    }
+
+    fn experts<B: Backend>(&self, _layer: usize, range: Range<usize>, init: &Init<B>) -> SwiGluExperts<B> {
+        SwiGluExperts::new(range, self.hidden_size, self.moe_intermediate_size, ExpertNames::HF, init)
+    }
+
+    fn aux_loss(&self) -> Option<AuxLoss> {
+        Some(AuxLoss { kind: BalanceLoss::Switch, coef: self.router_aux_loss_coef })
+    }
+
+    fn aux_loss_by_default(&self) -> bool {
+        self.output_router_logits
+    }
+
+    fn model_shape(&self, name: &str) -> ModelShape {
+        ModelShape {
+            name: name.into(),
+            layers: self.num_hidden_layers,
+            hidden: self.hidden_size,
+            vocab: self.vocab_size,
+            tied_embeddings: self.tie_word_embeddings,
+            attention: ShapeOfAttention::Gqa {
+                heads: self.num_attention_heads,
+                kv_heads: self.num_key_value_heads,
+                head_dim: self.head_dim,
+                bias: self.attention_bias,
+                qk_norm: true,
+                sinks: false,
+            },
+            sliding_window: None,
+            moe: MoeShape {
+                experts: self.num_experts,
+                top_k: self.num_experts_per_tok,
+                intermediate: self.moe_intermediate_size,
+                shared_experts: 0,
+                expert_bias: false,
+                router_bias: false,
+            },
+            dense_layers: (0..self.num_hidden_layers).filter(|&l| !self.is_sparse_layer(l)).collect(),
+            dense_intermediate: self.intermediate_size,
+            active_counting: Default::default(),
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! Fault injection, for tests only: never part of a run's TOML or flags.
+//!
+//! The test suite sets a [`FaultPlan`] through the environment variable [`FAULTS_ENV`] (JSON), which
+//! the command reads once ([`FaultPlan::from_env`]); library users build one in code. A run config
+//! file that names a fault key is refused.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// The environment variable a test puts its [`FaultPlan`] in, as JSON.
+pub const FAULTS_ENV: &str = "DISAGMOE_TEST_FAULTS";
+
+/// Multiply one parameter's gradient by NaN at one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultInjection {
+    /// Step (1-based) at which to inject.
+    pub step: usize,
+    /// Hugging Face name of the parameter whose gradient becomes NaN.
+    pub tensor: String,
+}
+
+/// One worker fails at one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerFault {
+    /// The worker's rank.
+    pub worker: usize,
+    /// Step (1-based).
+    pub step: usize,
+    /// Tasks it completes in that step before failing.
+    #[serde(default)]
+    pub after_tasks: usize,
+    /// Die without a word: the process exits at once (MPI), or the thread ends without telling the
+    /// others (local), who then notice by their time-out.
+    #[serde(default)]
+    pub exit: bool,
+}
+
+/// The faults a test injects into a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultPlan {
+    /// Make one gradient NaN at one step (single device).
+    pub inject_nonfinite: Option<FaultInjection>,
+    /// One worker of a distributed run fails.
+    pub fail_worker: Option<WorkerFault>,
+}
+
+impl FaultPlan {
+    /// The plan in [`FAULTS_ENV`], or none.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(FAULTS_ENV) {
+            Ok(text) if !text.trim().is_empty() => serde_json::from_str(&text)
+                .map_err(|e| TrainError::option(FAULTS_ENV, format!("is not a fault plan ({e}); testing only"))),
+            _ => Ok(Self::default()),
+        }
+    }
+
+    /// Whether any fault is planned.
+    pub fn any(&self) -> bool {
+        self.inject_nonfinite.is_some() || self.fail_worker.is_some()
+    }
+}

@@ -1,0 +1,292 @@
+//! The configuration of a training run, one section per concern, each validating itself.
+//!
+//! | section | type | keys |
+//! |---|---|---|
+//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `log_every`, `progress` |
+//! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate` |
+//! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq` |
+//! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
+//! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
+//! | `[precision]` | [`PrecisionOptions`] | `on_nonfinite` |
+//!
+//! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
+//! which keep working: every key above at the top level, with these spellings for the ones that
+//! were renamed inside their section: `model_config` (`model.config`), `model_dir` (`model.dir`),
+//! `model_preset` (`model.preset`), `data` (`data.path`), `checkpoint_dir` (`checkpoint.dir`),
+//! `checkpoint_every` (`checkpoint.every`), `keep_checkpoints` (`checkpoint.keep`). Command-line flags
+//! keep their names (`--lr`, `--checkpoint-dir`, ...) and override the file.
+//!
+//! Test-only fault injection is not part of it ([`faults`]).
+
+pub mod checkpoint;
+pub mod data;
+pub mod faults;
+pub mod model;
+pub mod optimizer;
+pub mod parallel;
+pub mod precision;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use self::checkpoint::CheckpointOptions;
+pub use self::data::DataOptions;
+pub use self::faults::{FaultInjection, FaultPlan, WorkerFault};
+pub use self::model::ModelOptions;
+pub use self::optimizer::OptimizerOptions;
+pub use self::parallel::{AllocationMode, ParallelOptions, Placement, TransportKind};
+pub use self::precision::{NonFinitePolicy, PrecisionOptions};
+use crate::error::{Result, TrainError};
+
+/// Everything a training run needs to know, as a TOML file (`--run-config`) or from flags.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Output directory: `metrics.jsonl` and the final model in `final/`.
+    pub out: Option<PathBuf>,
+    /// Print a log line every this many steps when there is no terminal for the progress bar.
+    pub log_every: usize,
+    /// Show the progress bar (when stderr is a terminal) or log lines.
+    pub progress: bool,
+    /// The model.
+    pub model: ModelOptions,
+    /// The corpus and the batch.
+    pub data: DataOptions,
+    /// AdamW and the learning-rate schedule.
+    pub optimizer: OptimizerOptions,
+    /// Training checkpoints.
+    pub checkpoint: CheckpointOptions,
+    /// Placement, workers and links.
+    pub parallel: ParallelOptions,
+    /// Numerics.
+    pub precision: PrecisionOptions,
+    /// Testing only: faults to inject (never read from a run config file).
+    #[serde(skip)]
+    pub faults: FaultPlan,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            seed: 42,
+            out: None,
+            log_every: 10,
+            progress: true,
+            model: ModelOptions::default(),
+            data: DataOptions::default(),
+            optimizer: OptimizerOptions::default(),
+            checkpoint: CheckpointOptions::default(),
+            parallel: ParallelOptions::default(),
+            precision: PrecisionOptions::default(),
+            faults: FaultPlan::default(),
+        }
+    }
+}
+
+/// Sections of a run config, and the flat keys of earlier versions each one takes (flat key,
+/// key inside the section).
+const SECTIONS: &[(&str, &[(&str, &str)])] = &[
+    (
+        "model",
+        &[
+            ("model_config", "config"),
+            ("model_dir", "dir"),
+            ("model_preset", "preset"),
+            ("aux_loss", "aux_loss"),
+            ("bias_update_rate", "bias_update_rate"),
+        ],
+    ),
+    ("data", &[("data", "path"), ("tokenizer", "tokenizer"), ("batch", "batch"), ("seq", "seq")]),
+    (
+        "optimizer",
+        &[
+            ("lr", "lr"),
+            ("min_lr", "min_lr"),
+            ("warmup_steps", "warmup_steps"),
+            ("weight_decay", "weight_decay"),
+            ("beta1", "beta1"),
+            ("beta2", "beta2"),
+            ("eps", "eps"),
+            ("grad_clip", "grad_clip"),
+        ],
+    ),
+    (
+        "checkpoint",
+        &[
+            ("checkpoint_dir", "dir"),
+            ("checkpoint_every", "every"),
+            ("keep_checkpoints", "keep"),
+            ("resume", "resume"),
+            ("stop_after", "stop_after"),
+        ],
+    ),
+    (
+        "parallel",
+        &[
+            ("placement", "placement"),
+            ("attn_workers", "attn_workers"),
+            ("ffn_workers", "ffn_workers"),
+            ("groups", "groups"),
+            ("allocation", "allocation"),
+            ("workers", "workers"),
+            ("micro_batches", "micro_batches"),
+            ("in_flight", "in_flight"),
+            ("transport", "transport"),
+            ("link_gbps", "link_gbps"),
+            ("link_latency_us", "link_latency_us"),
+            ("trace", "trace"),
+            ("comm_timeout_s", "comm_timeout_s"),
+        ],
+    ),
+    ("precision", &[("on_nonfinite", "on_nonfinite")]),
+];
+
+/// Top-level keys that are not sections.
+const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "log_every", "progress"];
+
+/// Moves the flat keys of a run config into their sections; refuses unknown keys (naming the
+/// allowed ones) and the test-only fault keys.
+fn nest_flat_keys(mut table: toml::Table) -> std::result::Result<toml::Table, String> {
+    let mut out = toml::Table::new();
+    for (section, _) in SECTIONS {
+        match table.remove(*section) {
+            Some(toml::Value::Table(t)) => {
+                out.insert((*section).to_owned(), toml::Value::Table(t));
+            }
+            // `data = "corpus.txt"`: the flat key of the corpus path, not the section.
+            Some(v) if *section == "data" => {
+                table.insert("data".to_owned(), v);
+            }
+            Some(other) => return Err(format!("`{section}` must be a table ([{section}]), got {}", other.type_str())),
+            None => {}
+        }
+    }
+    for (key, value) in table {
+        if TOP_LEVEL.contains(&key.as_str()) {
+            out.insert(key, value);
+            continue;
+        }
+        if key == "fail_worker" || key == "inject_nonfinite" {
+            return Err(format!(
+                "`{key}` is a testing hook, not a run option; tests set it through the {} environment variable",
+                faults::FAULTS_ENV
+            ));
+        }
+        let Some((section, inner)) = SECTIONS
+            .iter()
+            .find_map(|(s, keys)| keys.iter().find(|(flat, _)| *flat == key).map(|(_, inner)| (*s, *inner)))
+        else {
+            let mut allowed: Vec<&str> = TOP_LEVEL.to_vec();
+            allowed.extend(SECTIONS.iter().map(|(s, _)| *s));
+            allowed.extend(SECTIONS.iter().flat_map(|(_, keys)| keys.iter().map(|(flat, _)| *flat)));
+            return Err(format!("unknown key `{key}`; allowed: {}", allowed.join(", ")));
+        };
+        let entry = out.entry(section.to_owned()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let toml::Value::Table(t) = entry else { unreachable!("sections are tables") };
+        if t.contains_key(inner) {
+            return Err(format!("`{key}` is given twice (flat and as {section}.{inner})"));
+        }
+        t.insert(inner.to_owned(), value);
+    }
+    Ok(out)
+}
+
+impl RunConfig {
+    /// Parses a TOML run config (sections or flat keys); unknown keys are errors.
+    pub fn from_toml_str(text: &str) -> std::result::Result<Self, String> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let nested = nest_flat_keys(table)?;
+        toml::Value::Table(nested).try_into().map_err(|e: toml::de::Error| e.to_string())
+    }
+
+    /// Reads a TOML run config; unknown keys are errors.
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+            action: "cannot read run config",
+            path: path.into(),
+            source,
+        })?;
+        Self::from_toml_str(&text).map_err(|message| TrainError::RunConfig { path: path.into(), message })
+    }
+
+    /// Checks every section once; the error names the option and the allowed values.
+    pub fn validate(&self) -> Result<()> {
+        if self.steps == 0 {
+            return Err(TrainError::option("steps", "must be at least 1"));
+        }
+        if self.log_every == 0 {
+            return Err(TrainError::option("log_every", "must be at least 1"));
+        }
+        self.model.validate()?;
+        self.data.validate()?;
+        self.optimizer.validate(self.steps)?;
+        self.checkpoint.validate(self.steps)?;
+        self.parallel.validate(self.data.batch)?;
+        Ok(())
+    }
+
+    /// Micro-batches per step, the default filled in.
+    pub fn micro_batches(&self) -> usize {
+        self.parallel.micro_batches()
+    }
+
+    /// The last step this invocation runs (`stop_after`, else `steps`).
+    pub fn last_step(&self) -> usize {
+        self.checkpoint.stop_after.unwrap_or(self.steps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flat_keys_and_sections_give_the_same_config() {
+        let flat = RunConfig::from_toml_str(
+            "steps = 7\nlr = 0.01\nmodel_preset = \"tiny-gpt-oss\"\ndata = \"c.txt\"\ncheckpoint_every = 5\nplacement = \"ep\"\non_nonfinite = \"abort\"\n",
+        )
+        .unwrap();
+        let nested = RunConfig::from_toml_str(
+            "steps = 7\n[optimizer]\nlr = 0.01\n[model]\npreset = \"tiny-gpt-oss\"\n[data]\npath = \"c.txt\"\n[checkpoint]\nevery = 5\n[parallel]\nplacement = \"ep\"\n[precision]\non_nonfinite = \"abort\"\n",
+        )
+        .unwrap();
+        assert_eq!(flat, nested);
+        assert_eq!(flat.optimizer.lr, 0.01);
+        assert_eq!(flat.data.path.as_deref(), Some(Path::new("c.txt")));
+        assert_eq!(flat.parallel.placement, Placement::Ep);
+        assert_eq!(flat.precision.on_nonfinite, NonFinitePolicy::Abort);
+    }
+
+    #[test]
+    fn unknown_keys_and_test_hooks_are_refused_by_name() {
+        let e = RunConfig::from_toml_str("learning_rate = 1.0").unwrap_err();
+        assert!(e.contains("learning_rate") && e.contains("lr"), "{e}");
+        let e = RunConfig::from_toml_str("[optimizer]\nlearning_rate = 1.0").unwrap_err();
+        assert!(e.contains("learning_rate"), "{e}");
+        let e = RunConfig::from_toml_str("[fail_worker]\nworker = 1\nstep = 1\n").unwrap_err();
+        assert!(e.contains("testing hook") && e.contains(faults::FAULTS_ENV), "{e}");
+        let e = RunConfig::from_toml_str("lr = 0.1\n[optimizer]\nlr = 0.2\n").unwrap_err();
+        assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn every_section_validates_its_own_fields() {
+        let mut c = RunConfig::default();
+        c.optimizer.beta2 = 1.0;
+        assert!(c.validate().unwrap_err().to_string().contains("beta2"));
+        let mut c = RunConfig::default();
+        c.data.batch = 6;
+        c.parallel.micro_batches = Some(4);
+        assert!(c.validate().unwrap_err().to_string().contains("micro_batches"));
+        let mut c = RunConfig::default();
+        c.checkpoint.stop_after = Some(301);
+        assert!(c.validate().unwrap_err().to_string().contains("stop_after"));
+    }
+}

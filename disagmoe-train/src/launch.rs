@@ -1,0 +1,32 @@
+//! Starting a run: the step engine its placement asks for (one device, or this process's workers of
+//! a distributed run), then the training loop. The one place that knows both the loop and the
+//! engines.
+
+use std::sync::atomic::AtomicBool;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::config::RunConfig;
+use crate::error::Result;
+use crate::single::SingleDevice;
+use crate::trainer::{resume_point, StepEngine, TrainSummary};
+
+/// Runs a training job and returns its summary.
+pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<TrainSummary> {
+    train_until::<B>(cfg, device, &AtomicBool::new(false))
+}
+
+/// [`train`], finishing the current step and checkpointing when `stop` becomes true (the CLI sets
+/// it on SIGINT/SIGTERM).
+pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
+    cfg.validate()?;
+    crate::backend::keep_freed_memory();
+    let (mut engine, resumed): (Box<dyn StepEngine>, _) = if cfg.parallel.distributed() {
+        (crate::runtime::start::<B>(cfg, device)?, None)
+    } else {
+        let resumed = resume_point(cfg)?;
+        let engine = SingleDevice::<B>::new(cfg, device, resumed.as_ref().map(|(path, _)| path.as_path()))?;
+        (Box::new(engine), resumed.map(|(_, state)| state))
+    };
+    crate::trainer::run(cfg, engine.as_mut(), resumed, stop)
+}

@@ -1,0 +1,391 @@
+//! The distributed step engine: this process's workers, each on a thread of its own, driven one
+//! step at a time by the training loop.
+//!
+//! Under `local` every worker of the run is a thread here; under `mpi`/`nccl` this process runs its
+//! rank's one worker. Each step the engine hands every thread the step's batch and waits for their
+//! outcomes (the same on every worker after the step's global reduction). A worker that fails tells
+//! the others (their message loops stop at once); the engine reports the root cause: a worker's own
+//! failure before errors that only relay another's, and those before time-outs of workers left
+//! waiting. Under MPI the failing process takes the whole job down (`MPI_Abort`).
+
+use std::path::Path;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::stages::Stages;
+use disagmoe_models::{Experts, Router, TensorSink, TrainModule};
+
+use super::layout::Layout;
+use super::trace::{write_chrome_trace, TraceEvent};
+use super::transport::{local_endpoints, Endpoint, NamedTensor, Port};
+use super::worker::{StepOutcome, Worker};
+use super::{link_model, part_for, Shared};
+use crate::checkpoint::TrainState;
+use crate::config::TransportKind;
+use crate::error::{Result, TrainError};
+use crate::optim::AdamW;
+use crate::trainer::{EngineInfo, StepEngine, StepReport, StepTiming};
+
+/// What the engine reports about the model.
+pub(crate) struct RunFacts {
+    pub(crate) params: usize,
+    pub(crate) model_type: &'static str,
+    pub(crate) vocab_size: usize,
+    pub(crate) hf_config: serde_json::Value,
+}
+
+enum Command {
+    Step { step: usize, batch: Arc<Vec<Vec<i64>>>, lr: f64 },
+    Finish { weights: bool, traces: bool },
+}
+
+/// What a worker hands over at the end (the gathered parts only on rank 0).
+pub(crate) struct FinalParts {
+    pub(crate) checksum: f64,
+    pub(crate) traces: Vec<TraceEvent>,
+    pub(crate) weights: Vec<NamedTensor>,
+}
+
+enum Reply {
+    Step(Result<StepOutcome>),
+    Finish(Result<FinalParts>),
+}
+
+/// This process's workers of a distributed run.
+pub struct Distributed {
+    info: EngineInfo,
+    layout: Layout,
+    hf_config: serde_json::Value,
+    trace: Option<std::path::PathBuf>,
+    commands: Vec<Sender<Command>>,
+    replies: Receiver<(usize, Reply)>,
+    handles: Vec<JoinHandle<()>>,
+    optimizer_steps: u64,
+    #[cfg(feature = "mpi")]
+    process: Option<super::mpi::Process>,
+}
+
+impl Distributed {
+    /// Builds this process's workers from the model's stages and starts their threads.
+    pub(crate) fn start<B, A, R, X>(
+        shared: Arc<Shared<B>>,
+        stages: Stages<B, A, R, X>,
+        facts: RunFacts,
+        device: &B::Device,
+    ) -> Result<Box<dyn StepEngine>>
+    where
+        B: AutodiffBackend,
+        A: TrainModule<B> + AttentionLayer<B>,
+        R: TrainModule<B> + Router<B>,
+        X: TrainModule<B> + Experts<B>,
+    {
+        let cfg = &shared.cfg;
+        let layout = shared.layout.clone();
+        #[cfg(feature = "mpi")]
+        let mut process = None;
+        let endpoints: Vec<Box<dyn Endpoint>> = match cfg.parallel.transport {
+            TransportKind::Local => {
+                local_endpoints(layout.workers).into_iter().map(|e| Box::new(e) as Box<dyn Endpoint>).collect()
+            }
+            #[cfg(feature = "mpi")]
+            TransportKind::Mpi | TransportKind::Nccl => {
+                let p = super::mpi::Process::start(cfg, layout.workers)?;
+                let endpoint = p.endpoint(cfg.parallel.transport);
+                process = Some(p);
+                vec![endpoint]
+            }
+            #[cfg(not(feature = "mpi"))]
+            other => unreachable!("transport {other:?} is refused before start"),
+        };
+        let ranks: Vec<usize> = endpoints.iter().map(|e| e.rank()).collect();
+        let mut parts = Vec::new();
+        for &rank in &ranks {
+            parts.push(part_for(&stages, &layout, rank, device)?);
+        }
+        drop(stages);
+        let primary = ranks.contains(&0);
+        let info = EngineInfo {
+            params: facts.params,
+            workers: layout.workers,
+            placement: cfg.parallel.placement.name(),
+            primary,
+            needs_data: ranks.iter().any(|&r| layout.holds_ends(r)),
+            sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
+            model_type: facts.model_type,
+            vocab_size: facts.vocab_size,
+        };
+        let (reply_tx, replies) = channel();
+        let mut commands = Vec::new();
+        let mut handles = Vec::new();
+        for (endpoint, part) in endpoints.into_iter().zip(parts) {
+            let (tx, rx) = channel();
+            commands.push(tx);
+            let (shared, reply_tx, device) = (shared.clone(), reply_tx.clone(), device.clone());
+            let rank = endpoint.rank();
+            let handle = std::thread::Builder::new()
+                .name(format!("worker-{rank}"))
+                .stack_size(64 << 20)
+                .spawn(move || {
+                    let port = Port::new(endpoint, link_model(&shared.cfg));
+                    let mut settings = shared.settings.clone();
+                    let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
+                    settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
+                    let opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
+                    let trace = shared.cfg.parallel.trace.is_some();
+                    let worker =
+                        Worker::new(shared.layout.clone(), settings, port, part, shared.rope.clone(), device, trace, opt);
+                    serve(&shared, worker, rx, reply_tx);
+                })
+                .map_err(|e| TrainError::Worker { worker: rank, cause: format!("cannot start its thread: {e}") })?;
+            handles.push(handle);
+        }
+        Ok(Box::new(Self {
+            info,
+            layout,
+            hf_config: facts.hf_config,
+            trace: cfg.parallel.trace.clone(),
+            commands,
+            replies,
+            handles,
+            optimizer_steps: 0,
+            #[cfg(feature = "mpi")]
+            process,
+        }))
+    }
+
+    /// Sends `command` to every worker of this process and collects their replies in rank order;
+    /// `Err` is the root cause of a failure.
+    fn round(&mut self, command: impl Fn() -> Command) -> Result<Vec<(usize, Reply)>> {
+        for tx in &self.commands {
+            // A worker that has ended (after a failure) dropped its inbox; its reply says why.
+            let _ = tx.send(command());
+        }
+        let mut replies = Vec::with_capacity(self.commands.len());
+        while replies.len() < self.commands.len() {
+            match self.replies.recv() {
+                Ok(r) => replies.push(r),
+                Err(_) => break,
+            }
+        }
+        replies.sort_by_key(|(rank, _)| *rank);
+        let mut root: Option<(u8, TrainError)> = None;
+        let mut ok = Vec::new();
+        for (rank, reply) in replies {
+            let err = match reply {
+                Reply::Step(Err(e)) | Reply::Finish(Err(e)) => e,
+                other => {
+                    ok.push((rank, other));
+                    continue;
+                }
+            };
+            let p = root_cause_rank(rank, &err);
+            if root.as_ref().is_none_or(|(q, _)| p < *q) {
+                root = Some((p, err));
+            }
+        }
+        if ok.len() < self.commands.len() && root.is_none() {
+            root = Some((9, TrainError::Worker { worker: 0, cause: "a worker thread ended without a word".into() }));
+        }
+        match root {
+            Some((_, e)) => Err(self.fail(e)),
+            None => Ok(ok),
+        }
+    }
+
+    /// A failure of this process: under MPI the whole job ends here (the error printed first);
+    /// in-process it is returned.
+    fn fail(&mut self, e: TrainError) -> TrainError {
+        #[cfg(feature = "mpi")]
+        if let Some(p) = &self.process {
+            p.abort(&e);
+        }
+        e
+    }
+}
+
+/// The order in which failures explain a run's end: a worker's own failure first, then any other
+/// error, then the time-outs of workers left waiting, then errors that only relay another's.
+fn root_cause_rank(rank: usize, e: &TrainError) -> u8 {
+    match e {
+        TrainError::Worker { worker, .. } if *worker != rank => 3,
+        TrainError::Worker { .. } => 0,
+        TrainError::Stalled { .. } => 2,
+        _ => 1,
+    }
+}
+
+/// A worker thread: runs the commands of the engine until the run ends or the worker fails.
+fn serve<B, A, R, X>(
+    shared: &Shared<B>,
+    mut worker: Worker<B, A, R, X>,
+    commands: Receiver<Command>,
+    replies: Sender<(usize, Reply)>,
+) where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    let rank = worker.rank();
+    for command in commands {
+        let (reply, last) = match command {
+            Command::Step { step, batch, lr } => {
+                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr));
+                let failed = r.is_err();
+                (Reply::Step(r), failed)
+            }
+            Command::Finish { weights, traces } => {
+                let r = guarded(shared, &mut worker, |w| {
+                    let checksum = w.param_checksum()?;
+                    let weights = if weights { w.gather_weights(&shared.param_names)? } else { Vec::new() };
+                    let traces = if traces { w.gather_traces()? } else { Vec::new() };
+                    Ok(FinalParts { checksum, traces, weights })
+                });
+                (Reply::Finish(r), true)
+            }
+        };
+        if replies.send((rank, reply)).is_err() || last {
+            return;
+        }
+    }
+}
+
+/// Runs `f` on the worker, turning a panic into an error; a worker that fails tells the others,
+/// unless it stops because another one failed (or plays dead for a test).
+fn guarded<B, A, R, X, T>(
+    shared: &Shared<B>,
+    worker: &mut Worker<B, A, R, X>,
+    f: impl FnOnce(&mut Worker<B, A, R, X>) -> Result<T>,
+) -> Result<T>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    let rank = worker.rank();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(worker))).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(TrainError::Worker { worker: rank, cause: format!("panicked: {what}") })
+    });
+    if let Err(e) = &result {
+        let silent = shared.cfg.faults.fail_worker.as_ref().is_some_and(|f| f.worker == rank && f.exit);
+        if !silent && !matches!(e, TrainError::Worker { worker, .. } if *worker != rank) {
+            let cause = match e {
+                TrainError::Worker { cause, .. } => cause.clone(),
+                other => other.to_string(),
+            };
+            worker.abort(&cause);
+        }
+    }
+    result
+}
+
+impl StepEngine for Distributed {
+    fn info(&self) -> EngineInfo {
+        self.info.clone()
+    }
+
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport> {
+        let batch = Arc::new(batch.to_vec());
+        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr })?;
+        let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
+            unreachable!("every worker replied to the step")
+        };
+        if !out.skipped {
+            self.optimizer_steps += 1;
+        }
+        Ok(StepReport {
+            loss: out.loss,
+            lm_loss: out.lm_loss,
+            aux_loss: out.aux_loss,
+            grad_norm: out.grad_norm,
+            skipped: out.skipped,
+            expert_counts: out.expert_counts,
+            timing: StepTiming {
+                exposed_comm_s: out.exposed_comm_s,
+                in_flight_wait_s: out.in_flight_wait_s,
+                compute_s: out.compute_s,
+                link_s: out.link_s,
+            },
+        })
+    }
+
+    fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path, _state: &TrainState, _keep: usize) -> Result<std::path::PathBuf> {
+        Err(TrainError::Checkpoint {
+            path: dir.into(),
+            message: format!("training checkpoints of placement {} are not supported yet", self.info.placement),
+        })
+    }
+
+    fn finish(&mut self, out: Option<&Path>) -> Result<f64> {
+        let (weights, traces) = (out.is_some(), self.trace.is_some());
+        let replies = self.round(|| Command::Finish { weights, traces })?;
+        let mut checksum = 0.0;
+        for (rank, reply) in replies {
+            let Reply::Finish(Ok(parts)) = reply else { unreachable!("every worker replied to the finish") };
+            checksum = parts.checksum;
+            if rank == 0 {
+                if let Some(path) = &self.trace {
+                    let names: Vec<String> = (0..self.layout.workers).map(|w| self.layout.worker_name(w)).collect();
+                    write_chrome_trace(path, &names, &parts.traces)?;
+                }
+                if let Some(dir) = out {
+                    save_gathered(dir, &parts.weights, &self.hf_config)?;
+                }
+            }
+        }
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(p) = &self.process {
+            p.barrier();
+        }
+        Ok(checksum)
+    }
+}
+
+impl Drop for Distributed {
+    /// Ends the worker threads (closing their command channels) before the transport goes.
+    fn drop(&mut self) {
+        self.commands.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Writes the gathered parameters as a Hugging Face checkpoint; expert shards of a fused tensor are
+/// put back together in row order.
+fn save_gathered(dir: &Path, weights: &[NamedTensor], config: &serde_json::Value) -> Result<()> {
+    let mut sink = TensorSink::new();
+    let mut shards: std::collections::BTreeMap<&str, Vec<&NamedTensor>> = Default::default();
+    for w in weights {
+        match w.offset {
+            None => sink.put_raw(w.name.clone(), w.tensor.shape.clone(), w.tensor.data.clone()),
+            Some(_) => shards.entry(&w.name).or_default().push(w),
+        }
+    }
+    for (name, mut parts) in shards {
+        parts.sort_by_key(|p| p.offset);
+        let mut shape = parts[0].tensor.shape.clone();
+        shape[0] = parts.iter().map(|p| p.tensor.rows()).sum();
+        let data: Vec<f32> = parts.iter().flat_map(|p| p.tensor.data.iter().copied()).collect();
+        sink.put_raw(name.to_owned(), shape, data);
+    }
+    disagmoe_models::causal_lm::write_pretrained(dir, &sink, config, 2 << 30)?;
+    Ok(())
+}

@@ -1,0 +1,223 @@
+//! The single-device step engine: the whole model on one device, micro-batches one after another.
+//!
+//! One step: for each micro-batch forward -> loss (LM + balance) -> backward, gradients added ->
+//! global gradient norm -> (skip if not finite) -> clip -> AdamW with the scheduled learning rate ->
+//! aux-loss-free bias update.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+
+use disagmoe_models::{HfCheckpoint, ModelConfig, MoeCausalLm};
+
+use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
+use crate::config::{NonFinitePolicy, RunConfig};
+use crate::error::{Result, TrainError};
+use crate::optim::{grad_norm, sum_of_squares, AdamW};
+use crate::trainer::{EngineInfo, StepEngine, StepReport, StepTiming};
+
+/// The whole model on one device.
+pub struct SingleDevice<B: AutodiffBackend> {
+    model: Option<MoeCausalLm<B>>,
+    opt: AdamW<B>,
+    device: B::Device,
+    names: HashMap<ParamId, String>,
+    info: EngineInfo,
+    with_aux: bool,
+    micro_batches: usize,
+    grad_clip: f64,
+    bias_update_rate: f64,
+    on_nonfinite: NonFinitePolicy,
+    /// Testing: make one parameter's gradient NaN at one step.
+    poison: Option<(usize, ParamId)>,
+}
+
+/// The model a run config asks for, freshly initialised from the run seed (every tensor drawn from
+/// the seed and its checkpoint name), or loaded from `model.dir`.
+pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<MoeCausalLm<B>> {
+    Ok(match &cfg.model.dir {
+        Some(dir) => MoeCausalLm::from_pretrained(dir, device)?,
+        None => cfg.model.resolve()?.init(cfg.seed, device),
+    })
+}
+
+/// Whether a run adds the balance loss: as configured, else as the family decides; never without
+/// MoE layers.
+pub fn with_aux_loss(cfg: &RunConfig, model: &ModelConfig) -> bool {
+    cfg.model.aux_loss.unwrap_or(model.aux_loss_by_default()) && !model.sparse_layers().is_empty()
+}
+
+impl<B: AutodiffBackend> SingleDevice<B> {
+    /// The engine of `cfg`: a fresh (or `model.dir`) model, or the model and optimizer state of the
+    /// checkpoint `resume` when resuming.
+    pub fn new(cfg: &RunConfig, device: &B::Device, resume: Option<&Path>) -> Result<Self> {
+        let mut opt = AdamW::<B>::new(cfg.optimizer.adamw());
+        let model = match resume {
+            Some(path) => load_checkpoint::<B>(path, &mut opt, device)?.0,
+            None => build_model::<B>(cfg, device)?,
+        };
+        let mconf = model.config();
+        let names = model.state_dict_names();
+        let poison = match &cfg.faults.inject_nonfinite {
+            Some(inj) => {
+                let id = names.iter().find(|(_, n)| **n == inj.tensor).map(|(id, _)| *id).ok_or_else(|| {
+                    TrainError::option("inject_nonfinite.tensor", format!("`{}` is not a parameter of the model", inj.tensor))
+                })?;
+                Some((inj.step, id))
+            }
+            None => None,
+        };
+        let info = EngineInfo {
+            params: model.num_params(),
+            workers: 1,
+            placement: "single",
+            primary: true,
+            needs_data: true,
+            sparse_layers: mconf.sparse_layers(),
+            model_type: mconf.model_type(),
+            vocab_size: mconf.vocab_size(),
+        };
+        Ok(Self {
+            with_aux: with_aux_loss(cfg, &mconf),
+            model: Some(model),
+            opt,
+            device: device.clone(),
+            names,
+            info,
+            micro_batches: cfg.micro_batches(),
+            grad_clip: cfg.optimizer.grad_clip,
+            bias_update_rate: cfg.model.bias_update_rate(),
+            on_nonfinite: cfg.precision.on_nonfinite,
+            poison,
+        })
+    }
+
+    fn model(&self) -> &MoeCausalLm<B> {
+        self.model.as_ref().expect("the model is only taken during the update")
+    }
+
+    /// The trained model.
+    pub fn into_model(self) -> MoeCausalLm<B> {
+        self.model.expect("model")
+    }
+}
+
+/// Micro-batch losses and router counts of one step.
+#[derive(Default)]
+struct StepSums {
+    total: f64,
+    lm: f64,
+    aux: Option<f64>,
+    counts: Vec<Vec<usize>>,
+}
+
+impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
+    fn info(&self) -> EngineInfo {
+        self.info.clone()
+    }
+
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport> {
+        let t0 = std::time::Instant::now();
+        let mbs = self.micro_batches;
+        let per = batch.len() / mbs;
+        let mut acc = GradientsAccumulator::new();
+        let mut sums = StepSums::default();
+        // Micro-batches: each one's loss (with its own balance term) over K, gradients added.
+        for chunk in batch.chunks(per) {
+            let model = self.model();
+            let ids = model.input_ids(chunk, &self.device)?;
+            let out = model.forward(ids.clone());
+            let loss = model.loss(&out, ids, self.with_aux);
+            let parts: Vec<Tensor<B, 1>> =
+                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()].into_iter().flatten().collect();
+            let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
+            sums.total += scalars[0] / mbs as f64;
+            sums.lm += scalars[1] / mbs as f64;
+            if let Some(a) = scalars.get(2) {
+                sums.aux = Some(sums.aux.unwrap_or(0.0) + a / mbs as f64);
+            }
+            sums.counts.resize(out.router_stats.len(), Vec::new());
+            for (c, s) in sums.counts.iter_mut().zip(&out.router_stats) {
+                c.resize(s.counts.len(), 0);
+                c.iter_mut().zip(&s.counts).for_each(|(a, b)| *a += b);
+            }
+            let total = if mbs > 1 { loss.total.div_scalar(mbs as f64) } else { loss.total };
+            acc.accumulate(self.model(), GradientsParams::from_grads(total.backward(), self.model()));
+        }
+        let mut grads = acc.grads();
+        if let Some((_, target)) = self.poison.filter(|(s, _)| *s == step) {
+            self.model().visit(&mut Poison { target, grads: &mut grads });
+        }
+        let norms = grad_norm::<B, _>(self.model(), &grads);
+        let finite = sums.total.is_finite() && norms.total.is_finite();
+        let worst = || {
+            norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| self.names.get(id).cloned())
+        };
+        if !finite && self.on_nonfinite == NonFinitePolicy::Abort {
+            return Err(TrainError::NonFinite {
+                step,
+                what: if sums.total.is_finite() { "gradient" } else { "loss" },
+                tensor: worst().unwrap_or_default(),
+            });
+        }
+        if finite {
+            let scale = if self.grad_clip > 0.0 && norms.total > self.grad_clip {
+                self.grad_clip / (norms.total + 1e-6)
+            } else {
+                1.0
+            };
+            let model = self.model.take().expect("model");
+            let mut model = self.opt.step(model, &mut grads, lr, scale);
+            if self.bias_update_rate > 0.0 {
+                model.update_router_biases(&sums.counts, self.bias_update_rate)?;
+            }
+            self.model = Some(model);
+        } else {
+            let tensor = worst().unwrap_or_else(|| "the loss".into());
+            tracing::warn!(step, loss = sums.total, tensor = %tensor, "non-finite loss or gradient: update skipped");
+        }
+        Ok(StepReport {
+            loss: sums.total,
+            lm_loss: sums.lm,
+            aux_loss: sums.aux,
+            grad_norm: norms.total,
+            skipped: !finite,
+            expert_counts: sums.counts,
+            timing: StepTiming { compute_s: t0.elapsed().as_secs_f64(), ..Default::default() },
+        })
+    }
+
+    fn optimizer_steps(&self) -> u64 {
+        self.opt.steps_taken()
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {
+        save_checkpoint(dir, self.model(), &self.opt, state, keep)
+    }
+
+    fn finish(&mut self, out: Option<&Path>) -> Result<f64> {
+        if let Some(dir) = out {
+            self.model().valid().save_pretrained(dir, 2 << 30)?;
+        }
+        Ok(sum_of_squares(self.model()))
+    }
+}
+
+struct Poison<'a> {
+    target: ParamId,
+    grads: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Poison<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if param.id == self.target {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register::<B::InnerBackend, D>(param.id, g.mul_scalar(f64::NAN));
+            }
+        }
+    }
+}

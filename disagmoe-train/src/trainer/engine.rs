@@ -1,0 +1,83 @@
+//! The step-engine trait: what the training loop asks of whatever runs a step, on one device
+//! (the `single` module) or on workers (the distributed runtime).
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::TrainState;
+use crate::error::Result;
+
+/// What the loop learns about a run once its engine is built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineInfo {
+    /// Parameters of the whole model.
+    pub params: usize,
+    /// Workers (1 on one device).
+    pub workers: usize,
+    /// `single`, `disagg` or `ep`.
+    pub placement: &'static str,
+    /// Whether this process reports for the run (prints, writes metrics and the final model's
+    /// config): always on one device and under `local`; rank 0 under MPI.
+    pub primary: bool,
+    /// Whether this process embeds micro-batches and so needs the step's batch.
+    pub needs_data: bool,
+    /// Layer indices of the MoE layers, in order (for the expert-load metrics).
+    pub sparse_layers: Vec<usize>,
+    /// `model_type` of the model.
+    pub model_type: &'static str,
+    /// Vocabulary size (the data is checked against it).
+    pub vocab_size: usize,
+}
+
+/// Where a step's time went, summed over workers (zero on one device but `compute_s`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTiming {
+    /// Seconds compute streams sat waiting for data (task inputs and the gradient all-reduce).
+    pub exposed_comm_s: f64,
+    /// The part of it during which the awaited data was already on the wire.
+    pub in_flight_wait_s: f64,
+    /// Seconds compute streams computed.
+    pub compute_s: f64,
+    /// Seconds transfers spent on emulated links.
+    pub link_s: f64,
+}
+
+/// What one step did, the same on every worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Mean over micro-batches of LM loss + coefficient x balance loss.
+    pub loss: f64,
+    /// Mean LM loss.
+    pub lm_loss: f64,
+    /// Mean balance loss (before its coefficient), when on.
+    pub aux_loss: Option<f64>,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The update was skipped (non-finite loss or gradient).
+    pub skipped: bool,
+    /// Routed copies per expert of each MoE layer (the order of [`EngineInfo::sparse_layers`]).
+    pub expert_counts: Vec<Vec<usize>>,
+    /// Where the time went (distributed runs).
+    pub timing: StepTiming,
+}
+
+/// Runs training steps for the loop in [`crate::trainer`]: one device or a distributed runtime.
+pub trait StepEngine {
+    /// Facts about the run.
+    fn info(&self) -> EngineInfo;
+
+    /// Runs step `step` (1-based) on `batch` (the step's whole batch of token rows; empty where
+    /// [`EngineInfo::needs_data`] is false) with learning rate `lr`: forward, backward, reduce,
+    /// clip, update.
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport>;
+
+    /// Updates the optimizer has applied so far.
+    fn optimizer_steps(&self) -> u64;
+
+    /// Writes a training checkpoint of the current weights and optimizer state with `state` into
+    /// `dir`, keeping the newest `keep`; returns its path.
+    fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf>;
+
+    /// Ends the run: writes the final model to `out` (a Hugging Face directory) when given, and
+    /// returns the sum of squares of all parameters (each once).
+    fn finish(&mut self, out: Option<&Path>) -> Result<f64>;
+}

@@ -1,0 +1,189 @@
+//! The one training loop, for every placement: resume, step, update, report, checkpoint, summary.
+//!
+//! What runs a step is a [`StepEngine`]: the single-device engine ([`crate::single`]) or the
+//! distributed runtime; the loop knows neither. [`crate::launch`] picks the
+//! engine for the run's placement and hands it here.
+
+pub mod engine;
+pub mod report;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+pub use self::engine::{EngineInfo, StepEngine, StepReport, StepTiming};
+pub use self::report::{throughput, TrainSummary};
+use self::report::{step_metrics, Progress};
+use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, TrainState};
+use crate::config::RunConfig;
+use crate::data::PackedDataset;
+use crate::error::{Result, TrainError};
+use crate::metrics::{JsonlWriter, StepMetrics};
+
+/// Where a run resumes: the newest complete checkpoint of `checkpoint.resume` and its state; none
+/// for a fresh run, after checking that the checkpoint directory holds no other run's checkpoints.
+pub fn resume_point(cfg: &RunConfig) -> Result<Option<(PathBuf, TrainState)>> {
+    let Some(dir) = &cfg.checkpoint.resume else {
+        if let Some(dir) = cfg.checkpoint.directory() {
+            if let Some(existing) = latest_checkpoint(&dir)? {
+                return Err(TrainError::Checkpoint {
+                    path: dir.clone(),
+                    message: format!(
+                        "already holds checkpoints of a run (newest: {}); pass --resume {} to continue it, or choose another --checkpoint-dir",
+                        existing.display(),
+                        dir.display()
+                    ),
+                });
+            }
+        }
+        return Ok(None);
+    };
+    let path = latest_checkpoint(dir)?.ok_or_else(|| TrainError::Checkpoint {
+        path: dir.clone(),
+        message: "holds no complete checkpoint to resume from (expected step-<n> directories with a manifest)".into(),
+    })?;
+    verify_checkpoint(&path)?;
+    let state = read_state(&path)?;
+    if state.step >= cfg.steps {
+        return Err(TrainError::option(
+            "steps",
+            format!(
+                "the checkpoint {} is at step {}; steps must be larger to continue, got {}",
+                path.display(),
+                state.step,
+                cfg.steps
+            ),
+        ));
+    }
+    tracing::info!(checkpoint = %path.display(), step = state.step, "resuming");
+    Ok(Some((path, state)))
+}
+
+/// What the loop has seen so far.
+struct History {
+    losses: Vec<f64>,
+    skipped: usize,
+    step_s: Vec<f64>,
+    timing: StepTiming,
+}
+
+impl History {
+    fn record(&mut self, m: &StepMetrics) {
+        self.losses.push(m.loss);
+        self.skipped += m.skipped as usize;
+        self.step_s.push(m.step_s);
+        self.timing.exposed_comm_s += m.exposed_comm_s;
+        self.timing.in_flight_wait_s += m.in_flight_wait_s;
+        self.timing.compute_s += m.compute_s;
+        self.timing.link_s += m.link_s;
+    }
+}
+
+/// Trains with `engine` from `resumed` (or step 1) to `stop_after`/`steps`, or until `stop` is set
+/// (then it finishes the step and checkpoints); returns the summary.
+pub fn run(
+    cfg: &RunConfig,
+    engine: &mut dyn StepEngine,
+    resumed: Option<TrainState>,
+    stop: &AtomicBool,
+) -> Result<TrainSummary> {
+    let info = engine.info();
+    let mut data = if info.needs_data { Some(PackedDataset::for_run(cfg, info.vocab_size)?) } else { None };
+    if let (Some(d), Some(s)) = (&mut data, &resumed) {
+        d.seek(s.data);
+    }
+    let mut metrics = match (&cfg.out, info.primary) {
+        (Some(dir), true) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
+        _ => None,
+    };
+    if let Some(d) = &data {
+        tracing::info!(model = info.model_type, backend = crate::BACKEND_NAME, params = info.params, placement = info.placement,
+            corpus = d.source(), corpus_tokens = d.num_tokens(), windows = d.windows(), "training");
+    }
+    let (first_step, last_step) = (resumed.as_ref().map_or(1, |s| s.step + 1), cfg.last_step());
+    let lr_schedule = cfg.optimizer.lr_schedule(cfg.steps);
+    let tokens = cfg.data.tokens_per_step();
+    let progress = Progress::new(cfg.progress && info.primary, cfg.log_every, cfg.steps, first_step);
+    let mut seen = History {
+        losses: resumed.as_ref().map(|s| s.losses.clone()).unwrap_or_default(),
+        skipped: resumed.as_ref().map_or(0, |s| s.skipped_steps),
+        step_s: Vec::new(),
+        timing: StepTiming::default(),
+    };
+    let (start, mut done, mut last_checkpoint) = (Instant::now(), first_step - 1, None);
+    for step in first_step..=last_step {
+        let t0 = Instant::now();
+        let batch = data.as_mut().map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
+        let lr = lr_schedule.at(step);
+        let report = engine.step(step, &batch, lr)?;
+        let record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
+        seen.record(&record);
+        if let Some(w) = &mut metrics {
+            w.write(&record)?;
+        }
+        progress.step(&record, tokens);
+        done = step;
+        let interrupted = stop.load(Ordering::SeqCst);
+        let due = cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0;
+        if let (Some(dir), true) = (cfg.checkpoint.directory(), due || step == last_step || interrupted) {
+            last_checkpoint = Some(save(cfg, engine, &dir, step, data.as_ref(), &seen)?);
+        }
+        if interrupted {
+            tracing::warn!(step, "stopped by signal after finishing the step");
+            break;
+        }
+    }
+    progress.finish();
+    let train_s = start.elapsed().as_secs_f64();
+    let final_dir = cfg.out.as_ref().map(|d| d.join("final"));
+    let param_checksum = engine.finish(final_dir.as_deref())?;
+    let steps_run = done + 1 - first_step;
+    let (tokens_per_s, tokens_per_s_all, first_step_s) = throughput(&seen.step_s, tokens);
+    let per_step = |x: f64| x / steps_run.max(1) as f64;
+    Ok(TrainSummary {
+        first_loss: seen.losses.first().copied().unwrap_or(f64::NAN),
+        last_loss: seen.losses.last().copied().unwrap_or(f64::NAN),
+        tokens_per_s,
+        tokens_per_s_all,
+        first_step_s,
+        steps: done,
+        skipped_steps: seen.skipped,
+        backend: crate::BACKEND_NAME.into(),
+        params: info.params,
+        train_s,
+        param_checksum,
+        resumed_from_step: resumed.as_ref().map(|s| s.step),
+        stopped_early: done < cfg.steps,
+        checkpoint: last_checkpoint,
+        placement: info.placement.into(),
+        workers: info.workers,
+        micro_batches: cfg.micro_batches(),
+        step_s: per_step(seen.step_s.iter().sum()),
+        exposed_comm_s: per_step(seen.timing.exposed_comm_s),
+        in_flight_wait_s: per_step(seen.timing.in_flight_wait_s),
+        compute_s: per_step(seen.timing.compute_s),
+        link_s: per_step(seen.timing.link_s),
+        losses: seen.losses,
+    })
+}
+
+/// Writes a checkpoint of the run after `step`.
+fn save(
+    cfg: &RunConfig,
+    engine: &mut dyn StepEngine,
+    dir: &Path,
+    step: usize,
+    data: Option<&PackedDataset>,
+    seen: &History,
+) -> Result<PathBuf> {
+    let state = TrainState {
+        step,
+        optimizer_steps: engine.optimizer_steps(),
+        data: data.map(|d| d.position()).unwrap_or_default(),
+        losses: seen.losses.clone(),
+        skipped_steps: seen.skipped,
+        seed: cfg.seed,
+        total_steps: cfg.steps,
+    };
+    engine.save_checkpoint(dir, &state, cfg.checkpoint.keep)
+}

@@ -1,0 +1,167 @@
+//! What a run tells its user: the progress bar or log lines while it runs, one metrics line per
+//! step, and the summary at the end.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+
+use super::engine::{EngineInfo, StepReport};
+use crate::metrics::{ExpertLoad, StepMetrics};
+
+/// The last line a run prints: what a user or a script wants to know.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSummary {
+    /// Loss of the first step.
+    pub first_loss: f64,
+    /// Loss of the last step.
+    pub last_loss: f64,
+    /// Loss of every step.
+    pub losses: Vec<f64>,
+    /// Tokens per second after warm-up: over the steps after the first when two or more ran (the
+    /// first step pays one-time costs: first touch of every buffer, optimizer moments, thread
+    /// pool start), else over the one step. The usual throughput figure; [`tokens_per_s_all`]
+    /// counts every step.
+    ///
+    /// [`tokens_per_s_all`]: TrainSummary::tokens_per_s_all
+    pub tokens_per_s: f64,
+    /// Tokens per second over every step, the first included.
+    pub tokens_per_s_all: f64,
+    /// Wall time of the first step, seconds.
+    pub first_step_s: f64,
+    /// Steps run.
+    pub steps: usize,
+    /// Steps whose update was skipped for non-finite gradients.
+    pub skipped_steps: usize,
+    /// Backend the run used.
+    pub backend: String,
+    /// Parameters of the model.
+    pub params: usize,
+    /// Wall time of the training loop in seconds.
+    pub train_s: f64,
+    /// Sum of squares of all parameters after the last step (compares runs and resumes).
+    pub param_checksum: f64,
+    /// Step of the checkpoint the run resumed from.
+    pub resumed_from_step: Option<usize>,
+    /// The run ended before `steps` (`stop_after` or a signal); a checkpoint holds its state.
+    pub stopped_early: bool,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+    /// `single`, `disagg` or `ep`.
+    pub placement: String,
+    /// Workers (1 for `single`).
+    pub workers: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Mean wall time of a step, seconds.
+    pub step_s: f64,
+    /// Mean per step of the time compute streams sat waiting for data (task inputs and gradient
+    /// all-reduce), summed over workers.
+    pub exposed_comm_s: f64,
+    /// The part of `exposed_comm_s` during which the awaited data was already on the wire.
+    pub in_flight_wait_s: f64,
+    /// Mean per step of the time compute streams computed, summed over workers.
+    pub compute_s: f64,
+    /// Mean per step of the time transfers spent on emulated links, summed over workers (0 without
+    /// `link_gbps`).
+    pub link_s: f64,
+}
+
+/// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see
+/// [`TrainSummary::tokens_per_s`]).
+pub fn throughput(step_s: &[f64], tokens_per_step: usize) -> (f64, f64, f64) {
+    let rate = |s: &[f64]| (s.len() * tokens_per_step) as f64 / s.iter().sum::<f64>().max(1e-9);
+    let all = rate(step_s);
+    let steady = if step_s.len() >= 2 { rate(&step_s[1..]) } else { all };
+    (steady, all, step_s.first().copied().unwrap_or(0.0))
+}
+
+/// One metrics line from a step's report.
+pub(crate) fn step_metrics(
+    step: usize,
+    report: &StepReport,
+    info: &EngineInfo,
+    lr: f64,
+    tokens: usize,
+    step_s: f64,
+) -> StepMetrics {
+    let t = report.timing;
+    StepMetrics {
+        step,
+        loss: report.loss,
+        lm_loss: report.lm_loss,
+        aux_loss: report.aux_loss,
+        lr,
+        grad_norm: report.grad_norm,
+        skipped: report.skipped,
+        tokens,
+        step_s,
+        tokens_per_s: tokens as f64 / step_s.max(1e-12),
+        exposed_comm_s: t.exposed_comm_s,
+        in_flight_wait_s: t.in_flight_wait_s,
+        compute_s: t.compute_s,
+        link_s: t.link_s,
+        expert_load: report
+            .expert_counts
+            .iter()
+            .zip(&info.sparse_layers)
+            .map(|(c, &l)| ExpertLoad::from_counts(l, c))
+            .collect(),
+    }
+}
+
+/// The progress bar on a terminal, else a log line every `log_every` steps; silent when off.
+pub(crate) struct Progress {
+    bar: ProgressBar,
+    interactive: bool,
+    enabled: bool,
+    log_every: usize,
+    steps: usize,
+    first_step: usize,
+    start: Instant,
+}
+
+impl Progress {
+    pub(crate) fn new(enabled: bool, log_every: usize, steps: usize, first_step: usize) -> Self {
+        let interactive = enabled && std::io::stderr().is_terminal();
+        let bar = ProgressBar::with_draw_target(
+            Some(steps as u64),
+            if interactive { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+        );
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_position(first_step as u64 - 1);
+        Self { bar, interactive, enabled, log_every, steps, first_step, start: Instant::now() }
+    }
+
+    /// Shows step `m.step`'s outcome.
+    pub(crate) fn step(&self, m: &StepMetrics, tokens_per_step: usize) {
+        let done = m.step + 1 - self.first_step;
+        let rate = (done * tokens_per_step) as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
+        self.bar.set_message(format!("loss {:.4} | lr {:.2e} | {rate:.0} tok/s", m.loss, m.lr));
+        self.bar.inc(1);
+        let due = m.step % self.log_every == 0 || m.step == 1 || m.step == self.steps;
+        if self.enabled && !self.interactive && due {
+            let worst = m.expert_load.iter().map(|l| l.max_mean_ratio).fold(0.0, f64::max);
+            let dead: usize = m.expert_load.iter().map(|l| l.dead_experts).sum();
+            let comm = if m.exposed_comm_s > 0.0 || m.link_s > 0.0 {
+                format!(" exposed comm {:.3}s (on the wire {:.3}s)", m.exposed_comm_s, m.in_flight_wait_s)
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "step {:>5}/{} loss {:.4} lm {:.4} lr {:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s step {:.3}s{comm}",
+                m.step, self.steps, m.loss, m.lm_loss, m.lr, m.grad_norm, m.step_s
+            );
+        }
+    }
+
+    pub(crate) fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}

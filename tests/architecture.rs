@@ -1,0 +1,77 @@
+//! The architecture is enforced, not only written (ARCHITECTURE.md): the dependency graph that
+//! `cargo metadata` resolves must keep the planner free of tensor libraries and the models free of
+//! transports.
+
+use std::collections::{BTreeSet, HashMap};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Names of every package the named workspace crate depends on, transitively, through normal (and
+/// build) dependencies.
+fn dependencies(metadata: &Value, krate: &str) -> BTreeSet<String> {
+    let packages: HashMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap()))
+        .collect();
+    let nodes: HashMap<&str, &Value> =
+        metadata["resolve"]["nodes"].as_array().unwrap().iter().map(|n| (n["id"].as_str().unwrap(), n)).collect();
+    let root = packages.iter().find(|(_, name)| **name == krate).map(|(id, _)| *id).expect("crate in the workspace");
+    let mut seen = BTreeSet::new();
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        for dep in nodes[id]["deps"].as_array().unwrap() {
+            let normal = dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
+            let pkg = dep["pkg"].as_str().unwrap();
+            if normal && seen.insert(packages[pkg].to_string()) {
+                stack.push(pkg);
+            }
+        }
+    }
+    seen
+}
+
+/// Names of the dependencies a workspace crate declares (any kind, any feature).
+fn declared(metadata: &Value, krate: &str) -> BTreeSet<String> {
+    let pkg = metadata["packages"].as_array().unwrap().iter().find(|p| p["name"] == krate).expect("crate");
+    pkg["dependencies"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
+}
+
+/// The workspace's resolved graph with every feature on (what a `--features nccl,wgpu` build sees).
+fn metadata() -> Value {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let args = ["metadata", "--format-version", "1", "--offline", "--all-features"];
+    let out = Command::new(cargo)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_planner_depends_on_no_tensor_library_and_the_models_on_no_transport() {
+    // With every feature on, the planner still pulls in no tensor or device crate.
+    let all = metadata();
+    let core = dependencies(&all, "disagmoe-core");
+    // (`ndarray` comes in with the LP solver's sparse matrices, a numerical array, not a tensor
+    // library with devices or autodiff.)
+    let tensor = ["burn", "cubecl", "cubek", "tch", "candle", "torch", "wgpu", "cudarc", "mpi", "nccl"];
+    let bad: Vec<&String> = core.iter().filter(|d| tensor.iter().any(|t| d.starts_with(t))).collect();
+    assert!(bad.is_empty(), "disagmoe-core must not depend on tensor or device crates, found {bad:?}");
+    assert!(!core.iter().any(|d| d.starts_with("disagmoe")), "disagmoe-core depends on no other workspace crate");
+
+    // The models (and the kernels under them) declare no transport and no training crate. (Their
+    // transitive graph is not checked: Burn's own backends bring their device runtimes, and feature
+    // unification across the workspace gives Burn the union of every member's backends.)
+    let transport = ["mpi", "mpi-sys", "cudarc", "bincode", "nccl", "disagmoe-train", "tokio", "zmq"];
+    for krate in ["disagmoe-models", "disagmoe-kernels"] {
+        let bad: Vec<String> = declared(&all, krate).into_iter().filter(|d| transport.contains(&d.as_str())).collect();
+        assert!(bad.is_empty(), "{krate} must not declare a transport dependency, found {bad:?}");
+    }
+    assert!(declared(&all, "disagmoe-models").contains("burn"), "the check sees the models' real dependencies");
+    assert!(!declared(&all, "disagmoe-kernels").iter().any(|d| d.starts_with("disagmoe-")), "the kernels know no workspace crate");
+}
