@@ -151,5 +151,12 @@ pub fn choose_allocation(cfg: &RunConfig) -> anyhow::Result<RunConfig> {
         candidates = search.candidates.len(),
         "allocation chosen"
     );
-    Ok(oracle.config_of(&best))
+    let mut chosen = oracle.config_of(&best);
+    if chosen.parallel.in_flight.is_none() {
+        // The planner's in-flight window for this allocation (what its memory model admits).
+        let (window, _) = disagmoe_core::schedule::afpipe::afpipe_window(&cost, &best);
+        chosen.parallel.in_flight = Some(window.max(1));
+        tracing::info!(in_flight = window, "in-flight micro-batches from the planner");
+    }
+    Ok(chosen)
 }

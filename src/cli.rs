@@ -130,8 +130,9 @@ pub struct TrainArgs {
     /// Micro-batches per step (divides --batch) [default: 1 single, 4 disagg, W ep].
     #[arg(long, value_name = "K")]
     pub micro_batches: Option<usize>,
-    /// disagg: micro-batches each embedding worker keeps in flight [default: all of the step's].
-    #[arg(long, value_name = "N")]
+    /// disagg: micro-batches each embedding worker keeps in flight at most (started, backward not
+    /// done) [default: as many as half the available memory holds, at most all of the step's].
+    #[arg(long = "max-in-flight", alias = "in-flight", value_name = "N")]
     pub in_flight: Option<usize>,
     /// How workers talk: local (threads of this process), mpi (one process per worker under
     /// mpirun; build with --features mpi) or nccl (GPUs; --features nccl) [default: local].

@@ -186,8 +186,8 @@ pub struct CausalLm<B: Backend, C, A: Module<B>, R: Module<B>, X: Module<B>> {
     rope: Rope,
 }
 
-/// The embedding, final norm and head of a family's model, freshly initialised.
-pub(crate) fn init_ends<B: Backend, C: FamilyConfig>(
+/// The embedding, final norm and head of a family's model, from `init` (rooted at the model).
+pub fn init_ends<B: Backend, C: FamilyConfig>(
     config: &C,
     init: &Init<B>,
 ) -> (Embedding<B>, RmsNorm<B>, Option<Linear<B>>) {

@@ -16,6 +16,11 @@
 //! An expert stage can hold a contiguous range of a layer's experts ([`ExpertStage::shard`]); then
 //! each holder computes the gate-weighted sum of its own experts' outputs for the tokens it got, and
 //! the partial sums add up to the layer's output.
+//!
+//! Each piece can also be **built alone** ([`Ends::init`], [`AttentionStage::init`],
+//! [`ExpertStage::init`], with only the experts it holds), **loaded alone** from a checkpoint (only
+//! its own tensors, and only its rows of a tensor stacked over experts) and **saved alone** under
+//! its checkpoint names: a worker of a distributed run never allocates what it does not hold.
 
 use std::ops::Range;
 
@@ -24,12 +29,19 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::balance::AuxLoss;
-use crate::decoder::{AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
+use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
 use crate::error::{ModelError, Result};
 use crate::families::FamilyConfig;
+use crate::init::Init;
 use crate::moe::{Dispatch, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
+use crate::weights::{CheckpointReader, TensorSink};
+
+/// The checkpoint prefix of layer `layer`'s feed-forward module (`model.layers.3.mlp`).
+fn ffn_prefix(layer: usize, ffn_name: &str) -> String {
+    format!("model.layers.{layer}.{ffn_name}")
+}
 
 /// The embedding, final norm and head of a model.
 #[derive(Module, Debug)]
@@ -43,6 +55,31 @@ pub struct Ends<B: Backend> {
 }
 
 impl<B: Backend> Ends<B> {
+    /// The embedding, final norm and head of a family's model, from `init` (rooted at the model).
+    pub fn init<C: FamilyConfig>(config: &C, init: &Init<B>) -> Self {
+        let (embed_tokens, norm, lm_head) = init_ends(config, init);
+        Self { embed_tokens, norm, lm_head }
+    }
+
+    /// Loads `model.embed_tokens`, `model.norm` and `lm_head` (when untied).
+    pub fn load(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
+        self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
+        self.norm.load(ckpt, "model.norm", device)?;
+        if let Some(head) = &mut self.lm_head {
+            head.load(ckpt, "lm_head", device)?;
+        }
+        Ok(())
+    }
+
+    /// Saves under the names [`Ends::load`] reads.
+    pub fn save(&self, sink: &mut TensorSink) {
+        self.embed_tokens.save(sink, "model.embed_tokens");
+        self.norm.save(sink, "model.norm");
+        if let Some(head) = &self.lm_head {
+            head.save(sink, "lm_head");
+        }
+    }
+
     /// Hidden states of token ids.
     ///
     /// # Shapes
@@ -85,6 +122,51 @@ pub struct AttentionStageOutput<B: Backend> {
 }
 
 impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> AttentionStage<B, A, R> {
+    /// The attention side of `layer` of a family's model, from `init` (rooted at the model).
+    pub fn init<C>(config: &C, layer: usize, init: &Init<B>) -> Self
+    where
+        C: FamilyConfig<Attention<B> = A, Router<B> = R>,
+    {
+        let d = config.dims();
+        let prefix = init.child(format!("model.layers.{layer}"));
+        Self {
+            input_layernorm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, &prefix.child("input_layernorm")),
+            self_attn: config.attention(layer, &prefix.child("self_attn")),
+            post_attention_layernorm: RmsNorm::new(
+                d.hidden_size,
+                d.rms_norm_eps,
+                &prefix.child("post_attention_layernorm"),
+            ),
+            router: config
+                .is_sparse_layer(layer)
+                .then(|| config.router(layer, &init.child(ffn_prefix(layer, C::FFN_NAME)))),
+        }
+    }
+
+    /// Loads layer `layer`'s norms, attention and router (under its feed-forward module
+    /// `ffn_name`).
+    pub fn load(&mut self, ckpt: &mut CheckpointReader, layer: usize, ffn_name: &str, device: &B::Device) -> Result<()> {
+        let prefix = format!("model.layers.{layer}");
+        self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
+        self.self_attn.load_attention(ckpt, &format!("{prefix}.self_attn"), device)?;
+        self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
+        if let Some(router) = &mut self.router {
+            router.load(ckpt, &ffn_prefix(layer, ffn_name), device)?;
+        }
+        Ok(())
+    }
+
+    /// Saves under the names [`AttentionStage::load`] reads.
+    pub fn save(&self, sink: &mut TensorSink, layer: usize, ffn_name: &str) {
+        let prefix = format!("model.layers.{layer}");
+        self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
+        self.self_attn.save_attention(sink, &format!("{prefix}.self_attn"));
+        self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
+        if let Some(router) = &self.router {
+            router.save(sink, &ffn_prefix(layer, ffn_name));
+        }
+    }
+
     /// # Shapes
     /// - h: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`
     pub fn forward(&self, h: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> AttentionStageOutput<B> {
@@ -119,6 +201,61 @@ pub struct ExpertStage<B: Backend, X: Module<B>> {
 }
 
 impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
+    /// The expert side of `layer` of a family's model holding the routed experts `experts` (global
+    /// ids; empty on dense layers) and, when `first_holder`, the shared experts or the dense MLP;
+    /// from `init` (rooted at the model). Nothing else is allocated.
+    pub fn init<C>(config: &C, layer: usize, experts: Range<usize>, first_holder: bool, init: &Init<B>) -> Self
+    where
+        C: FamilyConfig<Experts<B> = X>,
+    {
+        let d = config.dims();
+        let init = init.child(ffn_prefix(layer, C::FFN_NAME));
+        if !config.is_sparse_layer(layer) {
+            let dense = first_holder.then(|| SwiGluMlp::new(d.hidden_size, d.dense_intermediate_size, &init));
+            return Self { experts: None, shared_experts: None, dense, first_expert: 0 };
+        }
+        Self {
+            first_expert: experts.start,
+            experts: (!experts.is_empty()).then(|| config.experts(layer, experts, &init.child("experts"))),
+            shared_experts: config
+                .shared_expert_intermediate()
+                .filter(|_| first_holder)
+                .map(|inter| SwiGluMlp::new(d.hidden_size, inter, &init.child("shared_experts"))),
+            dense: None,
+        }
+    }
+
+    /// Loads the tensors of what this stage holds of layer `layer` (the rows of its experts only,
+    /// where the checkpoint stacks them).
+    pub fn load(&mut self, ckpt: &mut CheckpointReader, layer: usize, ffn_name: &str, device: &B::Device) -> Result<()> {
+        let prefix = ffn_prefix(layer, ffn_name);
+        if let Some(x) = &mut self.experts {
+            x.load(ckpt, &format!("{prefix}.experts"), device)?;
+        }
+        if let Some(shared) = &mut self.shared_experts {
+            shared.load(ckpt, &format!("{prefix}.shared_experts"), device)?;
+        }
+        if let Some(dense) = &mut self.dense {
+            dense.load(ckpt, &prefix, device)?;
+        }
+        Ok(())
+    }
+
+    /// Saves under the names [`ExpertStage::load`] reads (an expert shard of a stacked tensor
+    /// saves its rows under the whole tensor's name).
+    pub fn save(&self, sink: &mut TensorSink, layer: usize, ffn_name: &str) {
+        let prefix = ffn_prefix(layer, ffn_name);
+        if let Some(x) = &self.experts {
+            x.save(sink, &format!("{prefix}.experts"));
+        }
+        if let Some(shared) = &self.shared_experts {
+            shared.save(sink, &format!("{prefix}.shared_experts"));
+        }
+        if let Some(dense) = &self.dense {
+            dense.save(sink, &prefix);
+        }
+    }
+
     /// Routed experts held.
     pub fn local_experts(&self) -> Range<usize> {
         let n = self.experts.as_ref().map(|x| x.num_experts()).unwrap_or(0);

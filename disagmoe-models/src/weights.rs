@@ -35,6 +35,8 @@ pub struct CheckpointReader {
     /// tensor name -> index into `files`
     index: HashMap<String, usize>,
     taken: HashSet<String>,
+    /// Values converted by the largest single read so far.
+    largest_read: usize,
 }
 
 fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ModelError + 'a {
@@ -99,7 +101,7 @@ impl CheckpointReader {
             }
             files.push(ShardFile { path, map, header_len, meta });
         }
-        Ok(Self { dir, files, index, taken: HashSet::new() })
+        Ok(Self { dir, files, index, taken: HashSet::new(), largest_read: 0 })
     }
 
     /// The checkpoint directory.
@@ -154,7 +156,14 @@ impl CheckpointReader {
         let (bytes, dtype, shape) = self.raw(name)?;
         let values = to_f32(name, bytes, dtype)?;
         self.taken.insert(name.to_owned());
+        self.largest_read = self.largest_read.max(values.len());
         Ok((shape, values))
+    }
+
+    /// Values converted (allocated) by the largest single read so far: a reader of a shard can
+    /// check it never materialised more than its own rows.
+    pub fn largest_read(&self) -> usize {
+        self.largest_read
     }
 
     /// Reads rows `first..first + n` (along dimension 0) of a tensor as f32, converting only those
@@ -173,6 +182,7 @@ impl CheckpointReader {
         let row_bytes = bytes.len() / rows.max(1);
         let values = to_f32(name, &bytes[first * row_bytes..(first + n) * row_bytes], dtype)?;
         self.taken.insert(name.to_owned());
+        self.largest_read = self.largest_read.max(values.len());
         Ok((shape, values))
     }
 
@@ -222,6 +232,7 @@ impl CheckpointReader {
         let row_bytes = bytes.len() / rows.max(1);
         let out = bytes[first * row_bytes..(first + n) * row_bytes].to_vec();
         self.taken.insert(name.to_owned());
+        self.largest_read = self.largest_read.max(out.len());
         Ok((shape, out))
     }
 
@@ -335,6 +346,29 @@ impl TensorSink {
     /// Values of one collected tensor.
     pub fn get(&self, name: &str) -> Option<(&[usize], &[f32])> {
         self.tensors.get(name).map(|(s, v)| (s.as_slice(), v.as_slice()))
+    }
+
+    /// Writes every tensor into the one safetensors file `path` (f32, atomically); returns the bytes
+    /// of tensor data written.
+    pub fn write_file(&self, path: &Path) -> Result<usize> {
+        let views: Vec<(String, F32View)> = self
+            .tensors
+            .iter()
+            .map(|(name, (shape, values))| {
+                (name.clone(), F32View { shape, bytes: values.iter().flat_map(|x| x.to_le_bytes()).collect() })
+            })
+            .collect();
+        let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        let refs = views.iter().map(|(n, v)| (n.clone(), v));
+        write_atomically(path, |tmp| {
+            safetensors::serialize_to_file(refs, Some(meta), tmp).map_err(|e| std::io::Error::other(e.to_string()))
+        })?;
+        Ok(self.tensors.values().map(|(_, v)| v.len() * 4).sum())
+    }
+
+    /// Whether the sink holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty() && self.ids.is_empty()
     }
 
     /// Writes `dir/model.safetensors`, or shards of at most `max_shard_bytes` plus

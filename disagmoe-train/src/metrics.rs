@@ -106,6 +106,36 @@ impl JsonlWriter {
     }
 }
 
+/// Memory the system can still give this process, bytes (`MemAvailable` of `/proc/meminfo`; 8 GiB
+/// where the system does not say).
+pub fn available_memory_bytes() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<usize>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(8 << 30)
+}
+
+/// This process's peak resident memory so far, MB (`VmHWM` of `/proc/self/status`; 0 where the
+/// system does not say).
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

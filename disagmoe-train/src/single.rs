@@ -18,7 +18,7 @@ use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW};
-use crate::trainer::{EngineInfo, StepEngine, StepReport, StepTiming};
+use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 
 /// The whole model on one device.
 pub struct SingleDevice<B: AutodiffBackend> {
@@ -71,9 +71,12 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             }
             None => None,
         };
+        let params = model.num_params();
         let info = EngineInfo {
-            params: model.num_params(),
+            params,
+            params_per_rank: vec![params],
             workers: 1,
+            worker_names: vec!["single device".into()],
             placement: "single",
             primary: true,
             needs_data: true,
@@ -199,11 +202,14 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         save_checkpoint(dir, self.model(), &self.opt, state, keep)
     }
 
-    fn finish(&mut self, out: Option<&Path>) -> Result<f64> {
+    fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {
         if let Some(dir) = out {
             self.model().valid().save_pretrained(dir, 2 << 30)?;
         }
-        Ok(sum_of_squares(self.model()))
+        Ok(FinalReport {
+            param_checksum: sum_of_squares(self.model()),
+            peak_rss_mb_per_rank: vec![crate::metrics::peak_rss_mb()],
+        })
     }
 }
 

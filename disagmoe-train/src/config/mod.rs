@@ -138,6 +138,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("workers", "workers"),
             ("micro_batches", "micro_batches"),
             ("in_flight", "in_flight"),
+            ("max_in_flight", "in_flight"),
             ("transport", "transport"),
             ("link_gbps", "link_gbps"),
             ("link_latency_us", "link_latency_us"),

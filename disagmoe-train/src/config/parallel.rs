@@ -77,8 +77,10 @@ pub struct ParallelOptions {
     /// `disagg`, `workers` for `ep`. Each micro-batch's loss (with its own balance term) is
     /// averaged, so runs with the same value compare across placements.
     pub micro_batches: Option<usize>,
-    /// `disagg`: micro-batches each embedding worker keeps in flight (started, backward not done);
-    /// default: all of its micro-batches of the step at once.
+    /// `disagg`: micro-batches each embedding worker keeps in flight at most (started, backward not
+    /// done; flag `--max-in-flight`, also `--in-flight`); default: as many as half the memory
+    /// available holds (`runtime::activation_bytes` per micro-batch), at most all of the step's.
+    #[serde(alias = "max_in_flight")]
     pub in_flight: Option<usize>,
     /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`), `nccl`
     /// (processes under mpirun, messages through NCCL; feature `nccl`).

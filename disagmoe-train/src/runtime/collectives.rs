@@ -27,6 +27,77 @@ pub trait Summable: Copy + Default + std::ops::AddAssign + Send + 'static {}
 impl Summable for f32 {}
 impl Summable for f64 {}
 
+/// The values of an all-reduce as they travel between workers.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum ReduceData {
+    /// Gradients and counts.
+    F32(Vec<f32>),
+    /// Losses, norms, timings.
+    F64(Vec<f64>),
+}
+
+impl ReduceData {
+    /// Bytes a real transfer moves.
+    pub fn bytes(&self) -> usize {
+        match self {
+            ReduceData::F32(v) => v.len() * 4,
+            ReduceData::F64(v) => v.len() * 8,
+        }
+    }
+}
+
+/// A number type an all-reduce carries: how it travels, and how MPI sums it.
+pub trait ReduceValues: Summable + Sized {
+    /// Wraps values for a message.
+    fn wrap(values: Vec<Self>) -> ReduceData;
+    /// The values of a message of this type.
+    fn unwrap(data: ReduceData) -> Option<Vec<Self>>;
+    /// Sums over `group` with MPI.
+    #[cfg(feature = "mpi")]
+    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
+}
+
+impl ReduceValues for f32 {
+    fn wrap(values: Vec<Self>) -> ReduceData {
+        ReduceData::F32(values)
+    }
+    fn unwrap(data: ReduceData) -> Option<Vec<Self>> {
+        match data {
+            ReduceData::F32(v) => Some(v),
+            ReduceData::F64(_) => None,
+        }
+    }
+    #[cfg(feature = "mpi")]
+    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+        groups.all_reduce(group, data)
+    }
+}
+
+impl ReduceValues for f64 {
+    fn wrap(values: Vec<Self>) -> ReduceData {
+        ReduceData::F64(values)
+    }
+    fn unwrap(data: ReduceData) -> Option<Vec<Self>> {
+        match data {
+            ReduceData::F64(v) => Some(v),
+            ReduceData::F32(_) => None,
+        }
+    }
+    #[cfg(feature = "mpi")]
+    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+        groups.all_reduce(group, data)
+    }
+}
+
+/// How a worker's groups sum.
+pub enum Reducer {
+    /// A ring all-reduce over the worker's own transport (`local`).
+    Ring,
+    /// MPI collectives on sub-communicators (`mpi`, `nccl`).
+    #[cfg(feature = "mpi")]
+    Mpi(super::mpi::MpiGroups),
+}
+
 /// How the ring talks: send a chunk to a member, receive the next chunk from one.
 pub trait RingLink<T: Summable> {
     /// Hands `data` (chunk `seq` of this all-reduce) to `dst`.

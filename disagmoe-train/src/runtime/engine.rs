@@ -16,41 +16,49 @@ use std::thread::JoinHandle;
 use burn::tensor::backend::AutodiffBackend;
 
 use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::stages::Stages;
-use disagmoe_models::{Experts, Router, TensorSink, TrainModule};
+use disagmoe_models::{Experts, FamilyConfig, Router, TrainModule};
 
+use super::collectives::Reducer;
 use super::layout::Layout;
+use super::part::build_part;
 use super::trace::{write_chrome_trace, TraceEvent};
-use super::transport::{local_endpoints, Endpoint, NamedTensor, Port};
+use super::transport::{local_endpoints, Endpoint, Port};
 use super::worker::{StepOutcome, Worker};
-use super::{link_model, part_for, Shared};
+use super::{link_model, Shared};
 use crate::checkpoint::TrainState;
 use crate::config::TransportKind;
 use crate::error::{Result, TrainError};
 use crate::optim::AdamW;
-use crate::trainer::{EngineInfo, StepEngine, StepReport, StepTiming};
+use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 
 /// What the engine reports about the model.
 pub(crate) struct RunFacts {
-    pub(crate) params: usize,
     pub(crate) model_type: &'static str,
     pub(crate) vocab_size: usize,
-    pub(crate) hf_config: serde_json::Value,
 }
 
 enum Command {
+    /// Count the parameters held (after every worker has built its part).
+    Start,
     Step { step: usize, batch: Arc<Vec<Vec<i64>>>, lr: f64 },
-    Finish { weights: bool, traces: bool },
+    Finish { out: Option<std::path::PathBuf>, traces: bool },
 }
 
-/// What a worker hands over at the end (the gathered parts only on rank 0).
+/// What the workers report once built: parameters by rank, and of the whole model.
+pub(crate) struct StartReport {
+    pub(crate) params_per_rank: Vec<usize>,
+    pub(crate) params: usize,
+}
+
+/// What a worker hands over at the end (trace events only on rank 0).
 pub(crate) struct FinalParts {
     pub(crate) checksum: f64,
+    pub(crate) peak_rss_mb_per_rank: Vec<f64>,
     pub(crate) traces: Vec<TraceEvent>,
-    pub(crate) weights: Vec<NamedTensor>,
 }
 
 enum Reply {
+    Start(Result<StartReport>),
     Step(Result<StepOutcome>),
     Finish(Result<FinalParts>),
 }
@@ -59,29 +67,31 @@ enum Reply {
 pub struct Distributed {
     info: EngineInfo,
     layout: Layout,
-    hf_config: serde_json::Value,
     trace: Option<std::path::PathBuf>,
     commands: Vec<Sender<Command>>,
     replies: Receiver<(usize, Reply)>,
     handles: Vec<JoinHandle<()>>,
     optimizer_steps: u64,
+    peak_rss_mb_per_rank: Vec<f64>,
     #[cfg(feature = "mpi")]
     process: Option<super::mpi::Process>,
 }
 
 impl Distributed {
-    /// Builds this process's workers from the model's stages and starts their threads.
-    pub(crate) fn start<B, A, R, X>(
+    /// Starts this process's workers: each builds (or reads) its own part of the model of family
+    /// `C` on its thread, then the engine asks them for the parameter counts.
+    pub(crate) fn start<B, C>(
         shared: Arc<Shared<B>>,
-        stages: Stages<B, A, R, X>,
+        config: C,
         facts: RunFacts,
         device: &B::Device,
     ) -> Result<Box<dyn StepEngine>>
     where
         B: AutodiffBackend,
-        A: TrainModule<B> + AttentionLayer<B>,
-        R: TrainModule<B> + Router<B>,
-        X: TrainModule<B> + Experts<B>,
+        C: FamilyConfig,
+        C::Attention<B>: TrainModule<B>,
+        C::Router<B>: TrainModule<B>,
+        C::Experts<B>: TrainModule<B>,
     {
         let cfg = &shared.cfg;
         let layout = shared.layout.clone();
@@ -102,59 +112,89 @@ impl Distributed {
             other => unreachable!("transport {other:?} is refused before start"),
         };
         let ranks: Vec<usize> = endpoints.iter().map(|e| e.rank()).collect();
-        let mut parts = Vec::new();
-        for &rank in &ranks {
-            parts.push(part_for(&stages, &layout, rank, device)?);
-        }
-        drop(stages);
-        let primary = ranks.contains(&0);
-        let info = EngineInfo {
-            params: facts.params,
-            workers: layout.workers,
-            placement: cfg.parallel.placement.name(),
-            primary,
-            needs_data: ranks.iter().any(|&r| layout.holds_ends(r)),
-            sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
-            model_type: facts.model_type,
-            vocab_size: facts.vocab_size,
-        };
         let (reply_tx, replies) = channel();
         let mut commands = Vec::new();
         let mut handles = Vec::new();
-        for (endpoint, part) in endpoints.into_iter().zip(parts) {
+        for endpoint in endpoints {
             let (tx, rx) = channel();
             commands.push(tx);
-            let (shared, reply_tx, device) = (shared.clone(), reply_tx.clone(), device.clone());
+            let (shared, reply_tx, device, config) = (shared.clone(), reply_tx.clone(), device.clone(), config.clone());
             let rank = endpoint.rank();
             let handle = std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
                 .stack_size(64 << 20)
                 .spawn(move || {
+                    let part = match build_part::<B, C>(&config, &shared.layout, rank, &shared.source, &device) {
+                        Ok(part) => part,
+                        Err(e) => {
+                            // The error answers the first command; the others learn of it by their
+                            // time-out or the engine's round.
+                            let _ = rx.recv();
+                            let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                            return;
+                        }
+                    };
+                    let reducer = match shared.cfg.parallel.transport {
+                        #[cfg(feature = "mpi")]
+                        TransportKind::Mpi | TransportKind::Nccl => {
+                            Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank)))
+                        }
+                        _ => Reducer::Ring,
+                    };
                     let port = Port::new(endpoint, link_model(&shared.cfg));
                     let mut settings = shared.settings.clone();
                     let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
                     settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
                     let opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
                     let trace = shared.cfg.parallel.trace.is_some();
-                    let worker =
-                        Worker::new(shared.layout.clone(), settings, port, part, shared.rope.clone(), device, trace, opt);
+                    let worker = Worker::new(
+                        shared.layout.clone(),
+                        settings,
+                        port,
+                        reducer,
+                        part,
+                        C::FFN_NAME,
+                        shared.rope.clone(),
+                        device,
+                        trace,
+                        opt,
+                    );
                     serve(&shared, worker, rx, reply_tx);
                 })
                 .map_err(|e| TrainError::Worker { worker: rank, cause: format!("cannot start its thread: {e}") })?;
             handles.push(handle);
         }
-        Ok(Box::new(Self {
+        let info = EngineInfo {
+            params: 0,
+            params_per_rank: Vec::new(),
+            workers: layout.workers,
+            worker_names: (0..layout.workers).map(|w| layout.worker_name(w)).collect(),
+            placement: cfg.parallel.placement.name(),
+            primary: ranks.contains(&0),
+            needs_data: ranks.iter().any(|&r| layout.holds_ends(r)),
+            sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
+            model_type: facts.model_type,
+            vocab_size: facts.vocab_size,
+        };
+        let mut engine = Self {
             info,
             layout,
-            hf_config: facts.hf_config,
             trace: cfg.parallel.trace.clone(),
             commands,
             replies,
             handles,
             optimizer_steps: 0,
+            peak_rss_mb_per_rank: Vec::new(),
             #[cfg(feature = "mpi")]
             process,
-        }))
+        };
+        let replies = engine.round(|| Command::Start)?;
+        let Some((_, Reply::Start(Ok(report)))) = replies.into_iter().next() else {
+            unreachable!("every worker replied to the start")
+        };
+        engine.info.params = report.params;
+        engine.info.params_per_rank = report.params_per_rank;
+        Ok(Box::new(engine))
     }
 
     /// Sends `command` to every worker of this process and collects their replies in rank order;
@@ -176,7 +216,7 @@ impl Distributed {
         let mut ok = Vec::new();
         for (rank, reply) in replies {
             let err = match reply {
-                Reply::Step(Err(e)) | Reply::Finish(Err(e)) => e,
+                Reply::Start(Err(e)) | Reply::Step(Err(e)) | Reply::Finish(Err(e)) => e,
                 other => {
                     ok.push((rank, other));
                     continue;
@@ -233,17 +273,25 @@ fn serve<B, A, R, X>(
     let rank = worker.rank();
     for command in commands {
         let (reply, last) = match command {
+            Command::Start => {
+                let r = guarded(shared, &mut worker, |w| {
+                    let (params_per_rank, params) = w.param_counts()?;
+                    Ok(StartReport { params_per_rank, params })
+                });
+                let failed = r.is_err();
+                (Reply::Start(r), failed)
+            }
             Command::Step { step, batch, lr } => {
                 let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr));
                 let failed = r.is_err();
                 (Reply::Step(r), failed)
             }
-            Command::Finish { weights, traces } => {
+            Command::Finish { out, traces } => {
                 let r = guarded(shared, &mut worker, |w| {
-                    let checksum = w.param_checksum()?;
-                    let weights = if weights { w.gather_weights(&shared.param_names)? } else { Vec::new() };
+                    let config = &shared.hf_config;
+                    let (checksum, peak_rss_mb_per_rank) = w.finish(out.as_deref(), config)?;
                     let traces = if traces { w.gather_traces()? } else { Vec::new() };
-                    Ok(FinalParts { checksum, traces, weights })
+                    Ok(FinalParts { checksum, peak_rss_mb_per_rank, traces })
                 });
                 (Reply::Finish(r), true)
             }
@@ -330,20 +378,18 @@ impl StepEngine for Distributed {
         })
     }
 
-    fn finish(&mut self, out: Option<&Path>) -> Result<f64> {
-        let (weights, traces) = (out.is_some(), self.trace.is_some());
-        let replies = self.round(|| Command::Finish { weights, traces })?;
+    fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {
+        let (out, traces) = (out.map(Path::to_path_buf), self.trace.is_some());
+        let replies = self.round(|| Command::Finish { out: out.clone(), traces })?;
         let mut checksum = 0.0;
         for (rank, reply) in replies {
             let Reply::Finish(Ok(parts)) = reply else { unreachable!("every worker replied to the finish") };
             checksum = parts.checksum;
+            self.peak_rss_mb_per_rank = parts.peak_rss_mb_per_rank;
             if rank == 0 {
                 if let Some(path) = &self.trace {
                     let names: Vec<String> = (0..self.layout.workers).map(|w| self.layout.worker_name(w)).collect();
                     write_chrome_trace(path, &names, &parts.traces)?;
-                }
-                if let Some(dir) = out {
-                    save_gathered(dir, &parts.weights, &self.hf_config)?;
                 }
             }
         }
@@ -354,7 +400,7 @@ impl StepEngine for Distributed {
         if let Some(p) = &self.process {
             p.barrier();
         }
-        Ok(checksum)
+        Ok(FinalReport { param_checksum: checksum, peak_rss_mb_per_rank: std::mem::take(&mut self.peak_rss_mb_per_rank) })
     }
 }
 
@@ -366,26 +412,4 @@ impl Drop for Distributed {
             let _ = h.join();
         }
     }
-}
-
-/// Writes the gathered parameters as a Hugging Face checkpoint; expert shards of a fused tensor are
-/// put back together in row order.
-fn save_gathered(dir: &Path, weights: &[NamedTensor], config: &serde_json::Value) -> Result<()> {
-    let mut sink = TensorSink::new();
-    let mut shards: std::collections::BTreeMap<&str, Vec<&NamedTensor>> = Default::default();
-    for w in weights {
-        match w.offset {
-            None => sink.put_raw(w.name.clone(), w.tensor.shape.clone(), w.tensor.data.clone()),
-            Some(_) => shards.entry(&w.name).or_default().push(w),
-        }
-    }
-    for (name, mut parts) in shards {
-        parts.sort_by_key(|p| p.offset);
-        let mut shape = parts[0].tensor.shape.clone();
-        shape[0] = parts.iter().map(|p| p.tensor.rows()).sum();
-        let data: Vec<f32> = parts.iter().flat_map(|p| p.tensor.data.iter().copied()).collect();
-        sink.put_raw(name.to_owned(), shape, data);
-    }
-    disagmoe_models::causal_lm::write_pretrained(dir, &sink, config, 2 << 30)?;
-    Ok(())
 }

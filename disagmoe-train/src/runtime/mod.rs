@@ -2,39 +2,40 @@
 //! expert-parallel baseline, over a transport. It is a step engine of the training loop
 //! ([`crate::trainer::StepEngine`]), which is all it knows of the trainer.
 //!
-//! [`start`] takes the model apart ([`disagmoe_models::stages`]), deals the pieces to workers by
-//! [`layout::Layout`], and starts every worker of this process ([`engine::Distributed`]): all of
-//! them as threads (`local`), or this process's one under `mpirun` (`mpi`, `nccl`). Each step, every
-//! worker runs its message loop ([`worker::Worker`]); every worker sees the same step outcome after
-//! the step's global reduction, so the loop's report is the same whoever prints it.
+//! [`start`] deals the model's pieces ([`disagmoe_models::stages`]) to workers by
+//! [`layout::Layout`] and starts every worker of this process ([`engine::Distributed`]): all of
+//! them as threads (`local`), or this process's one under `mpirun` (`mpi`, `nccl`). Each worker
+//! builds (or reads) only what it holds ([`part`]). Each step, every worker runs its message loop
+//! ([`worker::Worker`]) with the token exchange of [`exchange`] and the sums of [`collectives`];
+//! every worker sees the same step outcome after the step's global reduction, so the loop's report
+//! is the same whoever prints it. The final model is written by every worker ([`shards`]).
 
+pub mod collectives;
 pub mod engine;
+pub mod exchange;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod part;
+pub mod shards;
 pub mod trace;
 pub mod transport;
 pub mod worker;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::module::{Module, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::stages::Stages;
-use disagmoe_models::{
-    AuxLoss, Experts, FamilyConfig, FamilyModel, FamilyVisitor, HfCheckpoint, ModelConfig, Router, TrainModule,
-};
+use disagmoe_models::{AuxLoss, FamilyConfig, FamilyVisitor, ModelConfig, TrainModule};
 
 use self::layout::Layout;
+use self::part::WeightSource;
 use self::transport::LinkModel;
-use self::worker::{Fork, StepSettings, WorkerPart};
+use self::worker::StepSettings;
 use crate::config::{NonFinitePolicy, Placement, RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 use crate::single::with_aux_loss;
@@ -52,39 +53,42 @@ pub fn layout_of(cfg: &RunConfig, layers: usize, experts: usize) -> Result<Layou
     }
 }
 
-/// The part of the model `rank` holds.
-pub(crate) fn part_for<B, A, R, X>(
-    stages: &Stages<B, A, R, X>,
-    layout: &Layout,
-    rank: usize,
-    device: &B::Device,
-) -> Result<WorkerPart<B, A, R, X>>
-where
-    B: AutodiffBackend,
-    A: TrainModule<B> + AttentionLayer<B>,
-    R: TrainModule<B> + Router<B>,
-    X: TrainModule<B> + Experts<B>,
-{
-    let ends = layout.holds_ends(rank).then(|| stages.ends.clone());
-    let attention = layout.attn_layers(rank).into_iter().map(|l| stages.attention[l].clone()).collect();
-    let mut experts = Vec::new();
-    for (l, i) in layout.ffn_layers(rank) {
-        experts.push(stages.experts[l].clone().shard(layout.expert_range(i), i == 0)?);
-    }
-    Ok(WorkerPart { ends, attention, experts }.map(&mut Fork { device }))
-}
-
 /// Everything a worker needs besides its endpoint and its part.
 pub(crate) struct Shared<B: AutodiffBackend> {
     pub(crate) cfg: RunConfig,
     pub(crate) layout: Layout,
     pub(crate) settings: StepSettings,
     pub(crate) rope: (Tensor<B, 4>, Tensor<B, 4>),
-    /// Checkpoint name of every parameter of the whole model.
-    pub(crate) param_names: HashMap<ParamId, String>,
+    /// Where the weights come from.
+    pub(crate) source: WeightSource,
+    /// The model's `config.json` (rank 0 writes it with the final model).
+    pub(crate) hf_config: serde_json::Value,
 }
 
-fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>) -> StepSettings {
+/// Bytes of activations one micro-batch of `tokens` tokens keeps alive on an attention worker
+/// holding `layers` layers (inputs, norms, projections, attention output and residual of each,
+/// about 16 floats per token and width; the head's logits and their gradient). An estimate: the
+/// memory budget of the in-flight window, documented in ARCHITECTURE.md.
+pub fn activation_bytes(tokens: usize, hidden: usize, layers: usize, vocab: usize) -> usize {
+    tokens * 4 * (16 * hidden * layers.max(1) + 2 * vocab)
+}
+
+/// Micro-batches each embedding worker keeps in flight: `in_flight` when given; else as many as
+/// half the memory available to this process holds, shared by the workers it runs (at least one,
+/// at most all of the worker's micro-batches).
+fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usize) -> usize {
+    if let Some(n) = cfg.parallel.in_flight {
+        return n;
+    }
+    let own = layout.own_micro_batches(0).len().max(1);
+    let tokens = cfg.data.batch / cfg.micro_batches() * cfg.data.seq;
+    let per_mb = activation_bytes(tokens, hidden, layout.attn_layers(0).len(), vocab).max(1);
+    let here = if cfg.parallel.transport == TransportKind::Local { layout.workers } else { 1 };
+    let budget = crate::metrics::available_memory_bytes() / 2 / here;
+    (budget / per_mb).clamp(1, own)
+}
+
+fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_flight: usize) -> StepSettings {
     StepSettings {
         mb_rows: cfg.data.batch / cfg.micro_batches(),
         seq: cfg.data.seq,
@@ -95,7 +99,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>) -> StepS
         timeout: Duration::from_secs_f64(cfg.parallel.comm_timeout_s),
         fail_at: None,
         own_process: cfg.parallel.transport != TransportKind::Local,
-        in_flight: cfg.parallel.in_flight.unwrap_or(usize::MAX),
+        in_flight,
     }
 }
 
@@ -173,30 +177,26 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         C::Experts<B>: TrainModule<B>,
     {
         let Self { cfg, device, model } = self;
-        let whole = match &cfg.model.dir {
-            Some(dir) => FamilyModel::<B, C>::from_pretrained(dir, device)?,
-            None => FamilyModel::<B, C>::init(config.clone(), cfg.seed, device),
+        let layers = config.dims().num_hidden_layers;
+        let mut layout = layout_of(cfg, layers, config.routed_experts())?;
+        layout.shared_experts = (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
+        layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
+        let rope = config.rope().tables::<B>(cfg.data.seq, device);
+        let source = match &cfg.model.dir {
+            Some(dir) => WeightSource::Checkpoint(dir.clone()),
+            None => WeightSource::Seed(cfg.seed),
         };
-        let params = whole.num_params();
-        let param_names = whole.state_dict_names();
-        let stages = whole.into_stages();
-        let mut layout = layout_of(cfg, stages.attention.len(), config.routed_experts())?;
-        layout.shared_experts = stages.experts.iter().map(|x| x.shared_experts.is_some()).collect();
-        layout.sparse = (0..layout.layers).map(|l| config.is_sparse_layer(l)).collect();
-        let rope = stages.rope.tables::<B>(cfg.data.seq, device);
+        let d = config.dims();
+        let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size);
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
-            settings: step_settings(cfg, with_aux_loss(cfg, model), stages.aux_loss),
+            settings: step_settings(cfg, with_aux_loss(cfg, model), config.aux_loss(), window),
             layout,
             rope,
-            param_names,
-        });
-        let facts = engine::RunFacts {
-            params,
-            model_type: model.model_type(),
-            vocab_size: model.vocab_size(),
+            source,
             hf_config: model.to_hf_json(),
-        };
-        engine::Distributed::start(shared, stages, facts, device)
+        });
+        let facts = engine::RunFacts { model_type: model.model_type(), vocab_size: model.vocab_size() };
+        engine::Distributed::start(shared, config.clone(), facts, device)
     }
 }

@@ -8,22 +8,61 @@
 //! When a worker fails it tells the others (an `Abort` message) and the process exits with an error;
 //! if a process dies outright, `mpirun` ends the job.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use mpi::collective::CommunicatorCollectives;
+use mpi::collective::{CommunicatorCollectives, SystemOperation};
+use mpi::datatype::Equivalence;
+use mpi::topology::Color;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
+use super::collectives::max_chunk_elements;
 use super::transport::{receive_within, Endpoint, Envelope, Msg};
 use crate::config::{RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(0);
+
+/// MPI tags: a whole envelope, the length of a long one, a piece of a long one.
+const TAG_WHOLE: i32 = 1;
+const TAG_HEAD: i32 = 2;
+const TAG_PIECE: i32 = 3;
+
+/// Bytes queued for the send thread, bounded by `DISAGMOE_OUTBOX_BYTES` (default 1 GiB; a message
+/// larger than the bound goes alone).
+#[derive(Default)]
+struct Backlog {
+    bytes: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl Backlog {
+    fn limit() -> usize {
+        std::env::var("DISAGMOE_OUTBOX_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30)
+    }
+
+    fn acquire(&self, n: usize) {
+        let limit = Self::limit();
+        let mut queued = self.bytes.lock().expect("backlog lock");
+        while *queued > 0 && *queued + n > limit {
+            queued = self.freed.wait(queued).expect("backlog lock");
+        }
+        *queued += n;
+    }
+
+    fn release(&self, n: usize) {
+        let mut queued = self.bytes.lock().expect("backlog lock");
+        *queued = queued.saturating_sub(n);
+        self.freed.notify_all();
+    }
+}
 
 /// This process's MPI rank (0 before MPI was started).
 pub fn world_rank() -> usize {
@@ -35,6 +74,8 @@ pub struct MpiEndpoint {
     rank: usize,
     size: usize,
     outbox: Option<Sender<(usize, Vec<u8>)>>,
+    /// Bytes handed to the send thread and not sent yet (backpressure).
+    queued: Arc<Backlog>,
     inbox: Receiver<Envelope>,
     /// Keeps the inbox open while no receive thread is running (a worker alone, or closing).
     _inbox_open: Sender<Envelope>,
@@ -48,12 +89,26 @@ impl MpiEndpoint {
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let (outbox, outgoing) = channel::<(usize, Vec<u8>)>();
         let (inbox_tx, inbox) = channel::<Envelope>();
+        let queued = Arc::new(Backlog::default());
+        let sent = queued.clone();
         let sender = std::thread::Builder::new()
             .name("mpi-send".into())
             .spawn(move || {
                 let world = SimpleCommunicator::world();
+                let chunk = max_chunk_elements(1);
                 for (dst, bytes) in outgoing {
-                    world.process_at_rank(dst as i32).send(&bytes[..]);
+                    let peer = world.process_at_rank(dst as i32);
+                    if bytes.len() <= chunk {
+                        peer.send_with_tag(&bytes[..], TAG_WHOLE);
+                    } else {
+                        // Longer than one MPI message may be: its length, then its chunks, in order
+                        // (MPI keeps the order of one sender's messages).
+                        peer.send_with_tag(&(bytes.len() as u64).to_le_bytes()[..], TAG_HEAD);
+                        for piece in bytes.chunks(chunk) {
+                            peer.send_with_tag(piece, TAG_PIECE);
+                        }
+                    }
+                    sent.release(bytes.len());
                 }
             })
             .expect("spawn the MPI send thread");
@@ -62,16 +117,37 @@ impl MpiEndpoint {
             .name("mpi-recv".into())
             .spawn(move || {
                 let world = SimpleCommunicator::world();
+                let mut partial: HashMap<i32, (usize, Vec<u8>)> = HashMap::new();
                 loop {
-                    let (bytes, _status) = world.any_process().receive_vec::<u8>();
-                    match Envelope::from_bytes(&bytes) {
+                    let (bytes, status) = world.any_process().receive_vec::<u8>();
+                    let src = status.source_rank();
+                    let whole = match status.tag() {
+                        TAG_HEAD => {
+                            let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+                            partial.insert(src, (n, Vec::with_capacity(n)));
+                            continue;
+                        }
+                        TAG_PIECE => {
+                            let Some((n, buf)) = partial.get_mut(&src) else {
+                                tracing::error!(src, "an MPI message piece without its head dropped");
+                                continue;
+                            };
+                            buf.extend_from_slice(&bytes);
+                            if buf.len() < *n {
+                                continue;
+                            }
+                            partial.remove(&src).expect("present").1
+                        }
+                        _ => bytes,
+                    };
+                    match Envelope::from_bytes(&whole) {
                         Some(env) if matches!(env.msg, Msg::Shutdown) => break,
                         Some(env) => {
                             if deliver.send(env).is_err() {
                                 break;
                             }
                         }
-                        None => tracing::error!(bytes = bytes.len(), "undecodable MPI message dropped"),
+                        None => tracing::error!(bytes = whole.len(), "undecodable MPI message dropped"),
                     }
                 }
             })
@@ -80,6 +156,7 @@ impl MpiEndpoint {
             rank,
             size,
             outbox: Some(outbox),
+            queued,
             inbox,
             _inbox_open: inbox_tx,
             sender: Some(sender),
@@ -117,16 +194,9 @@ impl Endpoint for MpiEndpoint {
             cause: "sent after the endpoint was closed".into(),
         })?;
         let bytes = env.to_bytes();
-        if bytes.len() > i32::MAX as usize {
-            return Err(TrainError::Worker {
-                worker: self.rank,
-                cause: format!(
-                    "a {} message of {} bytes exceeds MPI's 2 GiB per message (the mpi transport does not split messages yet)",
-                    env.msg.kind(),
-                    bytes.len()
-                ),
-            });
-        }
+        // Backpressure: a worker far ahead of its network waits here instead of queueing without
+        // limit (the send thread drains on its own, so this always ends).
+        self.queued.acquire(bytes.len());
         outbox
             .send((dst, bytes))
             .map_err(|_| TrainError::Worker { worker: self.rank, cause: "the MPI send thread has stopped".into() })
@@ -147,6 +217,49 @@ fn start_mpi() -> Result<Universe> {
         ));
     }
     Ok(universe)
+}
+
+/// The MPI communicators a worker sums over: a duplicate of the world for the global sums, and its
+/// attention group's copies (a split of the world by group).
+pub struct MpiGroups {
+    world: SimpleCommunicator,
+    replicas: Option<(Vec<usize>, SimpleCommunicator)>,
+}
+
+impl MpiGroups {
+    /// Every process calls it at the same point (it splits the world collectively): `replicas` are
+    /// the ranks whose attention-side parameters are copies of this rank's (empty for pure expert
+    /// workers).
+    pub fn new(replicas: &[usize]) -> Self {
+        let world = SimpleCommunicator::world();
+        let color = if replicas.len() > 1 { Color::with_value(replicas[0] as i32) } else { Color::undefined() };
+        let split = world.split_by_color(color);
+        let replicas = split.filter(|_| replicas.len() > 1).map(|c| (replicas.to_vec(), c));
+        Self { world: world.duplicate(), replicas }
+    }
+
+    /// Sums `data` over `group` (every worker, or this worker's copies) with `MPI_Allreduce`, in
+    /// chunks of at most [`max_chunk_elements`].
+    pub fn all_reduce<T: Equivalence + Copy + Default>(&self, group: &[usize], data: &mut [T]) -> Result<()> {
+        let comm = match &self.replicas {
+            Some((ranks, comm)) if ranks == group => comm,
+            _ if group.len() == self.world.size() as usize => &self.world,
+            _ => {
+                return Err(TrainError::Worker {
+                    worker: self.world.rank() as usize,
+                    cause: format!("no MPI communicator for the group {group:?}"),
+                })
+            }
+        };
+        let chunk = max_chunk_elements(std::mem::size_of::<T>());
+        let mut recv = vec![T::default(); chunk.min(data.len())];
+        for part in data.chunks_mut(chunk) {
+            let recv = &mut recv[..part.len()];
+            comm.all_reduce_into(&*part, recv, SystemOperation::sum());
+            part.copy_from_slice(recv);
+        }
+        Ok(())
+    }
 }
 
 /// This process's place in an MPI job: the MPI environment (finalised when dropped) and its rank.

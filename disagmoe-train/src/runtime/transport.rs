@@ -16,6 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use disagmoe_models::LayerRouting;
 
+use super::collectives::ReduceData;
+use super::shards::ShardReport;
+
 use crate::error::{Result, TrainError};
 
 /// Microseconds since the Unix epoch: one clock for every worker of a machine.
@@ -37,18 +40,6 @@ impl HostTensor {
     pub fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(0)
     }
-}
-
-/// A parameter (or the rows `offset..` of one, for an expert shard of a fused tensor) under its
-/// checkpoint name.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct NamedTensor {
-    /// Hugging Face name.
-    pub name: String,
-    /// First row along dimension 0 when this is a shard of the named tensor.
-    pub offset: Option<usize>,
-    /// Values.
-    pub tensor: HostTensor,
 }
 
 /// One routed layer's share of the balance loss of a micro-batch: its routing and the sums of its
@@ -154,12 +145,14 @@ pub enum Msg {
         /// `[n, k]`
         gw: Option<HostTensor>,
     },
-    /// A piece of a collective operation (sum), tagged by its purpose.
+    /// A chunk of a ring all-reduce.
     Reduce {
-        /// What is being reduced.
-        tag: u32,
+        /// Which all-reduce (the worker's count of them).
+        op: u64,
+        /// Which chunk of it (round and index).
+        seq: u64,
         /// The values.
-        data: Vec<f64>,
+        data: ReduceData,
     },
     /// The run is over because `worker` failed.
     Abort {
@@ -170,8 +163,8 @@ pub enum Msg {
     },
     /// Trace events of a worker, gathered at the end.
     Trace(Vec<super::trace::TraceEvent>),
-    /// A worker's parameters by checkpoint name, gathered at the end to save the model.
-    Weights(Vec<NamedTensor>),
+    /// The files a worker wrote of the final model, reported to rank 0.
+    Shards(ShardReport),
     /// Stops an endpoint's receiving thread.
     Shutdown,
 }
@@ -191,11 +184,10 @@ impl Msg {
             Msg::GradCombine { g, .. } => t(g),
             Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.iter().map(|c| c.values.len() * 4).sum::<usize>(),
             Msg::GradDispatch { gy, gw, .. } => t(gy) + gw.as_ref().map(t).unwrap_or(0),
-            // Gradients and sums travel as f32 in a real all-reduce; f64 is only how we add them.
-            Msg::Reduce { data, .. } => data.len() * 4,
+            Msg::Reduce { data, .. } => data.bytes(),
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
-            Msg::Weights(ts) => ts.iter().map(|t| t.tensor.data.len() * 4 + t.name.len()).sum(),
+            Msg::Shards(r) => r.files.iter().map(|(t, f)| t.len() + f.len()).sum(),
             Msg::Shutdown => 0,
         }
     }
@@ -212,7 +204,7 @@ impl Msg {
             Msg::Reduce { .. } => "reduce",
             Msg::Abort { .. } => "abort",
             Msg::Trace(_) => "trace",
-            Msg::Weights(_) => "weights",
+            Msg::Shards(_) => "shards",
             Msg::Shutdown => "shutdown",
         }
     }
@@ -306,11 +298,11 @@ impl Port {
 
     /// Sends `msg` to `dst`; returns the times it was sent and delivered and the microseconds it
     /// occupied the sender's link (queueing excluded). Messages to oneself and the run's
-    /// bookkeeping (aborts, trace events, the final weights) skip the emulated link.
+    /// bookkeeping (aborts, trace events, the reports of the written model) skip the emulated link.
     pub fn send(&mut self, dst: usize, step: usize, msg: Msg) -> Result<(u64, u64, u64)> {
         let now = now_us();
         let (deliver, wire) = match self.link {
-            Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. } | Msg::Trace(_) | Msg::Weights(_)) => {
+            Some(link) if dst != self.rank() && !matches!(msg, Msg::Abort { .. } | Msg::Trace(_) | Msg::Shards(_)) => {
                 let start = (now as f64).max(self.nic_free_us);
                 let wire = link.transfer_us(msg.payload_bytes());
                 self.nic_free_us = start + wire;

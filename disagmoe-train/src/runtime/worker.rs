@@ -22,11 +22,12 @@
 //! the wire (`in_flight_wait_s`), the part before for data a peer had not computed yet.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::Path;
 use std::time::Duration;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use disagmoe_models::causal_lm::next_token_cross_entropy;
@@ -35,22 +36,18 @@ use disagmoe_models::moe::{Experts, Router, RouterStats};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 use disagmoe_models::{AuxLoss, TrainModule};
 
+use super::collectives::{max_chunk_elements, ring_all_reduce, Reducer, ReduceValues, RingLink};
+use super::exchange::{
+    dense_shares, empty, m2n_shares, rows_of, Assembled, DispatchGrad, GradInput, GradResidualIn, LayerInput, Partial,
+    ResidualIn, Share,
+};
+pub use super::part::WorkerPart;
 use super::layout::{Layout, Placement};
+use super::shards::{write_index, write_shards, ShardReport};
 use super::trace::{Tracer, COMM, COMPUTE};
-use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, NamedTensor, Port};
+use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Port};
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW};
-
-/// What one worker holds.
-#[derive(Module, Debug)]
-pub struct WorkerPart<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
-    /// Embedding, final norm and head (attention group 0; every `ep` worker).
-    pub ends: Option<Ends<B>>,
-    /// Attention stages of [`Layout::attn_layers`], in order.
-    pub attention: Vec<AttentionStage<B, A, R>>,
-    /// Expert stages of [`Layout::ffn_layers`], in order, sharded.
-    pub experts: Vec<ExpertStage<B, X>>,
-}
 
 /// Settings every worker shares.
 #[derive(Debug, Clone)]
@@ -131,19 +128,6 @@ enum Task {
     },
 }
 
-/// Inputs of a layer (or of the head) arriving from the previous layer.
-#[derive(Default)]
-struct LayerInput {
-    residual: Option<(HostTensor, AuxSums, usize)>,
-    partials: Vec<(usize, Vec<u32>, HostTensor)>,
-}
-
-#[derive(Default)]
-struct GradInput {
-    residual: Option<(HostTensor, Vec<LayerCoefficients>)>,
-    dispatch: Vec<(usize, HostTensor, Option<HostTensor>)>,
-}
-
 struct SentDispatch<B: AutodiffBackend> {
     holder: usize,
     y: Option<Tensor<B, 2>>,
@@ -154,7 +138,7 @@ struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     stage: AttentionStage<B, A, R>,
     ends: Option<Ends<B>>,
     h: Option<Tensor<B, 3>>,
-    from: Vec<(usize, Vec<u32>)>,
+    from: Vec<Share>,
     residual: Tensor<B, 2>,
     sent: Vec<SentDispatch<B>>,
     /// `[B, E]` score sums per sequence of a routed layer, when the balance loss is on.
@@ -170,9 +154,57 @@ struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
     out: Option<Tensor<B, 2>>,
 }
 
-const TAG_REPLICAS: u32 = 1;
-const TAG_GLOBAL: u32 = 2;
-const TAG_CHECKSUM: u32 = 3;
+/// The losses of a step's micro-batches, summed (divided by the micro-batches at the end).
+#[derive(Debug, Clone, Copy, Default)]
+struct StepLosses {
+    /// LM loss + coefficient x balance loss.
+    total: f64,
+    /// LM loss.
+    lm: f64,
+    /// Balance loss before its coefficient.
+    aux: f64,
+}
+
+/// What every worker adds up at the end of a step, in one all-reduce.
+#[derive(Debug, Clone, Default)]
+struct GlobalSums {
+    /// Squared gradient norm (each parameter counted once).
+    grad_sq: f64,
+    /// Losses of the micro-batches.
+    losses: StepLosses,
+    /// Waits for data, and the part of them with the data on the wire, seconds.
+    waits_s: f64,
+    wire_s: f64,
+    /// Compute and emulated-link time, seconds.
+    compute_s: f64,
+    link_s: f64,
+    /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
+    /// group), layer-major.
+    expert_counts: Vec<f64>,
+}
+
+impl GlobalSums {
+    const FIXED: usize = 8;
+
+    fn to_vec(&self) -> Vec<f64> {
+        let l = self.losses;
+        let mut v = vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s];
+        v.extend(&self.expert_counts);
+        v
+    }
+
+    fn from_vec(v: &[f64]) -> Self {
+        Self {
+            grad_sq: v[0],
+            losses: StepLosses { total: v[1], lm: v[2], aux: v[3] },
+            waits_s: v[4],
+            wire_s: v[5],
+            compute_s: v[6],
+            link_s: v[7],
+            expert_counts: v[Self::FIXED..].to_vec(),
+        }
+    }
+}
 
 /// A worker and its state within a step.
 pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> {
@@ -202,7 +234,7 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     bwd_left: usize,
     grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
     counts: HashMap<usize, Vec<usize>>,
-    losses: (f64, f64, f64),
+    losses: StepLosses,
     wait_comm_us: u64,
     wait_bubble_us: u64,
     compute_us: u64,
@@ -210,6 +242,15 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     tasks_run: usize,
     later: Vec<Envelope>,
     opt: AdamW<B>,
+    /// How this worker's groups sum (ring over the port, or MPI).
+    reducer: Reducer,
+    /// All-reduces run so far per group (first rank, size): a group's members count alike, so the
+    /// count tells one all-reduce's messages from another's.
+    reductions: HashMap<(usize, usize), u64>,
+    /// Checkpoint name of each parameter this worker holds.
+    names: HashMap<ParamId, String>,
+    /// Checkpoint name of a layer's feed-forward module.
+    ffn_name: &'static str,
 }
 
 fn host<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> HostTensor {
@@ -244,6 +285,47 @@ fn grad_of<B: AutodiffBackend, const D: usize>(
     }
 }
 
+/// The ring all-reduce's link: chunks through the worker's port, tagged by the all-reduce's number.
+struct PortRing<'a, B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> {
+    worker: &'a mut Worker<B, A, R, X>,
+    op: u64,
+}
+
+impl<B, A, R, X, T> RingLink<T> for PortRing<'_, B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+    T: ReduceValues,
+{
+    fn send_chunk(&mut self, dst: usize, seq: u64, data: Vec<T>) -> Result<()> {
+        self.worker.send(dst, Msg::Reduce { op: self.op, seq, data: T::wrap(data) })
+    }
+
+    fn recv_chunk(&mut self, src: usize, seq: u64) -> Result<Vec<T>> {
+        let (op, w) = (self.op, &mut *self.worker);
+        loop {
+            let step = w.step;
+            let found = w.later.iter().position(
+                |e| e.src == src && matches!(&e.msg, Msg::Reduce { op: o, seq: s, .. } if *o == op && *s == seq),
+            );
+            if let Some(pos) = found {
+                let Msg::Reduce { data, .. } = w.later.remove(pos).msg else { unreachable!("matched a reduce") };
+                return T::unwrap(data).ok_or_else(|| TrainError::Worker {
+                    worker: src,
+                    cause: format!("sent all-reduce {op} values of another type"),
+                });
+            }
+            let env = w.wait_for_message(|| format!("in an all-reduce of step {step}"))?;
+            if let Msg::Abort { worker, cause } = env.msg {
+                return Err(TrainError::Worker { worker, cause });
+            }
+            w.later.push(env);
+        }
+    }
+}
+
 /// Gives every parameter of a module its own autodiff leaf (and moves it to `device`). Workers fork
 /// their stage for each task, so the graphs of micro-batches in flight at once share no node: Burn
 /// would otherwise join them through the parameters, and a backward of one would disturb another.
@@ -266,7 +348,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Fork<'_, B> {
 /// Flattens (and later restores) the gradients of a module's parameters, with presence flags.
 struct Flatten<'a> {
     grads: &'a mut GradientsParams,
-    out: Vec<f64>,
+    out: Vec<f32>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
@@ -275,27 +357,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
         match self.grads.get::<B::InnerBackend, D>(param.id) {
             Some(g) => {
                 self.out.push(1.0);
-                self.out.extend(g.into_data().convert::<f32>().to_vec::<f32>().expect("f32").iter().map(|&x| x as f64));
+                self.out.extend(g.into_data().convert::<f32>().to_vec::<f32>().expect("f32"));
             }
             None => {
                 self.out.push(0.0);
                 self.out.extend(std::iter::repeat_n(0.0, n));
             }
-        }
-    }
-}
-
-/// Collects parameters under their checkpoint names.
-struct Named<'a> {
-    names: &'a HashMap<ParamId, String>,
-    offset: Option<usize>,
-    out: &'a mut Vec<NamedTensor>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Named<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(name) = self.names.get(&param.id) {
-            self.out.push(NamedTensor { name: name.clone(), offset: self.offset, tensor: host(&param.val()) });
         }
     }
 }
@@ -316,7 +383,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for ZeroFill<'_> {
 
 struct Restore<'a> {
     grads: &'a mut GradientsParams,
-    data: &'a [f64],
+    data: &'a [f32],
     pos: usize,
 }
 
@@ -325,7 +392,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Restore<'_> {
         let shape = param.val().dims();
         let n: usize = shape.iter().product();
         let present = self.data[self.pos] > 0.0;
-        let values: Vec<f32> = self.data[self.pos + 1..self.pos + 1 + n].iter().map(|&x| x as f32).collect();
+        let values: Vec<f32> = self.data[self.pos + 1..self.pos + 1 + n].to_vec();
         self.pos += 1 + n;
         self.grads.remove::<B::InnerBackend, D>(param.id);
         if present {
@@ -348,19 +415,23 @@ where
         self.rank
     }
 
-    /// A worker holding `part`, with RoPE tables for the run's sequence length.
+    /// A worker holding `part` (whose parameters are named in checkpoints under a feed-forward
+    /// module `ffn_name`), with RoPE tables for the run's sequence length.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: Layout,
         settings: StepSettings,
         port: Port,
+        reducer: Reducer,
         part: WorkerPart<B, A, R, X>,
+        ffn_name: &'static str,
         (cos, sin): (Tensor<B, 4>, Tensor<B, 4>),
         device: B::Device,
         trace: bool,
         opt: AdamW<B>,
     ) -> Self {
         let rank = port.rank();
+        let names = part.names(&layout, rank, ffn_name);
         let attn_index = layout.attn_layers(rank).into_iter().enumerate().map(|(i, l)| (l, i)).collect();
         let ffn_index = layout.ffn_layers(rank).into_iter().enumerate().map(|(i, (l, _))| (l, i)).collect();
         Self {
@@ -388,7 +459,7 @@ where
             bwd_left: 0,
             grads: GradientsAccumulator::new(),
             counts: HashMap::new(),
-            losses: (0.0, 0.0, 0.0),
+            losses: StepLosses::default(),
             wait_comm_us: 0,
             wait_bubble_us: 0,
             compute_us: 0,
@@ -396,6 +467,10 @@ where
             tasks_run: 0,
             later: Vec::new(),
             opt,
+            reducer,
+            reductions: HashMap::new(),
+            names,
+            ffn_name,
         }
     }
 
@@ -476,22 +551,22 @@ where
             }
             Msg::GradCombine { mb, layer, g } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer, g }),
             Msg::Combine { mb, layer, tokens, out } => {
-                self.inputs.entry((mb, layer + 1)).or_default().partials.push((src, tokens, out));
+                self.inputs.entry((mb, layer + 1)).or_default().partials.push(Partial { holder: src, tokens, out });
                 self.check_input(mb, layer + 1);
             }
             Msg::Residual { mb, layer, x, aux } => {
-                self.inputs.entry((mb, layer + 1)).or_default().residual = Some((x, aux, src));
+                self.inputs.entry((mb, layer + 1)).or_default().residual = Some(ResidualIn { x, aux });
                 self.check_input(mb, layer + 1);
             }
             Msg::GradResidual { mb, layer, g, aux_coef } => {
-                self.grad_inputs.entry((mb, layer)).or_default().residual = Some((g, aux_coef));
+                self.grad_inputs.entry((mb, layer)).or_default().residual = Some(GradResidualIn { g, aux_coef });
                 self.check_grad_input(mb, layer);
             }
             Msg::GradDispatch { mb, layer, gy, gw } => {
-                self.grad_inputs.entry((mb, layer)).or_default().dispatch.push((src, gy, gw));
+                self.grad_inputs.entry((mb, layer)).or_default().dispatch.push(DispatchGrad { holder: src, gy, gw });
                 self.check_grad_input(mb, layer);
             }
-            Msg::Trace(_) | Msg::Weights(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
+            Msg::Trace(_) | Msg::Shards(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
         }
         Ok(())
     }
@@ -499,7 +574,7 @@ where
     fn check_input(&mut self, mb: usize, layer: usize) {
         let holders = self.layout.ffn_holders(layer - 1).len();
         if let Some(inp) = self.inputs.get(&(mb, layer)) {
-            if inp.residual.is_some() && inp.partials.len() == holders {
+            if inp.complete(holders) {
                 let task = if layer == self.layout.layers { Task::Head { mb } } else { Task::AttnFwd { mb, layer } };
                 if layer == self.layout.layers {
                     self.ready_bwd.push_back(task);
@@ -513,7 +588,7 @@ where
     fn check_grad_input(&mut self, mb: usize, layer: usize) {
         let holders = self.layout.ffn_holders(layer).len();
         if let Some(inp) = self.grad_inputs.get(&(mb, layer)) {
-            if inp.residual.is_some() && inp.dispatch.len() == holders {
+            if inp.complete(holders) {
                 self.ready_bwd.push_back(Task::AttnBwd { mb, layer });
             }
         }
@@ -568,24 +643,13 @@ where
     }
 
     /// The hidden state entering `layer` (or the head when `layer == layers`): residual plus every
-    /// holder's share, summed on the host, as a leaf.
-    fn assemble(&mut self, mb: usize, layer: usize) -> (Tensor<B, 3>, AuxSums, Vec<(usize, Vec<u32>)>, usize) {
-        let inp = self.inputs.remove(&(mb, layer)).expect("ready input");
-        let (mut x, aux, src) = inp.residual.expect("residual");
-        let m = *x.shape.last().expect("[T, M]");
-        let mut from = Vec::new();
-        for (holder, tokens, out) in inp.partials {
-            for (i, &t) in tokens.iter().enumerate() {
-                let dst = &mut x.data[t as usize * m..(t as usize + 1) * m];
-                for (d, s) in dst.iter_mut().zip(&out.data[i * m..(i + 1) * m]) {
-                    *d += s;
-                }
-            }
-            from.push((holder, tokens));
-        }
+    /// holder's share (N2M, [`LayerInput::assemble`]), as a leaf.
+    fn assemble(&mut self, mb: usize, layer: usize) -> (Tensor<B, 3>, AuxSums, Vec<Share>) {
+        let Assembled { h, aux, from } = self.inputs.remove(&(mb, layer)).expect("ready input").assemble();
+        let m = *h.shape.last().expect("[T, M]");
         let (b, s) = (self.settings.mb_rows, self.settings.seq);
-        let h = Tensor::<B, 3>::from_data(TensorData::new(x.data, [b, s, m]), &self.device).require_grad();
-        (h, aux, from, src)
+        let h = Tensor::<B, 3>::from_data(TensorData::new(h.data, [b, s, m]), &self.device).require_grad();
+        (h, aux, from)
     }
 
     fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
@@ -600,7 +664,7 @@ where
                 .map(&mut Fork { device: &device });
             (ends.embed(ids), AuxSums::default(), Vec::new(), Some(ends))
         } else {
-            let (h, aux, from, _) = self.assemble(mb, layer);
+            let (h, aux, from) = self.assemble(mb, layer);
             (h, aux, from, None)
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device });
@@ -630,30 +694,16 @@ where
                 for (a, c) in acc.iter_mut().zip(&stats.counts) {
                     *a += c;
                 }
-                for (i, &holder) in holders.iter().enumerate() {
-                    let range = self.layout.expert_range(i);
-                    let all = i == 0 && self.holds_all_tokens(layer);
-                    let tokens: Vec<u32> = (0..t)
-                        .filter(|&tok| all || route.ids[tok * k..(tok + 1) * k].iter().any(|e| range.contains(e)))
-                        .map(|tok| tok as u32)
-                        .collect();
-                    let ids: Vec<u32> = tokens
-                        .iter()
-                        .flat_map(|&tok| route.ids[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as u32))
-                        .collect();
+                // M2N: each token once to each holder of one of its experts.
+                let ranges: Vec<_> =
+                    holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
+                for share in m2n_shares(&route.ids, k, t, &ranges, self.holds_all_tokens(layer)) {
+                    let ids = share.ids(&route.ids, k);
+                    let Share { holder, tokens } = share;
                     if tokens.is_empty() {
                         sent.push(SentDispatch { holder, y: None, w: None });
-                        msgs.push((
-                            holder,
-                            Msg::Dispatch {
-                                mb,
-                                layer,
-                                tokens,
-                                y: HostTensor { shape: vec![0, m], data: vec![] },
-                                weights: Some(HostTensor { shape: vec![0, k], data: vec![] }),
-                                ids,
-                            },
-                        ));
+                        let (y, weights) = (empty(m), Some(empty(k)));
+                        msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights, ids }));
                         continue;
                     }
                     let idx = index::<B>(&tokens, &self.device);
@@ -665,28 +715,10 @@ where
             }
             _ => {
                 // A dense layer: every token goes to the first holder, none to the others.
-                for (i, &holder) in holders.iter().enumerate() {
-                    if i == 0 {
-                        let tokens: Vec<u32> = (0..t as u32).collect();
-                        msgs.push((
-                            holder,
-                            Msg::Dispatch { mb, layer, tokens, y: host(&out.normed), weights: None, ids: vec![] },
-                        ));
-                        sent.push(SentDispatch { holder, y: Some(out.normed.clone()), w: None });
-                    } else {
-                        msgs.push((
-                            holder,
-                            Msg::Dispatch {
-                                mb,
-                                layer,
-                                tokens: vec![],
-                                y: HostTensor { shape: vec![0, m], data: vec![] },
-                                weights: None,
-                                ids: vec![],
-                            },
-                        ));
-                        sent.push(SentDispatch { holder, y: None, w: None });
-                    }
+                for Share { holder, tokens } in dense_shares(t, &holders) {
+                    let (y, sent_y) = if tokens.is_empty() { (empty(m), None) } else { (host(&out.normed), Some(out.normed.clone())) };
+                    msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights: None, ids: vec![] }));
+                    sent.push(SentDispatch { holder, y: sent_y, w: None });
                 }
             }
         }
@@ -729,8 +761,7 @@ where
         let m = y.shape.last().copied().unwrap_or(0);
         if rows == 0 {
             self.ffn_saved.insert((mb, layer), FfnSaved { stage: None, dst: src, rows, y: None, w: None, out: None });
-            return self
-                .send(dst, Msg::Combine { mb, layer, tokens, out: HostTensor { shape: vec![0, m], data: vec![] } });
+            return self.send(dst, Msg::Combine { mb, layer, tokens, out: empty(m) });
         }
         let y = leaf::<B, 2>(&y, &self.device);
         let w = w.map(|w| leaf::<B, 2>(&w, &self.device));
@@ -754,7 +785,7 @@ where
         let saved = self.ffn_saved.remove(&(mb, layer)).expect("expert forward before backward");
         let m = g.shape.last().copied().unwrap_or(0);
         let (gy, gw) = match &saved.out {
-            None => (HostTensor { shape: vec![0, m], data: vec![] }, None),
+            None => (empty(m), None),
             Some(out) => {
                 let g = constant::<B, 2>(&g, &self.device);
                 let mut grads = (out.clone() * g).sum().backward();
@@ -768,38 +799,28 @@ where
         self.send(saved.dst, Msg::GradDispatch { mb, layer, gy, gw })
     }
 
-    /// Sends the gradient of a layer input `h` back: all of it to the previous attention worker
-    /// (the residual), each holder's rows to that holder.
+    /// Sends the gradient of a layer input `h` back (the mirror of N2M): all of it to the previous
+    /// attention worker (the residual), each holder's rows to that holder.
     fn send_input_grad(
         &mut self,
         mb: usize,
         layer: usize,
         gh: HostTensor,
-        from: &[(usize, Vec<u32>)],
+        from: &[Share],
         aux_coef: Vec<LayerCoefficients>,
     ) -> Result<()> {
-        let m = *gh.shape.last().expect("[B, S, M]");
-        for (holder, tokens) in from {
-            let mut data = Vec::with_capacity(tokens.len() * m);
-            for &t in tokens {
-                data.extend_from_slice(&gh.data[t as usize * m..(t as usize + 1) * m]);
-            }
-            self.send(
-                *holder,
-                Msg::GradCombine { mb, layer: layer - 1, g: HostTensor { shape: vec![tokens.len(), m], data } },
-            )?;
+        for share in from {
+            self.send(share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens) })?;
         }
         let prev = self.layout.attn_worker(mb, layer - 1);
-        let t = gh.data.len() / m;
-        self.send(
-            prev,
-            Msg::GradResidual { mb, layer: layer - 1, g: HostTensor { shape: vec![t, m], data: gh.data }, aux_coef },
-        )
+        let m = *gh.shape.last().expect("[B, S, M]");
+        let g = HostTensor { shape: vec![gh.data.len() / m, m], data: gh.data };
+        self.send(prev, Msg::GradResidual { mb, layer: layer - 1, g, aux_coef })
     }
 
     fn head(&mut self, mb: usize) -> Result<()> {
         let layers = self.layout.layers;
-        let (h, aux, from, _) = self.assemble(mb, layers);
+        let (h, aux, from) = self.assemble(mb, layers);
         let ids = self.ids(mb)?;
         let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
@@ -828,9 +849,9 @@ where
             _ => (0.0, Vec::new()),
         };
         let coef = self.settings.aux.map_or(0.0, |a| a.coef);
-        self.losses.0 += lm + coef * aux_loss;
-        self.losses.1 += lm;
-        self.losses.2 += aux_loss;
+        self.losses.total += lm + coef * aux_loss;
+        self.losses.lm += lm;
+        self.losses.aux += aux_loss;
         let mut grads = ce.div_scalar(mbs).backward();
         let shape = h.dims().to_vec();
         let gh = grad_of(&Some(h), &mut grads, &shape);
@@ -841,10 +862,10 @@ where
     fn attention_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
         let saved = self.attn_saved.remove(&(mb, layer)).expect("attention forward before backward");
         let inp = self.grad_inputs.remove(&(mb, layer)).expect("ready grads");
-        let (g_res, aux_coef) = inp.residual.expect("grad residual");
+        let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
         let mut objective = (saved.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
-        for (src, gy, gw) in inp.dispatch {
-            let sent = saved.sent.iter().find(|s| s.holder == src).expect("a dispatch per holder");
+        for DispatchGrad { holder, gy, gw } in inp.dispatch {
+            let sent = saved.sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
             if let Some(y) = &sent.y {
                 objective = objective + (y.clone() * constant::<B, 2>(&gy, &self.device)).sum();
             }
@@ -880,55 +901,24 @@ where
         Ok(())
     }
 
-    /// The next `Reduce` with `tag` of this step from `src` (`None`: any source), keeping everything
-    /// else for later.
-    fn recv_reduce(&mut self, tag: u32) -> Result<(usize, Vec<f64>)> {
-        loop {
-            let step = self.step;
-            if let Some(pos) = self
-                .later
-                .iter()
-                .position(|e| e.step == step && matches!(&e.msg, Msg::Reduce { tag: t, .. } if *t == tag))
-            {
-                let env = self.later.remove(pos);
-                if let Msg::Reduce { data, .. } = env.msg {
-                    return Ok((env.src, data));
-                }
+    /// Sums `data` over `group` in place with this worker's reducer (every member ends with the
+    /// same bits). A new all-reduce number tells its messages apart from any other's.
+    fn all_reduce<T: ReduceValues>(&mut self, group: &[usize], data: &mut [T]) -> Result<()> {
+        if group.len() <= 1 {
+            return Ok(());
+        }
+        let count = self.reductions.entry((group[0], group.len())).or_insert(0);
+        *count += 1;
+        let op = ((group[0] as u64) << 48) | ((group.len() as u64) << 32) | *count;
+        match &self.reducer {
+            Reducer::Ring => {
+                let chunk = max_chunk_elements(std::mem::size_of::<T>());
+                let me = self.rank;
+                ring_all_reduce(&mut PortRing { worker: self, op }, group, me, data, chunk)
             }
-            let env = self.wait_for_message(|| format!("in the all-reduce of step {step}"))?;
-            if let Msg::Abort { worker, cause } = env.msg {
-                return Err(TrainError::Worker { worker, cause });
-            }
-            self.later.push(env);
+            #[cfg(feature = "mpi")]
+            Reducer::Mpi(groups) => T::mpi_all_reduce(groups, group, data),
         }
-    }
-
-    /// Sum over `set` (this worker included), through `set[0]`, added in rank order so every run
-    /// adds the same way.
-    fn allreduce(&mut self, set: &[usize], tag: u32, data: Vec<f64>) -> Result<Vec<f64>> {
-        if set.len() <= 1 {
-            return Ok(data);
-        }
-        let leader = set[0];
-        if self.rank != leader {
-            self.send(leader, Msg::Reduce { tag, data })?;
-            return Ok(self.recv_reduce(tag)?.1);
-        }
-        let mut parts = vec![(self.rank, data)];
-        while parts.len() < set.len() {
-            parts.push(self.recv_reduce(tag)?);
-        }
-        parts.sort_by_key(|(src, _)| *src);
-        let mut acc = vec![0.0; parts[0].1.len()];
-        for (_, p) in &parts {
-            for (a, v) in acc.iter_mut().zip(p) {
-                *a += v;
-            }
-        }
-        for &w in &set[1..] {
-            self.send(w, Msg::Reduce { tag, data: acc.clone() })?;
-        }
-        Ok(acc)
     }
 
     /// Waits for the next message, counting the wait as exposed communication (the part after the
@@ -957,6 +947,7 @@ where
         let e = self.layout.experts;
         // 1. Copies of the attention side add their gradients and their routers' expert counts.
         if replicas.len() > 1 {
+            // f32 gradients with a presence flag per parameter, then the routers' counts.
             let part = self.part.as_ref().expect("part");
             let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
             part.ends.visit(&mut flat);
@@ -964,17 +955,17 @@ where
             let mut data = flat.out;
             for l in &routed {
                 let c = self.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
-                data.extend(c.iter().map(|&x| x as f64));
+                data.extend(c.iter().map(|&x| x as f32));
             }
-            let sum = self.allreduce(&replicas, TAG_REPLICAS, data)?;
+            self.all_reduce(&replicas, &mut data)?;
             let part = self.part.as_ref().expect("part");
-            let mut restore = Restore { grads: &mut grads, data: &sum, pos: 0 };
+            let mut restore = Restore { grads: &mut grads, data: &data, pos: 0 };
             part.ends.visit(&mut restore);
             part.attention.visit(&mut restore);
             let mut pos = restore.pos;
             for l in &routed {
-                if self.counts.contains_key(l) || sum[pos..pos + e].iter().any(|&x| x > 0.0) {
-                    self.counts.insert(*l, sum[pos..pos + e].iter().map(|&x| x as usize).collect());
+                if self.counts.contains_key(l) || data[pos..pos + e].iter().any(|&x| x > 0.0) {
+                    self.counts.insert(*l, data[pos..pos + e].iter().map(|&x| x.round() as usize).collect());
                 }
                 pos += e;
             }
@@ -987,56 +978,66 @@ where
             }
         }
         // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
-        let mut sq = grad_norm::<B, _>(&part.experts, &grads).total.powi(2);
+        let mut norms = vec![grad_norm::<B, _>(&part.experts, &grads)];
         if replicas.first() == Some(&self.rank) {
-            sq += grad_norm::<B, _>(&part.ends, &grads).total.powi(2);
-            sq += grad_norm::<B, _>(&part.attention, &grads).total.powi(2);
+            norms.push(grad_norm::<B, _>(&part.ends, &grads));
+            norms.push(grad_norm::<B, _>(&part.attention, &grads));
         }
-        let (loss, lm, aux) = self.losses;
+        let sq: f64 = norms.iter().map(|n| n.total.powi(2)).sum();
+        // The first tensor of this worker whose gradient is not finite, for the error message.
+        let bad = norms
+            .iter()
+            .flat_map(|n| n.per_param.iter())
+            .find(|(_, v)| !v.is_finite())
+            .and_then(|(id, _)| self.names.get(id).cloned());
         let all: Vec<usize> = (0..self.layout.workers).collect();
         // The step's waits, compute and link time so far (the final reduction is the step's barrier
         // and is not counted).
         let [wait_c, wait_b, comp, link0] = start;
         let wire_s = (self.wait_comm_us - wait_c) as f64 * 1e-6;
-        let waits_s = wire_s + (self.wait_bubble_us - wait_b) as f64 * 1e-6;
-        let compute_s = (self.compute_us - comp) as f64 * 1e-6;
-        let link_s = (self.link_us - link0) as f64 * 1e-6;
         // Expert load of every MoE layer: its attention group's first copy counts it.
         let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
-        let mut sums = vec![sq, loss, lm, aux, waits_s, wire_s, compute_s, link_s];
-        let counts_at = sums.len();
-        sums.resize(counts_at + sparse.len() * e, 0.0);
+        let mut expert_counts = vec![0.0; sparse.len() * e];
         if replicas.first() == Some(&self.rank) {
             for (i, l) in sparse.iter().enumerate() {
                 if let Some(c) = self.counts.get(l) {
                     for (j, &x) in c.iter().enumerate() {
-                        sums[counts_at + i * e + j] = x as f64;
+                        expert_counts[i * e + j] = x as f64;
                     }
                 }
             }
         }
-        let g = self.allreduce(&all, TAG_GLOBAL, sums)?;
-        let expert_counts =
-            (0..sparse.len()).map(|i| g[counts_at + i * e..counts_at + (i + 1) * e].iter().map(|&x| x as usize).collect()).collect();
-        let mbs = self.layout.micro_batches as f64;
-        let norm = g[0].sqrt();
-        let out = StepOutcome {
-            loss: g[1] / mbs,
-            lm_loss: g[2] / mbs,
-            aux_loss: self.settings.aux.is_some().then_some(g[3] / mbs),
-            grad_norm: norm,
-            skipped: !(g[1].is_finite() && norm.is_finite()),
-            exposed_comm_s: g[4],
-            in_flight_wait_s: g[5],
-            compute_s: g[6],
-            link_s: g[7],
+        let mine = GlobalSums {
+            grad_sq: sq,
+            losses: self.losses,
+            waits_s: wire_s + (self.wait_bubble_us - wait_b) as f64 * 1e-6,
+            wire_s,
+            compute_s: (self.compute_us - comp) as f64 * 1e-6,
+            link_s: (self.link_us - link0) as f64 * 1e-6,
             expert_counts,
+        };
+        let mut sums = mine.to_vec();
+        self.all_reduce(&all, &mut sums)?;
+        let g = GlobalSums::from_vec(&sums);
+        let mbs = self.layout.micro_batches as f64;
+        let norm = g.grad_sq.sqrt();
+        let out = StepOutcome {
+            loss: g.losses.total / mbs,
+            lm_loss: g.losses.lm / mbs,
+            aux_loss: self.settings.aux.is_some().then_some(g.losses.aux / mbs),
+            grad_norm: norm,
+            skipped: !(g.losses.total.is_finite() && norm.is_finite()),
+            exposed_comm_s: g.waits_s,
+            in_flight_wait_s: g.wire_s,
+            compute_s: g.compute_s,
+            link_s: g.link_s,
+            expert_counts: g.expert_counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
         };
         if out.skipped && self.settings.abort_on_nonfinite {
             return Err(TrainError::NonFinite {
                 step: self.step,
-                what: if g[1].is_finite() { "gradient" } else { "loss" },
-                tensor: String::new(),
+                what: if g.losses.total.is_finite() { "gradient" } else { "loss" },
+                tensor: bad.unwrap_or_default(),
             });
         }
         // 3. The update, the same decision on every worker.
@@ -1060,20 +1061,50 @@ where
             self.part = Some(part);
         }
         self.counts.clear();
-        self.losses = (0.0, 0.0, 0.0);
+        self.losses = StepLosses::default();
         self.tracer.span(|| "all-reduce + optimizer".into(), "optimizer", COMPUTE, t0, now_us());
         Ok(out)
     }
 
-    /// Sum of squares of all parameters of the run (each once), the same on every worker.
-    pub fn param_checksum(&mut self) -> Result<f64> {
+    /// Parameters each worker holds (by rank) and parameters of the whole model (each counted once),
+    /// the same on every worker.
+    pub fn param_counts(&mut self) -> Result<(Vec<usize>, usize)> {
+        let (own, counted) = self.part().param_counts(&self.layout, self.rank);
+        let workers = self.layout.workers;
+        let mut v = vec![0f64; workers + 1];
+        v[self.rank] = own as f64;
+        v[workers] = counted as f64;
+        let all: Vec<usize> = (0..workers).collect();
+        self.all_reduce(&all, &mut v)?;
+        Ok((v[..workers].iter().map(|&x| x as usize).collect(), v[workers] as usize))
+    }
+
+    /// The end of the run: the sum of squares of every parameter (each once) and each worker's peak
+    /// resident memory, the same on every worker; with `out`, the model written there by every
+    /// worker ([`super::shards`]), rank 0 writing `config.json` and the index last.
+    pub fn finish(&mut self, out: Option<&Path>, config: &serde_json::Value) -> Result<(f64, Vec<f64>)> {
         let part = self.part.as_ref().expect("part");
         let mut own = sum_of_squares(&part.experts);
         if self.layout.replicas(self.rank).first() == Some(&self.rank) {
             own += sum_of_squares(&part.ends) + sum_of_squares(&part.attention);
         }
-        let all: Vec<usize> = (0..self.layout.workers).collect();
-        Ok(self.allreduce(&all, TAG_CHECKSUM, vec![own])?[0])
+        if let Some(dir) = out {
+            let parts = part.counted_once(&self.layout, self.rank, self.ffn_name);
+            let report = write_shards(dir, self.rank, &parts, self.layout.experts)?;
+            let reports = self.collect_on_zero(Msg::Shards(report), "the written files")?;
+            if self.rank == 0 {
+                let reports: Vec<ShardReport> =
+                    reports.into_iter().filter_map(|m| if let Msg::Shards(r) = m { Some(r) } else { None }).collect();
+                write_index(dir, &reports, config)?;
+            }
+        }
+        let workers = self.layout.workers;
+        let mut v = vec![0f64; workers + 1];
+        v[0] = own;
+        v[1 + self.rank] = crate::metrics::peak_rss_mb();
+        let all: Vec<usize> = (0..workers).collect();
+        self.all_reduce(&all, &mut v)?;
+        Ok((v[0], v[1..].to_vec()))
     }
 
     /// Sends `msg` to worker 0; worker 0 returns it with every other worker's message of the same
@@ -1111,28 +1142,6 @@ where
         Ok(all.into_iter().flat_map(|m| if let Msg::Trace(e) = m { e } else { Vec::new() }).collect())
     }
 
-    /// Gathers every parameter under its checkpoint name (`names`, from the whole model) on worker 0,
-    /// each once (the first copy of each attention group); expert shards of fused tensors come
-    /// with their first row. Others return an empty list.
-    pub fn gather_weights(&mut self, names: &HashMap<ParamId, String>) -> Result<Vec<NamedTensor>> {
-        let part = self.part();
-        let mut mine = Vec::new();
-        if self.layout.replicas(self.rank).first() == Some(&self.rank) {
-            part.ends.visit(&mut Named { names, offset: None, out: &mut mine });
-            part.attention.visit(&mut Named { names, offset: None, out: &mut mine });
-        }
-        for stage in &part.experts {
-            if let Some(x) = &stage.experts {
-                let offset = x.fused().then_some(stage.first_expert);
-                x.visit(&mut Named { names, offset, out: &mut mine });
-            }
-            stage.shared_experts.visit(&mut Named { names, offset: None, out: &mut mine });
-            stage.dense.visit(&mut Named { names, offset: None, out: &mut mine });
-        }
-        let all = self.collect_on_zero(Msg::Weights(mine), "the weights")?;
-        Ok(all.into_iter().flat_map(|m| if let Msg::Weights(w) = m { w } else { Vec::new() }).collect())
-    }
-
     /// Tells every other worker that this one failed.
     pub fn abort(&mut self, cause: &str) {
         for w in 0..self.layout.workers {
@@ -1140,10 +1149,5 @@ where
                 let _ = self.port.send(w, self.step, Msg::Abort { worker: self.rank, cause: cause.into() });
             }
         }
-    }
-
-    /// The worker's part (after the run).
-    pub fn into_part(self) -> WorkerPart<B, A, R, X> {
-        self.part.expect("part")
     }
 }

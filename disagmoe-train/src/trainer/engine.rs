@@ -11,8 +11,13 @@ use crate::error::Result;
 pub struct EngineInfo {
     /// Parameters of the whole model.
     pub params: usize,
+    /// Parameters each worker holds, by rank (the data-parallel copies of attention each count
+    /// theirs).
+    pub params_per_rank: Vec<usize>,
     /// Workers (1 on one device).
     pub workers: usize,
+    /// What each worker is, by rank (`attention g0.w1 (rank 1)`, `experts g1.w0 (rank 3)`, ...).
+    pub worker_names: Vec<String>,
     /// `single`, `disagg` or `ep`.
     pub placement: &'static str,
     /// Whether this process reports for the run (prints, writes metrics and the final model's
@@ -77,7 +82,16 @@ pub trait StepEngine {
     /// `dir`, keeping the newest `keep`; returns its path.
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf>;
 
-    /// Ends the run: writes the final model to `out` (a Hugging Face directory) when given, and
-    /// returns the sum of squares of all parameters (each once).
-    fn finish(&mut self, out: Option<&Path>) -> Result<f64>;
+    /// Ends the run: writes the final model to `out` (a Hugging Face directory) when given.
+    fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport>;
+}
+
+/// What a run's engine reports at its end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinalReport {
+    /// Sum of squares of all parameters (each once).
+    pub param_checksum: f64,
+    /// Peak resident memory of the process of each worker, MB, by rank (under `local` every worker
+    /// is a thread of the one process, and each reports it).
+    pub peak_rss_mb_per_rank: Vec<f64>,
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-pub use self::engine::{EngineInfo, StepEngine, StepReport, StepTiming};
+pub use self::engine::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 pub use self::report::{throughput, TrainSummary};
 use self::report::{step_metrics, Progress};
 use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, TrainState};
@@ -136,7 +136,15 @@ pub fn run(
     progress.finish();
     let train_s = start.elapsed().as_secs_f64();
     let final_dir = cfg.out.as_ref().map(|d| d.join("final"));
-    let param_checksum = engine.finish(final_dir.as_deref())?;
+    let FinalReport { param_checksum, peak_rss_mb_per_rank } = engine.finish(final_dir.as_deref())?;
+    if info.primary && cfg.progress && info.workers > 1 {
+        // What each worker held and how much memory its process needed at most.
+        for (rank, name) in info.worker_names.iter().enumerate() {
+            let params = info.params_per_rank.get(rank).copied().unwrap_or(0);
+            let rss = peak_rss_mb_per_rank.get(rank).copied().unwrap_or(0.0);
+            eprintln!("{name}: {:.2}M parameters, peak RSS {rss:.0} MB", params as f64 / 1e6);
+        }
+    }
     let steps_run = done + 1 - first_step;
     let (tokens_per_s, tokens_per_s_all, first_step_s) = throughput(&seen.step_s, tokens);
     let per_step = |x: f64| x / steps_run.max(1) as f64;
@@ -150,6 +158,8 @@ pub fn run(
         skipped_steps: seen.skipped,
         backend: crate::BACKEND_NAME.into(),
         params: info.params,
+        params_per_rank: info.params_per_rank.clone(),
+        peak_rss_mb_per_rank,
         train_s,
         param_checksum,
         resumed_from_step: resumed.as_ref().map(|s| s.step),

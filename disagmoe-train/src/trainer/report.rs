@@ -39,6 +39,11 @@ pub struct TrainSummary {
     pub backend: String,
     /// Parameters of the model.
     pub params: usize,
+    /// Parameters each worker holds, by rank (`[params]` on one device).
+    pub params_per_rank: Vec<usize>,
+    /// Peak resident memory of each worker's process, MB, by rank (each process measures its own;
+    /// under `local` the workers share one process and report it).
+    pub peak_rss_mb_per_rank: Vec<f64>,
     /// Wall time of the training loop in seconds.
     pub train_s: f64,
     /// Sum of squares of all parameters after the last step (compares runs and resumes).

@@ -1,0 +1,221 @@
+//! The one home of AF-Pipe's token exchange: which tokens of a micro-batch go to which expert
+//! holder (M2N), how the holders' shares come back together at the next layer's attention worker
+//! (N2M, fused with the hand-off of the residual), and the mirrored exchange of gradients.
+//!
+//! # Notation
+//! - `T`: tokens of the micro-batch; `M`: model width; `k`: experts per token
+//! - holder `r` of a layer serves the contiguous expert range `E_r` (`Layout::expert_range`); the
+//!   first holder also holds the shared experts and the dense MLP
+//!
+//! # M2N
+//! A token goes **once** to each holder that has at least one of its `k` experts ([`m2n_shares`]),
+//! with the gate weights and ids of all `k` choices: the holder sums the weighted outputs of its
+//! own experts (skipping the others' choices). A layer with shared experts sends every token to its
+//! first holder; a dense layer sends every token to its first holder and none to the others.
+//!
+//! # N2M
+//! Each holder sends its share `[n_r, M]` (rows in the order of its tokens) to the attention
+//! worker of the next layer, which adds every share to the residual ([`LayerInput::assemble`]).
+//!
+//! # Gradients
+//! The mirror image: the gradient of the next layer's input goes whole to the previous attention
+//! worker (the residual) and, row-selected, to each holder ([`rows_of`]); each holder returns the
+//! gradients of its inputs and gate weights, which the attention worker adds up.
+
+use std::ops::Range;
+
+use super::transport::{AuxSums, HostTensor, LayerCoefficients};
+
+/// The tokens a holder serves at a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    /// The holder's rank.
+    pub holder: usize,
+    /// Token indices within the micro-batch, ascending.
+    pub tokens: Vec<u32>,
+}
+
+impl Share {
+    /// The `k` chosen expert ids of each of the share's tokens, token-major.
+    pub fn ids(&self, route_ids: &[usize], k: usize) -> Vec<u32> {
+        self.tokens.iter().flat_map(|&t| route_ids[t as usize * k..(t as usize + 1) * k].iter().map(|&e| e as u32)).collect()
+    }
+}
+
+/// M2N of a routed layer: for each holder (with its expert range), the tokens with at least one
+/// chosen expert in its range, each once; the first holder gets every token when it holds shared
+/// experts.
+pub fn m2n_shares(
+    route_ids: &[usize],
+    k: usize,
+    tokens: usize,
+    holders: &[(usize, Range<usize>)],
+    first_takes_all: bool,
+) -> Vec<Share> {
+    holders
+        .iter()
+        .enumerate()
+        .map(|(i, (holder, range))| {
+            let all = i == 0 && first_takes_all;
+            let tokens = (0..tokens)
+                .filter(|&t| all || route_ids[t * k..(t + 1) * k].iter().any(|e| range.contains(e)))
+                .map(|t| t as u32)
+                .collect();
+            Share { holder: *holder, tokens }
+        })
+        .collect()
+}
+
+/// M2N of a dense layer: every token to the first holder, none to the others.
+pub fn dense_shares(tokens: usize, holders: &[usize]) -> Vec<Share> {
+    holders
+        .iter()
+        .enumerate()
+        .map(|(i, &holder)| Share { holder, tokens: if i == 0 { (0..tokens as u32).collect() } else { Vec::new() } })
+        .collect()
+}
+
+/// The residual stream arriving at a layer (or the head) from the previous layer's attention worker.
+#[derive(Debug)]
+pub struct ResidualIn {
+    /// `[T, M]`
+    pub x: HostTensor,
+    /// The balance-loss sums so far.
+    pub aux: AuxSums,
+}
+
+/// One holder's share of the previous layer's expert output (N2M).
+#[derive(Debug)]
+pub struct Partial {
+    /// The holder.
+    pub holder: usize,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// `[n, M]` in the order of `tokens`.
+    pub out: HostTensor,
+}
+
+/// What a layer's attention worker collects before it can run (or the head before the loss).
+#[derive(Debug, Default)]
+pub struct LayerInput {
+    /// The residual stream.
+    pub residual: Option<ResidualIn>,
+    /// The holders' shares received so far.
+    pub partials: Vec<Partial>,
+}
+
+/// An assembled layer input.
+#[derive(Debug)]
+pub struct Assembled {
+    /// `[T, M]`: the residual plus every holder's share.
+    pub h: HostTensor,
+    /// The balance-loss sums so far.
+    pub aux: AuxSums,
+    /// Who sent which tokens (where the gradient rows go back).
+    pub from: Vec<Share>,
+}
+
+impl LayerInput {
+    /// Whether the residual and all `holders` shares are here.
+    pub fn complete(&self, holders: usize) -> bool {
+        self.residual.is_some() && self.partials.len() == holders
+    }
+
+    /// N2M: the residual plus every holder's share, added on the host.
+    pub fn assemble(self) -> Assembled {
+        let ResidualIn { x: mut h, aux } = self.residual.expect("an input is assembled once complete");
+        let m = *h.shape.last().expect("[T, M]");
+        let mut from = Vec::with_capacity(self.partials.len());
+        for Partial { holder, tokens, out } in self.partials {
+            for (i, &t) in tokens.iter().enumerate() {
+                let dst = &mut h.data[t as usize * m..(t as usize + 1) * m];
+                for (d, s) in dst.iter_mut().zip(&out.data[i * m..(i + 1) * m]) {
+                    *d += s;
+                }
+            }
+            from.push(Share { holder, tokens });
+        }
+        Assembled { h, aux, from }
+    }
+}
+
+/// The gradient of a layer's residual, from the next layer's attention worker.
+#[derive(Debug)]
+pub struct GradResidualIn {
+    /// `[T, M]`
+    pub g: HostTensor,
+    /// Per routed layer, the gradient of the loss with respect to its score sums.
+    pub aux_coef: Vec<LayerCoefficients>,
+}
+
+/// One holder's gradients of what it was dispatched.
+#[derive(Debug)]
+pub struct DispatchGrad {
+    /// The holder.
+    pub holder: usize,
+    /// `[n, M]` gradient of the expert inputs.
+    pub gy: HostTensor,
+    /// `[n, k]` gradient of the gate weights (routed layers).
+    pub gw: Option<HostTensor>,
+}
+
+/// What a layer's attention worker collects before its backward.
+#[derive(Debug, Default)]
+pub struct GradInput {
+    /// The residual's gradient.
+    pub residual: Option<GradResidualIn>,
+    /// The holders' gradients received so far.
+    pub dispatch: Vec<DispatchGrad>,
+}
+
+impl GradInput {
+    /// Whether the residual gradient and all `holders` dispatch gradients are here.
+    pub fn complete(&self, holders: usize) -> bool {
+        self.residual.is_some() && self.dispatch.len() == holders
+    }
+}
+
+/// The rows `tokens` of a `[T, M]` host tensor (a holder's part of a gradient), `[n, M]`.
+pub fn rows_of(g: &HostTensor, tokens: &[u32]) -> HostTensor {
+    let m = *g.shape.last().expect("[.., M]");
+    let mut data = Vec::with_capacity(tokens.len() * m);
+    for &t in tokens {
+        data.extend_from_slice(&g.data[t as usize * m..(t as usize + 1) * m]);
+    }
+    HostTensor { shape: vec![tokens.len(), m], data }
+}
+
+/// An empty `[0, cols]` host tensor (a holder that got no token).
+pub fn empty(cols: usize) -> HostTensor {
+    HostTensor { shape: vec![0, cols], data: Vec::new() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_token_goes_once_to_each_holder_of_one_of_its_experts() {
+        // 3 tokens, k = 2, experts 0..4 over two holders (0..2 on rank 5, 2..4 on rank 6).
+        let ids = [0, 1, 1, 3, 2, 3];
+        let shares = m2n_shares(&ids, 2, 3, &[(5, 0..2), (6, 2..4)], false);
+        assert_eq!(shares[0], Share { holder: 5, tokens: vec![0, 1] });
+        assert_eq!(shares[1], Share { holder: 6, tokens: vec![1, 2] });
+        assert_eq!(shares[1].ids(&ids, 2), vec![1, 3, 2, 3]);
+        let with_shared = m2n_shares(&ids, 2, 3, &[(5, 0..2), (6, 2..4)], true);
+        assert_eq!(with_shared[0].tokens, vec![0, 1, 2]);
+        assert_eq!(dense_shares(2, &[5, 6]), vec![Share { holder: 5, tokens: vec![0, 1] }, Share { holder: 6, tokens: vec![] }]);
+    }
+
+    #[test]
+    fn shares_add_onto_the_residual_and_gradients_split_back_by_rows() {
+        let x = HostTensor { shape: vec![3, 2], data: vec![1.0; 6] };
+        let mut input = LayerInput { residual: Some(ResidualIn { x, aux: AuxSums::default() }), partials: Vec::new() };
+        input.partials.push(Partial { holder: 5, tokens: vec![0, 2], out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] } });
+        input.partials.push(Partial { holder: 6, tokens: vec![2], out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] } });
+        assert!(input.complete(2));
+        let a = input.assemble();
+        assert_eq!(a.h.data, vec![2.0, 3.0, 1.0, 1.0, 14.0, 25.0]);
+        assert_eq!(rows_of(&a.h, &a.from[1].tokens).data, vec![14.0, 25.0]);
+    }
+}
