@@ -80,21 +80,31 @@ def check_one(binary, work, family, model):
         assert rel(ours, ref) <= 1e-4
 
 
+# One process writes the whole model (`single`), or every worker writes its own shard and rank 0 the
+# index (`disagg`: no worker holds the whole model).
+PLACEMENTS = {
+    "single": ["--placement", "single"],
+    "disagg": ["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"],
+}
+
+
 def check_ours_to_hf(binary, work):
-    for preset in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"):
-        check_ours_one(binary, work, preset)
+    for preset in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-mixtral", "tiny-olmoe"):
+        for placement in PLACEMENTS:
+            check_ours_one(binary, work, preset, placement)
 
 
-def check_ours_one(binary, work, preset):
-    out = os.path.join(work, "run_" + preset)
-    subprocess.run([binary, "train", "--model-preset", preset, "--steps", "3", "--batch", "2", "--seq", "32",
-                    "--out", out, "--quiet"], check=True, capture_output=True)
+def check_ours_one(binary, work, preset, placement):
+    out = os.path.join(work, f"run_{preset}_{placement}")
+    subprocess.run([binary, "train", "--model-preset", preset, "--steps", "3", "--batch", "4", "--seq", "32",
+                    "--out", out, "--quiet"] + PLACEMENTS[placement], check=True, capture_output=True)
     d = os.path.join(out, "final")
     ids = torch.randint(0, 256, (2, 20))
     ref, ref_loss = hf_logits(d, ids)
     ours, loss = ours_forward(binary, d, ids, work)
-    print(f"disagmoe -> transformers ({preset}): from_pretrained ok, logits rel err {rel(ours, ref):.2e}, "
-          f"loss {loss:.6f} vs {ref_loss:.6f}")
+    shards = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    print(f"disagmoe -> transformers ({preset}, {placement}, {len(shards)} shard files): from_pretrained ok, "
+          f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
     assert rel(ours, ref) <= 1e-4
 
 

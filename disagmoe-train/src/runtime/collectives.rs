@@ -4,9 +4,10 @@
 //! Each transport reduces with the engine built for it:
 //! - `local` (threads): a **ring all-reduce** (reduce-scatter, then all-gather) over the in-process
 //!   transport, in chunks ([`ring_all_reduce`] over any [`RingLink`]);
-//! - `mpi`, `nccl`: MPI's `MPI_Allreduce` on a sub-communicator per group (`mpi.rs`), in chunks of
-//!   at most [`max_chunk_elements`] so that no single call exceeds MPI's 2 GiB (`i32` count)
-//!   limit.
+//! - `mpi`: MPI's `MPI_Allreduce` on a sub-communicator per group (`mpi.rs`), in chunks of at most
+//!   [`max_chunk_elements`] so that no single call exceeds MPI's 2 GiB (`i32` count) limit;
+//! - `nccl`: `ncclAllReduce` on device buffers, one communicator per group (`nccl.rs`), in the same
+//!   chunks (which bound the staging buffer on the device).
 //!
 //! Every member of a group ends with the same bits: in the ring each chunk's sum is formed once,
 //! along the ring, and then copied to the others.
@@ -55,6 +56,9 @@ pub trait ReduceValues: Summable + Sized {
     /// Sums over `group` with MPI.
     #[cfg(feature = "mpi")]
     fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
+    /// Sums over `group` with NCCL.
+    #[cfg(feature = "nccl")]
+    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
 }
 
 impl ReduceValues for f32 {
@@ -69,6 +73,10 @@ impl ReduceValues for f32 {
     }
     #[cfg(feature = "mpi")]
     fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+        groups.all_reduce(group, data)
+    }
+    #[cfg(feature = "nccl")]
+    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
         groups.all_reduce(group, data)
     }
 }
@@ -87,15 +95,22 @@ impl ReduceValues for f64 {
     fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
         groups.all_reduce(group, data)
     }
+    #[cfg(feature = "nccl")]
+    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+        groups.all_reduce(group, data)
+    }
 }
 
 /// How a worker's groups sum.
 pub enum Reducer {
     /// A ring all-reduce over the worker's own transport (`local`).
     Ring,
-    /// MPI collectives on sub-communicators (`mpi`, `nccl`).
+    /// MPI collectives on sub-communicators (`mpi`).
     #[cfg(feature = "mpi")]
     Mpi(super::mpi::MpiGroups),
+    /// NCCL all-reduces on device buffers (`nccl`).
+    #[cfg(feature = "nccl")]
+    Nccl(super::nccl::NcclGroups),
 }
 
 /// How the ring talks: send a chunk to a member, receive the next chunk from one.

@@ -135,10 +135,21 @@ impl Distributed {
                         }
                     };
                     let reducer = match shared.cfg.parallel.transport {
-                        #[cfg(feature = "mpi")]
-                        TransportKind::Mpi | TransportKind::Nccl => {
-                            Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank)))
+                        #[cfg(feature = "nccl")]
+                        TransportKind::Nccl => {
+                            let mpi = super::mpi::MpiGroups::new(&shared.layout.replicas(rank));
+                            match super::nccl::NcclGroups::new(&mpi, rank) {
+                                Ok(groups) => Reducer::Nccl(groups),
+                                Err(e) => {
+                                    let _ = rx.recv();
+                                    let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                                    return;
+                                }
+                            }
                         }
+                        #[cfg(feature = "mpi")]
+                        TransportKind::Mpi => Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank))),
+                        // `nccl` without the feature is refused before any worker starts.
                         _ => Reducer::Ring,
                     };
                     let port = Port::new(endpoint, link_model(&shared.cfg));

@@ -241,16 +241,7 @@ impl MpiGroups {
     /// Sums `data` over `group` (every worker, or this worker's copies) with `MPI_Allreduce`, in
     /// chunks of at most [`max_chunk_elements`].
     pub fn all_reduce<T: Equivalence + Copy + Default>(&self, group: &[usize], data: &mut [T]) -> Result<()> {
-        let comm = match &self.replicas {
-            Some((ranks, comm)) if ranks == group => comm,
-            _ if group.len() == self.world.size() as usize => &self.world,
-            _ => {
-                return Err(TrainError::Worker {
-                    worker: self.world.rank() as usize,
-                    cause: format!("no MPI communicator for the group {group:?}"),
-                })
-            }
-        };
+        let comm = self.communicator(group)?;
         let chunk = max_chunk_elements(std::mem::size_of::<T>());
         let mut recv = vec![T::default(); chunk.min(data.len())];
         for part in data.chunks_mut(chunk) {
@@ -259,6 +250,36 @@ impl MpiGroups {
             part.copy_from_slice(recv);
         }
         Ok(())
+    }
+
+    /// The MPI communicator of `group` (every worker, or this worker's copies).
+    fn communicator(&self, group: &[usize]) -> Result<&SimpleCommunicator> {
+        match &self.replicas {
+            Some((ranks, comm)) if ranks == group => Ok(comm),
+            _ if group.len() == self.world.size() as usize => Ok(&self.world),
+            _ => Err(TrainError::Worker {
+                worker: self.world.rank() as usize,
+                cause: format!("no MPI communicator for the group {group:?}"),
+            }),
+        }
+    }
+
+    /// Every member of `group` ends with `bytes` of the group's first member (NCCL's unique ids
+    /// travel this way).
+    pub fn broadcast_from_first(&self, group: &[usize], bytes: &mut [u8]) -> Result<()> {
+        use mpi::collective::Root;
+        self.communicator(group)?.process_at_rank(0).broadcast_into(bytes);
+        Ok(())
+    }
+
+    /// This worker's copies, when it has any (the group of its attention-side all-reduce).
+    pub fn replicas(&self) -> Option<&[usize]> {
+        self.replicas.as_ref().map(|(r, _)| r.as_slice())
+    }
+
+    /// Every worker of the job.
+    pub fn everyone(&self) -> Vec<usize> {
+        (0..self.world.size() as usize).collect()
     }
 }
 

@@ -1,5 +1,6 @@
 //! The `nccl` transport (feature `nccl` = `cuda` + `mpi`): one process per worker under `mpirun`,
-//! bootstrapped over MPI, envelopes moved between GPUs by NCCL.
+//! bootstrapped over MPI, envelopes moved between GPUs by NCCL, and the all-reduces (attention
+//! copies' gradients, the step's global sums) by `ncclAllReduce` ([`NcclGroups`]).
 //!
 //! NCCL has no receive-from-any-source and wants one thread per communicator, so every ordered
 //! pair of workers gets its own two-rank communicator (`i -> j`), driven by one send thread on `i`
@@ -217,5 +218,77 @@ impl Endpoint for NcclEndpoint {
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         receive_within(&self.inbox, self.rank, timeout, "the NCCL receive threads and this worker's sends")
+    }
+}
+
+/// The NCCL communicators of a worker's all-reduces: every worker (global sums) and, for an
+/// attention worker with data-parallel copies, its copies (the gradient all-reduce). Made in the
+/// worker's own thread, after [`super::mpi::MpiGroups`] (whose communicators carry the unique ids).
+///
+/// Values are host slices (the gradients of a worker are read to the host for the optimizer
+/// anyway): each chunk of at most [`super::collectives::max_chunk_elements`] goes host -> device,
+/// `ncclAllReduce(sum)` in place on the device, device -> host. Untested: no machine with several
+/// GPUs has been lent to this project (see the module's status).
+pub struct NcclGroups {
+    rank: usize,
+    everyone: (Vec<usize>, Comm),
+    replicas: Option<(Vec<usize>, Comm)>,
+}
+
+impl NcclGroups {
+    /// Collective over the job: every worker calls it at the same point.
+    pub fn new(mpi: &super::mpi::MpiGroups, rank: usize) -> Result<Self> {
+        let gpus = CudaContext::device_count().map_err(|e| nccl_error(rank, format!("no CUDA device: {e:?}")))?;
+        if gpus < 1 {
+            return Err(nccl_error(rank, "no CUDA device".into()));
+        }
+        let ctx = CudaContext::new(rank % gpus as usize).map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+        let comm = |group: &[usize]| -> Result<Comm> {
+            let pos = group.iter().position(|&r| r == rank).expect("a member of its group");
+            let mut bytes = [0u8; 128];
+            if pos == 0 {
+                let id = Id::new().map_err(|e| nccl_error(rank, format!("unique id: {e:?}")))?;
+                for (d, s) in bytes.iter_mut().zip(id.internal()) {
+                    *d = *s as u8;
+                }
+            }
+            mpi.broadcast_from_first(group, &mut bytes)?;
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (d, s) in internal.iter_mut().zip(&bytes) {
+                *d = *s as std::ffi::c_char;
+            }
+            let stream = ctx.new_stream().map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+            Comm::from_rank(stream, pos, group.len(), Id::uninit(internal))
+                .map_err(|e| nccl_error(rank, format!("communicator of {group:?}: {e:?}")))
+        };
+        let all = mpi.everyone();
+        let everyone = (all.clone(), comm(&all)?);
+        let replicas = match mpi.replicas() {
+            Some(group) => Some((group.to_vec(), comm(group)?)),
+            None => None,
+        };
+        Ok(Self { rank, everyone, replicas })
+    }
+
+    /// Sums `data` over `group` in place.
+    pub fn all_reduce<T>(&self, group: &[usize], data: &mut [T]) -> Result<()>
+    where
+        T: cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy,
+    {
+        let comm = match &self.replicas {
+            Some((ranks, comm)) if ranks == group => comm,
+            _ if self.everyone.0 == group => &self.everyone.1,
+            _ => return Err(nccl_error(self.rank, format!("no communicator for the group {group:?}"))),
+        };
+        let err = |e: String| nccl_error(self.rank, e);
+        let stream = comm.stream();
+        for part in data.chunks_mut(super::collectives::max_chunk_elements(std::mem::size_of::<T>())) {
+            let mut buf = stream.clone_htod(&*part).map_err(|e| err(format!("{e:?}")))?;
+            comm.all_reduce_in_place(&mut buf, &cudarc::nccl::safe::ReduceOp::Sum)
+                .map_err(|e| err(format!("all-reduce: {e:?}")))?;
+            stream.memcpy_dtoh(&buf, part).map_err(|e| err(format!("{e:?}")))?;
+            stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
+        }
+        Ok(())
     }
 }

@@ -918,6 +918,8 @@ where
             }
             #[cfg(feature = "mpi")]
             Reducer::Mpi(groups) => T::mpi_all_reduce(groups, group, data),
+            #[cfg(feature = "nccl")]
+            Reducer::Nccl(groups) => T::nccl_all_reduce(groups, group, data),
         }
     }
 
