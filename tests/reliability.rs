@@ -72,7 +72,8 @@ fn keeps_the_newest_checkpoints_and_skips_damaged_ones() {
     let n = bytes.len();
     bytes[n - 3] ^= 0x5a;
     std::fs::write(&weights, bytes).unwrap();
-    let out = train(&["--steps", "6", "--resume"], &[&ck]);
+    // (A longer run than the checkpoint's: a change of --steps, said so.)
+    let out = train(&["--steps", "6", "--allow-change", "steps", "--resume"], &[&ck]);
     let s = summary(&out);
     assert_eq!(s["resumed_from_step"], 4);
     assert!(String::from_utf8_lossy(&out.stderr).contains("skipping damaged checkpoint"));
@@ -107,7 +108,7 @@ fn sigkill_while_checkpointing_leaves_the_previous_checkpoint_loadable() {
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         // Whatever was being written, the newest complete checkpoint verifies and training resumes.
-        let out = train(&["--steps", "401", "--stop-after", "401", "--resume"], &[&ck]);
+        let out = train(&["--steps", "401", "--stop-after", "401", "--allow-change", "steps", "--resume"], &[&ck]);
         let s = summary(&out);
         assert!(s["resumed_from_step"].as_u64().unwrap() >= 1);
     }
@@ -117,7 +118,7 @@ fn sigkill_while_checkpointing_leaves_the_previous_checkpoint_loadable() {
     let fake = ck.join("step-00009999");
     std::fs::create_dir_all(&fake).unwrap();
     std::fs::copy(newest.join("model.safetensors"), fake.join("model.safetensors")).unwrap();
-    let s = summary(&train(&["--steps", "10000", "--stop-after", "402", "--resume"], &[&ck]));
+    let s = summary(&train(&["--steps", "10000", "--stop-after", "402", "--allow-change", "steps", "--resume"], &[&ck]));
     assert_ne!(s["resumed_from_step"], 9999);
 }
 

@@ -316,7 +316,7 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "disagg", "--transport", "nccl"][..], "nccl"),
         (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
         (&["--placement", "disagg", "--allocation", "auto", "--transport", "mpi"][..], "transport local"),
-        (&["--placement", "disagg", "--checkpoint-dir", "/tmp/never"][..], "checkpoint_dir"),
+        (&["--placement", "disagg", "--allow-change", "model"][..], "allow_change"),
     ] {
         let out = bin()
             .args(["train", "--steps", "1", "--batch", "8", "--seq", "16", "--quiet"])

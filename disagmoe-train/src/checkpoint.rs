@@ -1,17 +1,32 @@
-//! Training checkpoints: everything needed to continue a run exactly where it stopped.
+//! Training checkpoints: everything needed to continue a run exactly where it stopped, under the
+//! placement that wrote it or any other.
 //!
-//! A checkpoint is a directory `step-<8 digits>` inside the checkpoint directory:
-//! - `config.json`, `model.safetensors`: the model, as a Hugging Face checkpoint (f32);
-//! - `optimizer.safetensors`: AdamW moments `exp_avg.<name>`, `exp_avg_sq.<name>` (f32);
-//! - `state.json`: [`TrainState`] (step, optimizer steps, data position, losses so far, seed);
-//! - `manifest.json`: the SHA-256 of every other file, written last.
+//! A checkpoint is a directory `step-<8 digits>` inside the checkpoint directory, laid out the same
+//! way whatever placement wrote it:
+//! - the model, as a Hugging Face directory (f32): `config.json` and `model.safetensors` (one
+//!   device), or one file per worker plus the stacked expert files and
+//!   `model.safetensors.index.json` (a distributed run, see `runtime::shards`); transformers loads
+//!   it either way;
+//! - `exp_avg/`, `exp_avg_sq/`: AdamW's two moments, each laid out exactly as the model (the same
+//!   tensor names and shapes, the same files), so that any placement reads its rows of the moments
+//!   the way it reads its rows of the weights;
+//! - `state.json`: [`TrainState`] (step, optimizer steps, data position, losses so far, and the
+//!   run's settings, which a resume checks);
+//! - `manifest.json`: the SHA-256 of every other file (paths relative to the checkpoint), written
+//!   last.
 //!
-//! It is written into `.step-<n>.partial`, every file synced, then renamed into place, so a crash
-//! (even SIGKILL) leaves either the previous checkpoints untouched or a partial directory that is
-//! never picked up. Loading verifies every checksum; [`latest_checkpoint`] skips incomplete or
-//! corrupted checkpoints. The last `keep` checkpoints are kept. The only randomness of a run is the
-//! seeded initialisation and the data order, a function of `(seed, epoch)`, so the seed and the data
-//! position are the RNG state.
+//! **Commit.** Everything is written into `.step-<n>.partial/`, each file synced by its writer. In
+//! a distributed run every worker writes its own tensors and moments and reports them durable to
+//! rank 0, which alone writes the indexes, `state.json` and the manifest ([`commit`]): it syncs the
+//! directories, moves an existing `step-<n>` aside, renames the partial directory into place, syncs
+//! the parent, and only then removes the old copy and prunes older checkpoints. A crash at any
+//! moment (even SIGKILL of one worker) leaves the previous checkpoints untouched and at worst a
+//! partial directory, which is never picked up; [`latest_checkpoint`] also skips any checkpoint
+//! whose files do not match its manifest.
+//!
+//! The only randomness of a run is the seeded initialisation and the data order, a function of
+//! `(seed, epoch)`, so the seed and the data position are the RNG state. Checkpoints of earlier
+//! versions (`optimizer.safetensors` with flattened moments) still resume on one device.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -21,11 +36,15 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use disagmoe_models::{CheckpointReader, HfCheckpoint, MoeCausalLm, TensorSink};
+use disagmoe_models::{CheckpointReader, HfCheckpoint, MoeCausalLm};
 
+use crate::config::RunConfig;
 use crate::data::DataPosition;
 use crate::error::{Result, TrainError};
-use crate::optim::AdamW;
+use crate::optim::{AdamW, Moment};
+
+/// Format tag of the manifest.
+pub const FORMAT: &str = "disagmoe-checkpoint-v2";
 
 /// Where a run is: what a checkpoint needs besides the weights and moments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -44,6 +63,158 @@ pub struct TrainState {
     pub seed: u64,
     /// Steps the run was configured for (the learning-rate schedule spans these).
     pub total_steps: usize,
+    /// The settings of the run that wrote it (absent in checkpoints of earlier versions).
+    #[serde(default)]
+    pub settings: Option<RunSettings>,
+    /// The placement that wrote it, for people (`single`, `disagg 2+2 in 2 groups`, `ep 4`).
+    #[serde(default)]
+    pub written_by: Option<String>,
+}
+
+/// The settings that make a run that run: a resume under different ones is refused unless the
+/// change is allowed by name (`--allow-change`). The placement, workers and transport are not
+/// among them (resuming under another is resharding).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSettings {
+    /// `--seed`.
+    pub seed: u64,
+    /// `--seq`.
+    pub seq: usize,
+    /// `--batch`.
+    pub batch: usize,
+    /// `--data` (the corpus file, or the bundled corpus).
+    pub data: String,
+    /// `--tokenizer` (a tokenizer.json, or the default).
+    pub tokenizer: String,
+    /// `--steps`.
+    pub steps: usize,
+    /// `--lr`.
+    pub lr: f64,
+    /// `--min-lr`.
+    pub min_lr: f64,
+    /// `--warmup-steps`, resolved.
+    pub warmup_steps: usize,
+    /// `--weight-decay`.
+    pub weight_decay: f64,
+    /// AdamW's betas and epsilon.
+    pub betas_eps: [f64; 3],
+    /// `--grad-clip`.
+    pub grad_clip: f64,
+    /// The model: its family and shape.
+    pub model: serde_json::Value,
+    /// Micro-batches per step (a change is reported, not refused: the balance loss is per
+    /// micro-batch, so it changes the objective slightly).
+    pub micro_batches: usize,
+}
+
+/// Settings a resume may change on request, as `--allow-change` takes them.
+pub const CHANGEABLE: &[&str] = &["seed", "seq", "batch", "data", "steps", "schedule"];
+
+impl RunSettings {
+    /// The settings of `cfg` (its model resolved without building it).
+    pub fn of(cfg: &RunConfig) -> Result<Self> {
+        let model = cfg.model.resolve()?;
+        let shape = model.model_shape("");
+        let o = &cfg.optimizer;
+        let schedule = o.lr_schedule(cfg.steps);
+        Ok(Self {
+            seed: cfg.seed,
+            seq: cfg.data.seq,
+            batch: cfg.data.batch,
+            data: cfg.data.path.as_ref().map_or_else(|| crate::data::BUNDLED_CORPUS_NAME.into(), |p| p.display().to_string()),
+            tokenizer: cfg.data.tokenizer.as_ref().map_or_else(|| "default".into(), |p| p.display().to_string()),
+            steps: cfg.steps,
+            lr: o.lr,
+            min_lr: o.min_lr,
+            warmup_steps: schedule.warmup,
+            weight_decay: o.weight_decay,
+            betas_eps: [o.beta1, o.beta2, o.eps],
+            grad_clip: o.grad_clip,
+            model: serde_json::json!({"model_type": model.model_type(), "shape": shape}),
+            micro_batches: cfg.micro_batches(),
+        })
+    }
+
+    /// Refuses a resume whose settings `now` differ from these (the checkpoint's) where the change
+    /// is not in `allowed`; the error names the setting, both values, and the flags that settle it.
+    pub fn check_resume(&self, now: &Self, allowed: &[String], checkpoint: &Path) -> Result<()> {
+        let allows = |name: &str| allowed.iter().any(|a| a == name);
+        let show = |v: &dyn std::fmt::Display| v.to_string();
+        // (allow-change name, flag, checkpoint's value, this run's value)
+        let pairs: Vec<(&str, &str, String, String)> = vec![
+            ("seed", "--seed", show(&self.seed), show(&now.seed)),
+            ("seq", "--seq", show(&self.seq), show(&now.seq)),
+            ("batch", "--batch", show(&self.batch), show(&now.batch)),
+            ("data", "--data", self.data.clone(), now.data.clone()),
+            ("data", "--tokenizer", self.tokenizer.clone(), now.tokenizer.clone()),
+            ("steps", "--steps", show(&self.steps), show(&now.steps)),
+            ("schedule", "--lr", show(&self.lr), show(&now.lr)),
+            ("schedule", "--min-lr", show(&self.min_lr), show(&now.min_lr)),
+            ("schedule", "--warmup-steps", show(&self.warmup_steps), show(&now.warmup_steps)),
+            ("schedule", "--weight-decay", show(&self.weight_decay), show(&now.weight_decay)),
+            ("schedule", "beta1/beta2/eps", format!("{:?}", self.betas_eps), format!("{:?}", now.betas_eps)),
+            ("schedule", "--grad-clip", show(&self.grad_clip), show(&now.grad_clip)),
+        ];
+        // A warm-up left at its default follows --steps: with the steps change allowed, it changes
+        // with them (reported) rather than counting as a schedule change.
+        let default = crate::config::optimizer::default_warmup;
+        let warmup_follows_steps = allows("steps")
+            && self.warmup_steps != now.warmup_steps
+            && self.warmup_steps == default(self.steps)
+            && now.warmup_steps == default(now.steps);
+        if warmup_follows_steps {
+            tracing::warn!(was = self.warmup_steps, now = now.warmup_steps, "the default warm-up follows --steps; pass --warmup-steps to keep it");
+        }
+        for (name, flag, was, is) in pairs {
+            if was != is && !allows(name) && !(flag == "--warmup-steps" && warmup_follows_steps) {
+                let extend = if name == "steps" { " (to extend the run; the learning-rate schedule then spans the new count)" } else { "" };
+                return Err(TrainError::Checkpoint {
+                    path: checkpoint.into(),
+                    message: format!(
+                        "was written by a run with {flag} {was}, this run has {flag} {is}; pass {flag} {was} to continue that run, or --allow-change {name} to change it on purpose{extend}"
+                    ),
+                });
+            }
+        }
+        if self.model != now.model {
+            let (was, is) = describe_model_difference(&self.model, &now.model);
+            return Err(TrainError::Checkpoint {
+                path: checkpoint.into(),
+                message: format!(
+                    "holds a different model ({was}; this run: {is}); pass the --model-preset, --model-config or --model-dir the run started with"
+                ),
+            });
+        }
+        if self.micro_batches != now.micro_batches {
+            tracing::warn!(
+                was = self.micro_batches,
+                now = now.micro_batches,
+                "micro-batches per step changed on resume: the balance loss is computed per micro-batch, so the objective changes slightly"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The first field in which two model descriptions differ, as `field value` for each.
+fn describe_model_difference(a: &serde_json::Value, b: &serde_json::Value) -> (String, String) {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String)> {
+        match (a, b) {
+            (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+                for (k, va) in x {
+                    let vb = y.get(k).unwrap_or(&serde_json::Value::Null);
+                    if va != vb {
+                        let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                        return walk(&p, va, vb).or(Some((format!("{p} {va}"), format!("{p} {vb}"))));
+                    }
+                }
+                None
+            }
+            _ if a != b => Some((format!("{path} {a}"), format!("{path} {b}"))),
+            _ => None,
+        }
+    }
+    walk("", a, b).unwrap_or_else(|| (a.to_string(), b.to_string()))
 }
 
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
@@ -64,11 +235,102 @@ fn sha256_file(path: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-fn step_dir_name(step: usize) -> String {
+/// Makes a directory's entries (created, renamed or removed files) durable.
+fn sync_dir(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|d| d.sync_all()).map_err(io("cannot sync directory", path))
+}
+
+/// The name of step `step`'s checkpoint directory.
+pub fn step_dir_name(step: usize) -> String {
     format!("step-{step:08}")
 }
 
-/// Writes a checkpoint of `step` into `dir` and keeps only the newest `keep`; returns its path.
+/// Where step `step`'s checkpoint is written before it is committed.
+pub fn partial_dir(dir: &Path, step: usize) -> PathBuf {
+    dir.join(format!(".{}.partial", step_dir_name(step)))
+}
+
+/// The directory of one moment inside a checkpoint.
+pub fn moment_dir(checkpoint: &Path, moment: Moment) -> PathBuf {
+    checkpoint.join(moment.name())
+}
+
+/// Phase 0 of a checkpoint: an empty `.step-<n>.partial` (a stale one from a crash removed).
+pub fn begin(dir: &Path, step: usize) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(io("cannot create checkpoint directory", dir))?;
+    let tmp = partial_dir(dir, step);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io("cannot remove stale partial checkpoint", &tmp))?;
+    }
+    for d in [tmp.clone(), moment_dir(&tmp, Moment::First), moment_dir(&tmp, Moment::Second)] {
+        std::fs::create_dir_all(&d).map_err(io("cannot create", &d))?;
+    }
+    Ok(tmp)
+}
+
+/// Every file under `root` (relative paths, `/`-separated), sorted.
+fn files_under(root: &Path) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).map_err(io("cannot list", &d))? {
+            let path = entry.map_err(io("cannot list", &d))?.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let rel = path.strip_prefix(root).expect("under the root");
+                out.push(rel.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/"));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Phase 2 of a checkpoint, once every file of `partial` is written and synced: `state.json`, the
+/// manifest, the directories synced, the checkpoint moved into place (see the module docs), and
+/// the checkpoints but the newest `keep` removed. Returns the checkpoint's path.
+pub fn commit(dir: &Path, partial: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {
+    let state_path = partial.join("state.json");
+    disagmoe_models::weights::write_atomically(&state_path, |t| {
+        std::fs::write(t, serde_json::to_vec_pretty(state).expect("state serialises"))
+    })?;
+    let mut files = BTreeMap::new();
+    for name in files_under(partial)? {
+        if name != "manifest.json" {
+            files.insert(name.clone(), sha256_file(&partial.join(&name))?);
+        }
+    }
+    let manifest = serde_json::json!({"format": FORMAT, "step": state.step, "sha256": files});
+    disagmoe_models::weights::write_atomically(&partial.join("manifest.json"), |t| {
+        std::fs::write(t, serde_json::to_vec_pretty(&manifest).expect("manifest serialises"))
+    })?;
+    for d in [moment_dir(partial, Moment::First), moment_dir(partial, Moment::Second), partial.to_path_buf()] {
+        if d.exists() {
+            sync_dir(&d)?;
+        }
+    }
+    let final_dir = dir.join(step_dir_name(state.step));
+    // Replacing a checkpoint of the same step: the old one moves aside (a name never picked up)
+    // and goes only once the new one is in place.
+    let aside = dir.join(format!(".{}.replaced", step_dir_name(state.step)));
+    if final_dir.exists() {
+        if aside.exists() {
+            std::fs::remove_dir_all(&aside).map_err(io("cannot remove", &aside))?;
+        }
+        std::fs::rename(&final_dir, &aside).map_err(io("cannot move aside", &final_dir))?;
+    }
+    std::fs::rename(partial, &final_dir).map_err(io("cannot move checkpoint into place", &final_dir))?;
+    sync_dir(dir)?;
+    if aside.exists() {
+        std::fs::remove_dir_all(&aside).map_err(io("cannot remove replaced checkpoint", &aside))?;
+    }
+    prune(dir, keep)?;
+    Ok(final_dir)
+}
+
+/// Writes a checkpoint of a one-device run (`model` and `optimizer` after `state.step`) into
+/// `dir` and keeps the newest `keep`; returns its path.
 pub fn save_checkpoint<B: AutodiffBackend>(
     dir: &Path,
     model: &MoeCausalLm<B>,
@@ -76,49 +338,12 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     state: &TrainState,
     keep: usize,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(io("cannot create checkpoint directory", dir))?;
-    let final_dir = dir.join(step_dir_name(state.step));
-    let tmp = dir.join(format!(".{}.partial", step_dir_name(state.step)));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io("cannot remove stale partial checkpoint", &tmp))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(io("cannot create", &tmp))?;
-    // 1. Weights and config (each file atomically, synced).
+    let tmp = begin(dir, state.step)?;
     model.save_pretrained(&tmp, usize::MAX)?;
-    // 2. Optimizer moments.
-    let mut moments = TensorSink::new();
-    optimizer.export_moments(&model.state_dict_names(), &mut moments);
-    let opt_dir = tmp.join("optimizer");
-    moments.write(&opt_dir, usize::MAX)?;
-    std::fs::rename(opt_dir.join("model.safetensors"), tmp.join("optimizer.safetensors"))
-        .map_err(io("cannot move", &opt_dir))?;
-    std::fs::remove_dir_all(&opt_dir).map_err(io("cannot remove", &opt_dir))?;
-    // 3. State.
-    let state_path = tmp.join("state.json");
-    disagmoe_models::weights::write_atomically(&state_path, |t| {
-        std::fs::write(t, serde_json::to_vec_pretty(state).expect("state serialises"))
-    })?;
-    // 4. Manifest last: checksums of everything above.
-    let mut files = BTreeMap::new();
-    for entry in std::fs::read_dir(&tmp).map_err(io("cannot list", &tmp))? {
-        let path = entry.map_err(io("cannot list", &tmp))?.path();
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        files.insert(name, sha256_file(&path)?);
+    for moment in Moment::BOTH {
+        optimizer.moments_as(model.clone(), moment).save_pretrained(moment_dir(&tmp, moment), usize::MAX)?;
     }
-    let manifest = serde_json::json!({"format": "disagmoe-checkpoint-v1", "step": state.step, "sha256": files});
-    disagmoe_models::weights::write_atomically(&tmp.join("manifest.json"), |t| {
-        std::fs::write(t, serde_json::to_vec_pretty(&manifest).expect("manifest serialises"))
-    })?;
-    // 5. Into place, then make the rename durable.
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(io("cannot replace", &final_dir))?;
-    }
-    std::fs::rename(&tmp, &final_dir).map_err(io("cannot move checkpoint into place", &final_dir))?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    prune(dir, keep)?;
-    Ok(final_dir)
+    commit(dir, &tmp, state, keep)
 }
 
 fn complete_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
@@ -197,7 +422,17 @@ pub fn read_state(path: &Path) -> Result<TrainState> {
         .map_err(|e| TrainError::Checkpoint { path: state_path.clone(), message: format!("state.json: {e}") })
 }
 
-/// Loads a verified checkpoint: the model, the optimizer moments into `optimizer`, and the state.
+/// The single file of flattened moments of checkpoints written before v2.
+const LEGACY_MOMENTS: &str = "optimizer.safetensors";
+
+/// Whether `path` is a checkpoint of an earlier version (moments in one file, flattened), which
+/// only a one-device run can resume.
+pub fn is_legacy(path: &Path) -> bool {
+    path.join(LEGACY_MOMENTS).exists() && !moment_dir(path, Moment::First).exists()
+}
+
+/// Loads a verified checkpoint on one device: the model, the optimizer moments into `optimizer`,
+/// and the state. Any placement may have written it.
 pub fn load_checkpoint<B: AutodiffBackend>(
     path: &Path,
     optimizer: &mut AdamW<B>,
@@ -206,8 +441,70 @@ pub fn load_checkpoint<B: AutodiffBackend>(
     verify_checkpoint(path)?;
     let model = MoeCausalLm::<B>::from_pretrained(path, device)?;
     let state = read_state(path)?;
-    let mut reader = CheckpointReader::open_file(path.join("optimizer.safetensors"))?;
-    optimizer.import_moments(&mut reader, &model.state_dict_names(), device)?;
+    if is_legacy(path) {
+        let mut reader = CheckpointReader::open_file(path.join(LEGACY_MOMENTS))?;
+        optimizer.import_moments(&mut reader, &model.state_dict_names(), device)?;
+    } else {
+        let m = MoeCausalLm::<B>::from_pretrained(moment_dir(path, Moment::First), device)?;
+        let v = MoeCausalLm::<B>::from_pretrained(moment_dir(path, Moment::Second), device)?;
+        optimizer.import_moment_modules(&model, &m, &v)?;
+    }
     optimizer.set_steps_taken(state.optimizer_steps);
     Ok((model, state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(steps: usize, warmup_steps: usize) -> RunSettings {
+        RunSettings {
+            seed: 1,
+            seq: 32,
+            batch: 8,
+            data: "corpus".into(),
+            tokenizer: "default".into(),
+            steps,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps,
+            weight_decay: 0.1,
+            betas_eps: [0.9, 0.95, 1e-8],
+            grad_clip: 1.0,
+            model: serde_json::json!({"model_type": "qwen3_moe", "shape": {"layers": 2}}),
+            micro_batches: 4,
+        }
+    }
+
+    fn check(was: &RunSettings, now: &RunSettings, allowed: &[&str]) -> std::result::Result<(), String> {
+        let allowed: Vec<String> = allowed.iter().map(|s| s.to_string()).collect();
+        was.check_resume(now, &allowed, Path::new("ck/step-00000005")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_changed_setting_is_refused_naming_it_unless_allowed() {
+        let was = settings(400, 40);
+        let mut now = settings(400, 40);
+        now.seed = 2;
+        let err = check(&was, &now, &[]).unwrap_err();
+        assert!(err.contains("--seed 1") && err.contains("--seed 2") && err.contains("--allow-change seed"), "{err}");
+        assert!(check(&was, &now, &["seed"]).is_ok());
+        let mut now = settings(400, 40);
+        now.model = serde_json::json!({"model_type": "qwen3_moe", "shape": {"layers": 3}});
+        let err = check(&was, &now, &["seed", "seq", "batch", "data", "steps", "schedule"]).unwrap_err();
+        assert!(err.contains("layers 2") && err.contains("layers 3"), "{err}");
+    }
+
+    #[test]
+    fn a_default_warmup_follows_an_allowed_steps_change_and_an_explicit_one_does_not() {
+        let was = settings(400, crate::config::optimizer::default_warmup(400));
+        let now = settings(10_000, crate::config::optimizer::default_warmup(10_000));
+        assert!(check(&was, &now, &[]).unwrap_err().contains("--steps 400"));
+        assert!(check(&was, &now, &["steps"]).is_ok());
+        // An explicit warm-up that differs is a schedule change.
+        let now = settings(10_000, 7);
+        let err = check(&was, &now, &["steps"]).unwrap_err();
+        assert!(err.contains("--warmup-steps 40") && err.contains("--allow-change schedule"), "{err}");
+        assert!(check(&was, &now, &["steps", "schedule"]).is_ok());
+    }
 }

@@ -21,12 +21,12 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
 pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
     crate::backend::keep_freed_memory();
-    let (mut engine, resumed): (Box<dyn StepEngine>, _) = if cfg.parallel.distributed() {
-        (crate::runtime::start::<B>(cfg, device)?, None)
+    // A checkpoint resumes under any placement, whichever wrote it.
+    let resumed = resume_point(cfg)?;
+    let mut engine: Box<dyn StepEngine> = if cfg.parallel.distributed() {
+        crate::runtime::start::<B>(cfg, device, resumed.as_ref())?
     } else {
-        let resumed = resume_point(cfg)?;
-        let engine = SingleDevice::<B>::new(cfg, device, resumed.as_ref().map(|(path, _)| path.as_path()))?;
-        (Box::new(engine), resumed.map(|(_, state)| state))
+        Box::new(SingleDevice::<B>::new(cfg, device, resumed.as_ref().map(|(path, _)| path.as_path()))?)
     };
-    crate::trainer::run(cfg, engine.as_mut(), resumed, stop)
+    crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
 }

@@ -106,6 +106,28 @@ impl JsonlWriter {
     }
 }
 
+/// Drops the lines of `path` whose `step` is past `step` (the steps a resumed run is about to do
+/// again), atomically; nothing to do when the file does not exist.
+pub fn truncate_after(path: &Path, step: usize) -> Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => return Err(TrainError::Io { action: "cannot read metrics file", path: path.into(), source }),
+    };
+    let keep = |line: &str| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+            .is_some_and(|s| s as usize <= step)
+    };
+    let kept: String = text.lines().filter(|l| keep(l)).map(|l| format!("{l}\n")).collect();
+    if kept.len() == text.len() {
+        return Ok(());
+    }
+    disagmoe_models::weights::write_atomically(path, |tmp| std::fs::write(tmp, kept.as_bytes()))?;
+    Ok(())
+}
+
 /// Memory the system can still give this process, bytes (`MemAvailable` of `/proc/meminfo`; 8 GiB
 /// where the system does not say).
 pub fn available_memory_bytes() -> usize {
@@ -139,6 +161,22 @@ pub fn peak_rss_mb() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_drops_the_steps_after_its_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let lines: String = (1..=7).map(|s| format!("{{\"step\":{s},\"loss\":1.0}}\n")).collect();
+        std::fs::write(&path, lines).unwrap();
+        truncate_after(&path, 5).unwrap();
+        let steps: Vec<u64> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps, vec![1, 2, 3, 4, 5]);
+        truncate_after(&dir.path().join("none.jsonl"), 3).unwrap();
+    }
 
     #[test]
     fn load_ratio_and_dead_experts() {

@@ -57,6 +57,62 @@ struct Moments<B: Backend> {
     v: Tensor<B, 1>,
 }
 
+/// One of AdamW's two moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moment {
+    /// The running mean of the gradients (`exp_avg`).
+    First,
+    /// The running mean of their squares (`exp_avg_sq`).
+    Second,
+}
+
+impl Moment {
+    /// Both, in order.
+    pub const BOTH: [Moment; 2] = [Moment::First, Moment::Second];
+
+    /// PyTorch's name of the moment (the directory of a checkpoint that holds it).
+    pub fn name(self) -> &'static str {
+        match self {
+            Moment::First => "exp_avg",
+            Moment::Second => "exp_avg_sq",
+        }
+    }
+}
+
+/// Replaces every parameter's value with its moment (zeros where there is none yet).
+struct MomentsOf<'a, B: AutodiffBackend> {
+    state: &'a HashMap<ParamId, Moments<B::InnerBackend>>,
+    moment: Moment,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for MomentsOf<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.dims();
+        let value = match self.state.get(&id) {
+            Some(Moments { m, v }) => {
+                let t = if self.moment == Moment::First { m } else { v };
+                t.clone().reshape(shape)
+            }
+            None => Tensor::zeros(shape, &tensor.device()),
+        };
+        Param::from_mapped_value(id, Tensor::from_inner(value), mapper)
+    }
+}
+
+/// Every float parameter of a module, flattened, in visiting order.
+struct Flat<B: AutodiffBackend> {
+    out: Vec<(ParamId, Tensor<B::InnerBackend, 1>)>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Flat<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val().inner();
+        let n = t.dims().iter().product::<usize>();
+        self.out.push((param.id, t.reshape([n])));
+    }
+}
+
 /// AdamW over any Burn module.
 pub struct AdamW<B: AutodiffBackend> {
     settings: AdamWSettings,
@@ -244,18 +300,41 @@ impl<B: AutodiffBackend> AdamW<B> {
         self.step = steps;
     }
 
-    /// The moments under `exp_avg.<name>` and `exp_avg_sq.<name>` (flattened, f32), for a
-    /// checkpoint; `names` maps parameter ids to Hugging Face names.
-    pub fn export_moments(&self, names: &HashMap<ParamId, String>, sink: &mut disagmoe_models::TensorSink) {
-        for (id, Moments { m, v }) in &self.state {
-            if let Some(name) = names.get(id) {
-                sink.put(format!("exp_avg.{name}"), m.clone());
-                sink.put(format!("exp_avg_sq.{name}"), v.clone());
-            }
-        }
+    /// A copy of `module` whose parameters hold one of their moments (zeros for a parameter not
+    /// updated yet): saved like the module itself, with its names, shapes and sharding.
+    pub fn moments_as<M: AutodiffModule<B>>(&self, module: M, moment: Moment) -> M {
+        module.map(&mut MomentsOf::<B> { state: &self.state, moment })
     }
 
-    /// Loads moments written by [`AdamW::export_moments`] for the parameters of a (re)loaded model.
+    /// Takes the moments of `module`'s parameters from `m` and `v`, modules of the same structure
+    /// whose parameters hold them (as [`AdamW::moments_as`] makes and a checkpoint loads them).
+    pub fn import_moment_modules<M: AutodiffModule<B>>(&mut self, module: &M, m: &M, v: &M) -> crate::error::Result<()> {
+        let flat = |x: &M| {
+            let mut f = Flat::<B> { out: Vec::new() };
+            x.visit(&mut f);
+            f.out
+        };
+        let (params, ms, vs) = (flat(module), flat(m), flat(v));
+        if params.len() != ms.len() || params.len() != vs.len() {
+            return Err(crate::error::TrainError::option(
+                "resume",
+                format!("the checkpoint's moments hold {} and {} tensors, the model {}", ms.len(), vs.len(), params.len()),
+            ));
+        }
+        for (((id, p), (_, m)), (_, v)) in params.into_iter().zip(ms).zip(vs) {
+            if p.dims() != m.dims() || p.dims() != v.dims() {
+                return Err(crate::error::TrainError::option(
+                    "resume",
+                    format!("a moment of the checkpoint has {:?} values, its parameter {:?}", m.dims(), p.dims()),
+                ));
+            }
+            self.state.insert(id, Moments { m, v });
+        }
+        Ok(())
+    }
+
+    /// Loads the moments of a checkpoint of an earlier version (`exp_avg.<name>` and
+    /// `exp_avg_sq.<name>`, flattened, in one file) for the parameters of a (re)loaded model.
     pub fn import_moments(
         &mut self,
         ckpt: &mut disagmoe_models::CheckpointReader,

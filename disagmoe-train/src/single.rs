@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -123,7 +124,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport> {
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport> {
         let t0 = std::time::Instant::now();
         let mbs = self.micro_batches;
         let per = batch.len() / mbs;
@@ -191,6 +192,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             skipped: !finite,
             expert_counts: sums.counts,
             timing: StepTiming { compute_s: t0.elapsed().as_secs_f64(), ..Default::default() },
+            stop: stop.load(Ordering::SeqCst),
         })
     }
 

@@ -23,11 +23,15 @@ pub struct CheckpointOptions {
     /// End the run after this step with a checkpoint, as a job cut off by its scheduler (the
     /// learning-rate schedule still spans `steps`).
     pub stop_after: Option<usize>,
+    /// Settings a resume may change on purpose (`seed`, `seq`, `batch`, `data`, `steps`,
+    /// `schedule`); any other difference from the checkpoint's run is refused (flag
+    /// `--allow-change`, repeatable).
+    pub allow_change: Vec<String>,
 }
 
 impl Default for CheckpointOptions {
     fn default() -> Self {
-        Self { dir: None, every: 0, keep: 3, resume: None, stop_after: None }
+        Self { dir: None, every: 0, keep: 3, resume: None, stop_after: None, allow_change: Vec::new() }
     }
 }
 
@@ -36,6 +40,14 @@ impl CheckpointOptions {
     pub fn validate(&self, steps: usize) -> Result<()> {
         if self.keep == 0 {
             return Err(TrainError::option("keep_checkpoints", "must be at least 1"));
+        }
+        for c in &self.allow_change {
+            if !crate::checkpoint::CHANGEABLE.contains(&c.as_str()) {
+                return Err(TrainError::option(
+                    "allow_change",
+                    format!("`{c}` is not a setting a resume may change; allowed: {}", crate::checkpoint::CHANGEABLE.join(", ")),
+                ));
+            }
         }
         if let Some(n) = self.stop_after {
             if n == 0 || n > steps {

@@ -38,6 +38,45 @@ pub struct WorkerFault {
     pub exit: bool,
 }
 
+/// Where in writing a checkpoint a worker is killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointMoment {
+    /// After its model tensors, before its moments.
+    Writing,
+    /// After all its files, before reporting them.
+    Written,
+    /// Rank 0: after the indexes, before `state.json`, the manifest and the rename.
+    Indexed,
+    /// Rank 0: after the rename, before pruning and telling the others.
+    Committed,
+}
+
+/// One worker is killed (SIGKILL, the whole process) while a checkpoint is written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointKill {
+    /// The worker's rank.
+    pub worker: usize,
+    /// The checkpoint's step.
+    pub step: usize,
+    /// When.
+    pub at: CheckpointMoment,
+}
+
+impl CheckpointKill {
+    /// Kills this process if `rank` is the worker and this is the moment.
+    pub fn maybe(&self, rank: usize, step: usize, at: CheckpointMoment) {
+        if self.worker == rank && self.step == step && self.at == at {
+            eprintln!("worker {rank}: killed while writing the checkpoint of step {step} ({at:?}; fault injection)");
+            // SAFETY: sends a signal to this process; no memory is touched.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    }
+}
+
 /// The faults a test injects into a run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -46,6 +85,8 @@ pub struct FaultPlan {
     pub inject_nonfinite: Option<FaultInjection>,
     /// One worker of a distributed run fails.
     pub fail_worker: Option<WorkerFault>,
+    /// One worker is killed while a checkpoint is written.
+    pub kill_in_checkpoint: Option<CheckpointKill>,
 }
 
 impl FaultPlan {
@@ -60,6 +101,6 @@ impl FaultPlan {
 
     /// Whether any fault is planned.
     pub fn any(&self) -> bool {
-        self.inject_nonfinite.is_some() || self.fail_worker.is_some()
+        self.inject_nonfinite.is_some() || self.fail_worker.is_some() || self.kill_in_checkpoint.is_some()
     }
 }

@@ -6,7 +6,7 @@
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
-//! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after` |
+//! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
 //! | `[precision]` | [`PrecisionOptions`] | `on_nonfinite` |
 //!
@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 pub use self::checkpoint::CheckpointOptions;
 pub use self::data::DataOptions;
-pub use self::faults::{FaultInjection, FaultPlan, WorkerFault};
+pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPlan, WorkerFault};
 pub use self::model::ModelOptions;
 pub use self::optimizer::OptimizerOptions;
 pub use self::parallel::{AllocationMode, ParallelOptions, Placement, TransportKind};
@@ -125,6 +125,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("keep_checkpoints", "keep"),
             ("resume", "resume"),
             ("stop_after", "stop_after"),
+            ("allow_change", "allow_change"),
         ],
     ),
     (

@@ -87,7 +87,13 @@ impl OptimizerOptions {
 
     /// The learning-rate schedule of a run of `steps` steps.
     pub fn lr_schedule(&self, steps: usize) -> LrSchedule {
-        let warmup = self.warmup_steps.unwrap_or_else(|| (steps / 10).min(100));
+        let warmup = self.warmup_steps.unwrap_or_else(|| default_warmup(steps));
         LrSchedule { peak: self.lr, min: self.min_lr, warmup, total: steps }
     }
+}
+
+/// The warm-up of a run of `steps` steps when `--warmup-steps` is not given: a tenth of the run,
+/// at most 100 steps.
+pub fn default_warmup(steps: usize) -> usize {
+    (steps / 10).min(100)
 }

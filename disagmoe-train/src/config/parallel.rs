@@ -125,6 +125,22 @@ impl ParallelOptions {
         })
     }
 
+    /// The placement for people: `single`, `disagg 2+2 in 2 groups (mpi)`, `ep 4`.
+    pub fn describe(&self) -> String {
+        let transport = match self.transport {
+            TransportKind::Local => "",
+            TransportKind::Mpi => " (mpi)",
+            TransportKind::Nccl => " (nccl)",
+        };
+        match self.placement {
+            Placement::Single => "single".into(),
+            Placement::Disagg => {
+                format!("disagg {}+{} in {} groups{transport}", self.attn_workers, self.ffn_workers, self.groups)
+            }
+            Placement::Ep => format!("ep {}{transport}", self.workers),
+        }
+    }
+
     /// Whether the run is distributed over workers.
     pub fn distributed(&self) -> bool {
         self.placement != Placement::Single

@@ -8,7 +8,8 @@
 //! failure before errors that only relay another's, and those before time-outs of workers left
 //! waiting. Under MPI the failing process takes the whole job down (`MPI_Abort`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -20,7 +21,7 @@ use disagmoe_models::{Experts, FamilyConfig, Router, TrainModule};
 
 use super::collectives::Reducer;
 use super::layout::Layout;
-use super::part::build_part;
+use super::part::{build_part, WeightSource};
 use super::trace::{write_chrome_trace, TraceEvent};
 use super::transport::{local_endpoints, Endpoint, Port};
 use super::worker::{StepOutcome, Worker};
@@ -28,7 +29,7 @@ use super::{link_model, Shared};
 use crate::checkpoint::TrainState;
 use crate::config::TransportKind;
 use crate::error::{Result, TrainError};
-use crate::optim::AdamW;
+use crate::optim::{AdamW, Moment};
 use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 
 /// What the engine reports about the model.
@@ -40,8 +41,10 @@ pub(crate) struct RunFacts {
 enum Command {
     /// Count the parameters held (after every worker has built its part).
     Start,
-    Step { step: usize, batch: Arc<Vec<Vec<i64>>>, lr: f64 },
-    Finish { out: Option<std::path::PathBuf>, traces: bool },
+    Step { step: usize, batch: Arc<Vec<Vec<i64>>>, lr: f64, stop: bool },
+    /// Write a training checkpoint (every worker its part, rank 0 commits).
+    Checkpoint { dir: PathBuf, state: Box<TrainState>, keep: usize },
+    Finish { out: Option<PathBuf>, traces: bool },
 }
 
 /// What the workers report once built: parameters by rank, and of the whole model.
@@ -60,6 +63,7 @@ pub(crate) struct FinalParts {
 enum Reply {
     Start(Result<StartReport>),
     Step(Result<StepOutcome>),
+    Checkpoint(Result<PathBuf>),
     Finish(Result<FinalParts>),
 }
 
@@ -156,7 +160,22 @@ impl Distributed {
                     let mut settings = shared.settings.clone();
                     let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
                     settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
-                    let opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
+                    let mut opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
+                    if let Some((path, steps)) = &shared.resume {
+                        // The moments of this worker's tensors, read like its weights.
+                        let moments = Moment::BOTH.map(|m| {
+                            let source = WeightSource::Checkpoint(crate::checkpoint::moment_dir(path, m));
+                            build_part::<B, C>(&config, &shared.layout, rank, &source, &device)
+                        });
+                        let [first, second] = moments;
+                        let loaded = first.and_then(|m| second.and_then(|v| opt.import_moment_modules(&part, &m, &v)));
+                        if let Err(e) = loaded {
+                            let _ = rx.recv();
+                            let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                            return;
+                        }
+                        opt.set_steps_taken(*steps);
+                    }
                     let trace = shared.cfg.parallel.trace.is_some();
                     let worker = Worker::new(
                         shared.layout.clone(),
@@ -194,7 +213,7 @@ impl Distributed {
             commands,
             replies,
             handles,
-            optimizer_steps: 0,
+            optimizer_steps: shared.resume.as_ref().map_or(0, |(_, steps)| *steps),
             peak_rss_mb_per_rank: Vec::new(),
             #[cfg(feature = "mpi")]
             process,
@@ -227,7 +246,7 @@ impl Distributed {
         let mut ok = Vec::new();
         for (rank, reply) in replies {
             let err = match reply {
-                Reply::Start(Err(e)) | Reply::Step(Err(e)) | Reply::Finish(Err(e)) => e,
+                Reply::Start(Err(e)) | Reply::Step(Err(e)) | Reply::Checkpoint(Err(e)) | Reply::Finish(Err(e)) => e,
                 other => {
                     ok.push((rank, other));
                     continue;
@@ -292,10 +311,18 @@ fn serve<B, A, R, X>(
                 let failed = r.is_err();
                 (Reply::Start(r), failed)
             }
-            Command::Step { step, batch, lr } => {
-                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr));
+            Command::Step { step, batch, lr, stop } => {
+                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr, stop));
                 let failed = r.is_err();
                 (Reply::Step(r), failed)
+            }
+            Command::Checkpoint { dir, state, keep } => {
+                let r = guarded(shared, &mut worker, |w| {
+                    let kill = shared.cfg.faults.kill_in_checkpoint.clone();
+                    w.checkpoint(&dir, &state, keep, &shared.hf_config, kill.as_ref())
+                });
+                let failed = r.is_err();
+                (Reply::Checkpoint(r), failed)
             }
             Command::Finish { out, traces } => {
                 let r = guarded(shared, &mut worker, |w| {
@@ -353,9 +380,12 @@ impl StepEngine for Distributed {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport> {
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport> {
         let batch = Arc::new(batch.to_vec());
-        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr })?;
+        // Read as the step starts: the workers add it up at the step's end, so every worker (and
+        // every process) stops after the same step.
+        let stop = stop.load(Ordering::SeqCst);
+        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr, stop })?;
         let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
             unreachable!("every worker replied to the step")
         };
@@ -375,6 +405,7 @@ impl StepEngine for Distributed {
                 compute_s: out.compute_s,
                 link_s: out.link_s,
             },
+            stop: out.stop,
         })
     }
 
@@ -382,11 +413,12 @@ impl StepEngine for Distributed {
         self.optimizer_steps
     }
 
-    fn save_checkpoint(&mut self, dir: &Path, _state: &TrainState, _keep: usize) -> Result<std::path::PathBuf> {
-        Err(TrainError::Checkpoint {
-            path: dir.into(),
-            message: format!("training checkpoints of placement {} are not supported yet", self.info.placement),
-        })
+    fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {
+        let replies = self.round(|| Command::Checkpoint { dir: dir.into(), state: Box::new(state.clone()), keep })?;
+        let Some((_, Reply::Checkpoint(Ok(path)))) = replies.into_iter().next() else {
+            unreachable!("every worker replied to the checkpoint")
+        };
+        Ok(path)
     }
 
     fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {

@@ -121,12 +121,15 @@ impl LayerInput {
         self.residual.is_some() && self.partials.len() == holders
     }
 
-    /// N2M: the residual plus every holder's share, added on the host.
+    /// N2M: the residual plus every holder's share, added on the host in holder order (whatever
+    /// order they arrived in, so a run's sums are reproducible).
     pub fn assemble(self) -> Assembled {
         let ResidualIn { x: mut h, aux } = self.residual.expect("an input is assembled once complete");
         let m = *h.shape.last().expect("[T, M]");
-        let mut from = Vec::with_capacity(self.partials.len());
-        for Partial { holder, tokens, out } in self.partials {
+        let mut partials = self.partials;
+        partials.sort_by_key(|p| p.holder);
+        let mut from = Vec::with_capacity(partials.len());
+        for Partial { holder, tokens, out } in partials {
             for (i, &t) in tokens.iter().enumerate() {
                 let dst = &mut h.data[t as usize * m..(t as usize + 1) * m];
                 for (d, s) in dst.iter_mut().zip(&out.data[i * m..(i + 1) * m]) {

@@ -24,6 +24,7 @@ pub mod trace;
 pub mod transport;
 pub mod worker;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,6 +37,7 @@ use self::layout::Layout;
 use self::part::WeightSource;
 use self::transport::LinkModel;
 use self::worker::StepSettings;
+use crate::checkpoint::TrainState;
 use crate::config::{NonFinitePolicy, Placement, RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 use crate::single::with_aux_loss;
@@ -63,6 +65,8 @@ pub(crate) struct Shared<B: AutodiffBackend> {
     pub(crate) source: WeightSource,
     /// The model's `config.json` (rank 0 writes it with the final model).
     pub(crate) hf_config: serde_json::Value,
+    /// The checkpoint the run resumes from (its moments are read too) and its optimizer steps.
+    pub(crate) resume: Option<(PathBuf, u64)>,
 }
 
 /// Bytes of activations one micro-batch of `tokens` tokens keeps alive on an attention worker
@@ -118,19 +122,10 @@ pub(crate) fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
 
 /// Checks the options a distributed run cannot honour yet.
 fn check_distributed(cfg: &RunConfig) -> Result<()> {
-    let unsupported = [
-        ("checkpoint_dir", cfg.checkpoint.dir.is_some()),
-        ("resume", cfg.checkpoint.resume.is_some()),
-        ("stop_after", cfg.checkpoint.stop_after.is_some()),
-        ("inject_nonfinite", cfg.faults.inject_nonfinite.is_some()),
-    ];
-    if let Some((field, _)) = unsupported.iter().find(|(_, set)| *set) {
+    if cfg.faults.inject_nonfinite.is_some() {
         return Err(TrainError::option(
-            *field,
-            format!(
-                "is only supported with placement single for now, got placement {}",
-                cfg.parallel.placement.name()
-            ),
+            "inject_nonfinite",
+            format!("is only supported with placement single for now, got placement {}", cfg.parallel.placement.name()),
         ));
     }
     match cfg.parallel.transport {
@@ -153,11 +148,27 @@ fn check_distributed(cfg: &RunConfig) -> Result<()> {
 }
 
 /// Starts the workers of a `disagg` or `ep` run that live in this process and returns them as the
-/// run's step engine.
-pub fn start<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<Box<dyn StepEngine>> {
+/// run's step engine: from the checkpoint `resume` (written by any placement) when given, each
+/// worker reading only its tensors and moments.
+pub fn start<B: AutodiffBackend>(
+    cfg: &RunConfig,
+    device: &B::Device,
+    resume: Option<&(PathBuf, TrainState)>,
+) -> Result<Box<dyn StepEngine>> {
     check_distributed(cfg)?;
-    let model = cfg.model.resolve()?;
-    model.visit(Starter::<B> { cfg, device, model: &model })
+    let model = match resume {
+        Some((path, _)) => {
+            if crate::checkpoint::is_legacy(path) {
+                return Err(TrainError::Checkpoint {
+                    path: path.clone(),
+                    message: "was written by an earlier version (optimizer.safetensors); resume it with --placement single, whose next checkpoint any placement can resume".into(),
+                });
+            }
+            ModelConfig::from_file(path.join("config.json"))?
+        }
+        None => cfg.model.resolve()?,
+    };
+    model.visit(Starter::<B> { cfg, device, model: &model, resume })
 }
 
 /// [`start`] with the family's concrete types.
@@ -165,6 +176,7 @@ struct Starter<'a, B: AutodiffBackend> {
     cfg: &'a RunConfig,
     device: &'a B::Device,
     model: &'a ModelConfig,
+    resume: Option<&'a (PathBuf, TrainState)>,
 }
 
 impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
@@ -176,15 +188,16 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         C::Router<B>: TrainModule<B>,
         C::Experts<B>: TrainModule<B>,
     {
-        let Self { cfg, device, model } = self;
+        let Self { cfg, device, model, resume } = self;
         let layers = config.dims().num_hidden_layers;
         let mut layout = layout_of(cfg, layers, config.routed_experts())?;
         layout.shared_experts = (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
         layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
         let rope = config.rope().tables::<B>(cfg.data.seq, device);
-        let source = match &cfg.model.dir {
-            Some(dir) => WeightSource::Checkpoint(dir.clone()),
-            None => WeightSource::Seed(cfg.seed),
+        let source = match (resume, &cfg.model.dir) {
+            (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),
+            (None, Some(dir)) => WeightSource::Checkpoint(dir.clone()),
+            (None, None) => WeightSource::Seed(cfg.seed),
         };
         let d = config.dims();
         let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size);
@@ -195,6 +208,7 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
             rope,
             source,
             hf_config: model.to_hf_json(),
+            resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
         });
         let facts = engine::RunFacts { model_type: model.model_type(), vocab_size: model.vocab_size() };
         engine::Distributed::start(shared, config.clone(), facts, device)

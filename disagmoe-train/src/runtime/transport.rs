@@ -164,7 +164,7 @@ pub enum Msg {
     /// Trace events of a worker, gathered at the end.
     Trace(Vec<super::trace::TraceEvent>),
     /// The files a worker wrote of the final model, reported to rank 0.
-    Shards(ShardReport),
+    Shards(Vec<ShardReport>),
     /// Stops an endpoint's receiving thread.
     Shutdown,
 }
@@ -187,7 +187,7 @@ impl Msg {
             Msg::Reduce { data, .. } => data.bytes(),
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
-            Msg::Shards(r) => r.files.iter().map(|(t, f)| t.len() + f.len()).sum(),
+            Msg::Shards(r) => r.iter().flat_map(|r| &r.files).map(|(t, f)| t.len() + f.len()).sum(),
             Msg::Shutdown => 0,
         }
     }

@@ -22,7 +22,7 @@
 //! the wire (`in_flight_wait_s`), the part before for data a peer had not computed yet.
 
 use std::collections::{HashMap, VecDeque};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -46,8 +46,10 @@ use super::layout::{Layout, Placement};
 use super::shards::{write_index, write_shards, ShardReport};
 use super::trace::{Tracer, COMM, COMPUTE};
 use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Port};
+use crate::checkpoint::{self, TrainState};
+use crate::config::{CheckpointKill, CheckpointMoment};
 use crate::error::{Result, TrainError};
-use crate::optim::{grad_norm, sum_of_squares, AdamW};
+use crate::optim::{grad_norm, sum_of_squares, AdamW, Moment};
 
 /// Settings every worker shares.
 #[derive(Debug, Clone)]
@@ -101,6 +103,8 @@ pub struct StepOutcome {
     pub link_s: f64,
     /// Routed copies per expert of every MoE layer, in layer order.
     pub expert_counts: Vec<Vec<usize>>,
+    /// Some worker was asked to stop: every worker ends the run after this step.
+    pub stop: bool,
 }
 
 #[derive(Debug)]
@@ -126,6 +130,49 @@ enum Task {
         layer: usize,
         g: HostTensor,
     },
+}
+
+/// The order of a worker's backward tasks: the head's, and each layer's (attention or experts),
+/// micro-batches in increasing order. Every parameter's gradient is then the sum of the same terms
+/// in the same order, whatever order the messages arrived in: a run is bit-reproducible (which an
+/// exact resume needs). It never deadlocks: the lowest waiting micro-batch of a layer depends only
+/// on lower or equal micro-batches.
+#[derive(Debug, Default)]
+struct BackwardOrder {
+    /// (kind, layer) -> micro-batches still to run, in order.
+    next: HashMap<(u8, usize), VecDeque<usize>>,
+}
+
+impl BackwardOrder {
+    const HEAD: u8 = 0;
+    const ATTN: u8 = 1;
+    const FFN: u8 = 2;
+
+    fn key(task: &Task) -> Option<((u8, usize), usize)> {
+        match task {
+            Task::Head { mb } => Some(((Self::HEAD, 0), *mb)),
+            Task::AttnBwd { mb, layer } => Some(((Self::ATTN, *layer), *mb)),
+            Task::FfnBwd { mb, layer, .. } => Some(((Self::FFN, *layer), *mb)),
+            Task::AttnFwd { .. } | Task::FfnFwd { .. } => None,
+        }
+    }
+
+    /// Whether `task` may run now.
+    fn allows(&self, task: &Task) -> bool {
+        match Self::key(task) {
+            Some((key, mb)) => self.next.get(&key).and_then(|q| q.front()) == Some(&mb),
+            None => true,
+        }
+    }
+
+    /// Records that `task` runs.
+    fn ran(&mut self, task: &Task) {
+        if let Some((key, _)) = Self::key(task) {
+            if let Some(q) = self.next.get_mut(&key) {
+                q.pop_front();
+            }
+        }
+    }
 }
 
 struct SentDispatch<B: AutodiffBackend> {
@@ -178,17 +225,20 @@ struct GlobalSums {
     /// Compute and emulated-link time, seconds.
     compute_s: f64,
     link_s: f64,
+    /// Workers asked to stop (a signal reached their process).
+    stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
     /// group), layer-major.
     expert_counts: Vec<f64>,
 }
 
 impl GlobalSums {
-    const FIXED: usize = 8;
+    const FIXED: usize = 9;
 
     fn to_vec(&self) -> Vec<f64> {
         let l = self.losses;
-        let mut v = vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s];
+        let mut v =
+            vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s, self.stop];
         v.extend(&self.expert_counts);
         v
     }
@@ -201,9 +251,18 @@ impl GlobalSums {
             wire_s: v[5],
             compute_s: v[6],
             link_s: v[7],
+            stop: v[8],
             expert_counts: v[Self::FIXED..].to_vec(),
         }
     }
+}
+
+/// The `i`-th report of every worker's [`Msg::Shards`] (the model's files, then each moment's).
+fn nth_reports(gathered: &[Msg], i: usize) -> Vec<ShardReport> {
+    gathered
+        .iter()
+        .filter_map(|m| if let Msg::Shards(r) = m { r.get(i).cloned() } else { None })
+        .collect()
 }
 
 /// A worker and its state within a step.
@@ -232,7 +291,13 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     ready_fwd: VecDeque<Task>,
     waiting_mbs: VecDeque<usize>,
     bwd_left: usize,
+    order: BackwardOrder,
     grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
+    /// The head's gradients apart (a tied embedding also gets the first layer's: two sums, each in
+    /// micro-batch order, added at the end).
+    head_grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
+    /// LM and balance loss of each micro-batch whose head ran here.
+    mb_losses: Vec<(usize, f64, f64)>,
     counts: HashMap<usize, Vec<usize>>,
     losses: StepLosses,
     wait_comm_us: u64,
@@ -457,7 +522,10 @@ where
             ready_fwd: VecDeque::new(),
             waiting_mbs: VecDeque::new(),
             bwd_left: 0,
+            order: BackwardOrder::default(),
             grads: GradientsAccumulator::new(),
+            head_grads: GradientsAccumulator::new(),
+            mb_losses: Vec::new(),
             counts: HashMap::new(),
             losses: StepLosses::default(),
             wait_comm_us: 0,
@@ -489,7 +557,7 @@ where
     /// Runs one training step on `batch` (the step's whole batch; each worker uses its micro-batches;
     /// workers without the embedding may pass an empty slice), all-reduces, updates with learning
     /// rate `lr`, and returns the step's global outcome.
-    pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepOutcome> {
+    pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: bool) -> Result<StepOutcome> {
         self.step = step;
         self.tasks_run = 0;
         let (wait_c, wait_b, comp, link) = (self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us);
@@ -502,6 +570,17 @@ where
             .map(|m| self.attn_index.keys().filter(|&&l| self.layout.attn_worker(m, l) == self.rank).count())
             .sum();
         self.bwd_left = attn_tasks + self.layout.micro_batches * self.ffn_index.len();
+        let all_mbs = 0..self.layout.micro_batches;
+        let mut next = HashMap::new();
+        next.insert((BackwardOrder::HEAD, 0), all_mbs.clone().filter(|&m| self.layout.head_worker(m) == self.rank).collect());
+        for &l in self.attn_index.keys() {
+            let mine = all_mbs.clone().filter(|&m| self.layout.attn_worker(m, l) == self.rank).collect();
+            next.insert((BackwardOrder::ATTN, l), mine);
+        }
+        for &l in self.ffn_index.keys() {
+            next.insert((BackwardOrder::FFN, l), all_mbs.clone().collect());
+        }
+        self.order = BackwardOrder { next };
         let in_flight = match self.layout.placement {
             Placement::Ep => 1,
             _ => self.settings.in_flight.max(1),
@@ -521,7 +600,9 @@ where
             }
             let task = self
                 .ready_bwd
-                .pop_front()
+                .iter()
+                .position(|t| self.order.allows(t))
+                .and_then(|i| self.ready_bwd.remove(i))
                 .or_else(|| self.ready_ffn.pop_front())
                 .or_else(|| self.ready_fwd.pop_front());
             match task {
@@ -532,7 +613,7 @@ where
                 }
             }
         }
-        self.end_of_step(lr, [wait_c, wait_b, comp, link])
+        self.end_of_step(lr, [wait_c, wait_b, comp, link], stop)
     }
 
     fn accept(&mut self, env: Envelope) -> Result<()> {
@@ -612,6 +693,7 @@ where
             }
         }
         self.tasks_run += 1;
+        self.order.ran(&task);
         let t0 = now_us();
         let (name, cat) = match task {
             Task::AttnFwd { mb, layer } => {
@@ -848,14 +930,12 @@ where
             }
             _ => (0.0, Vec::new()),
         };
-        let coef = self.settings.aux.map_or(0.0, |a| a.coef);
-        self.losses.total += lm + coef * aux_loss;
-        self.losses.lm += lm;
-        self.losses.aux += aux_loss;
+        self.mb_losses.push((mb, lm, aux_loss));
         let mut grads = ce.div_scalar(mbs).backward();
         let shape = h.dims().to_vec();
         let gh = grad_of(&Some(h), &mut grads, &shape);
-        self.accumulate(&mut grads, &ends);
+        let params = GradientsParams::from_module(&mut grads, &ends);
+        self.head_grads.accumulate(self.part.as_ref().expect("part"), params);
         self.send_input_grad(mb, layers, gh, &from, aux_coef)
     }
 
@@ -864,7 +944,9 @@ where
         let inp = self.grad_inputs.remove(&(mb, layer)).expect("ready grads");
         let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
         let mut objective = (saved.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
-        for DispatchGrad { holder, gy, gw } in inp.dispatch {
+        let mut dispatch = inp.dispatch;
+        dispatch.sort_by_key(|d| d.holder);
+        for DispatchGrad { holder, gy, gw } in dispatch {
             let sent = saved.sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
             if let Some(y) = &sent.y {
                 objective = objective + (y.clone() * constant::<B, 2>(&gy, &self.device)).sum();
@@ -940,9 +1022,24 @@ where
         Ok(env)
     }
 
-    fn end_of_step(&mut self, lr: f64, start: [u64; 4]) -> Result<StepOutcome> {
+    fn end_of_step(&mut self, lr: f64, start: [u64; 4], stop: bool) -> Result<StepOutcome> {
         let t0 = now_us();
-        let mut grads = self.grads.grads();
+        let mut grads = {
+            let part = self.part.as_ref().expect("part");
+            let (body, head) = (self.grads.grads(), self.head_grads.grads());
+            let mut sum = GradientsAccumulator::<WorkerPart<B, A, R, X>>::new();
+            sum.accumulate(part, body);
+            sum.accumulate(part, head);
+            sum.grads()
+        };
+        // Losses of this worker's micro-batches, added in micro-batch order.
+        self.mb_losses.sort_by_key(|&(mb, _, _)| mb);
+        let coef = self.settings.aux.map_or(0.0, |a| a.coef);
+        for (_, lm, aux) in self.mb_losses.drain(..) {
+            self.losses.total += lm + coef * aux;
+            self.losses.lm += lm;
+            self.losses.aux += aux;
+        }
         let replicas = self.layout.replicas(self.rank);
         let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
         routed.sort_unstable();
@@ -1016,6 +1113,7 @@ where
             wire_s,
             compute_s: (self.compute_us - comp) as f64 * 1e-6,
             link_s: (self.link_us - link0) as f64 * 1e-6,
+            stop: if stop { 1.0 } else { 0.0 },
             expert_counts,
         };
         let mut sums = mine.to_vec();
@@ -1034,6 +1132,7 @@ where
             compute_s: g.compute_s,
             link_s: g.link_s,
             expert_counts: g.expert_counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
+            stop: g.stop > 0.0,
         };
         if out.skipped && self.settings.abort_on_nonfinite {
             return Err(TrainError::NonFinite {
@@ -1093,11 +1192,9 @@ where
         if let Some(dir) = out {
             let parts = part.counted_once(&self.layout, self.rank, self.ffn_name);
             let report = write_shards(dir, self.rank, &parts, self.layout.experts)?;
-            let reports = self.collect_on_zero(Msg::Shards(report), "the written files")?;
+            let reports = self.collect_on_zero(Msg::Shards(vec![report]), "the written files")?;
             if self.rank == 0 {
-                let reports: Vec<ShardReport> =
-                    reports.into_iter().filter_map(|m| if let Msg::Shards(r) = m { Some(r) } else { None }).collect();
-                write_index(dir, &reports, config)?;
+                write_index(dir, &nth_reports(&reports, 0), config)?;
             }
         }
         let workers = self.layout.workers;
@@ -1107,6 +1204,58 @@ where
         let all: Vec<usize> = (0..workers).collect();
         self.all_reduce(&all, &mut v)?;
         Ok((v[0], v[1..].to_vec()))
+    }
+
+    /// Writes a training checkpoint of the state after `state.step` into `dir` without gathering
+    /// anything: rank 0 makes the partial directory; every worker writes its tensors and its AdamW
+    /// moments ([`super::shards`], the moments laid out as the model under `exp_avg/` and
+    /// `exp_avg_sq/`), synced, and reports them; rank 0 then writes the indexes and commits
+    /// ([`crate::checkpoint::commit`]), and every worker waits for that before it goes on.
+    pub fn checkpoint(
+        &mut self,
+        dir: &Path,
+        state: &TrainState,
+        keep: usize,
+        config: &serde_json::Value,
+        kill: Option<&CheckpointKill>,
+    ) -> Result<PathBuf> {
+        let (step, rank) = (state.step, self.rank);
+        let hook = |at| {
+            if let Some(k) = kill {
+                k.maybe(rank, step, at);
+            }
+        };
+        let all: Vec<usize> = (0..self.layout.workers).collect();
+        // Phase 0: the partial directory exists before anyone writes.
+        if rank == 0 {
+            checkpoint::begin(dir, step)?;
+        }
+        self.all_reduce(&all, &mut [0f64])?;
+        // Phase 1: every worker's files, each synced.
+        let partial = checkpoint::partial_dir(dir, step);
+        let experts = self.layout.experts;
+        let part = self.part.as_ref().expect("part");
+        let mut reports = vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts)?];
+        hook(CheckpointMoment::Writing);
+        for moment in Moment::BOTH {
+            let moments = self.opt.moments_as(part.clone(), moment);
+            let parts = moments.counted_once(&self.layout, rank, self.ffn_name);
+            reports.push(write_shards(&checkpoint::moment_dir(&partial, moment), rank, &parts, experts)?);
+        }
+        hook(CheckpointMoment::Written);
+        let gathered = self.collect_on_zero(Msg::Shards(reports), "the checkpoint's files")?;
+        // Phase 2: rank 0 alone makes it a checkpoint.
+        if rank == 0 {
+            write_index(&partial, &nth_reports(&gathered, 0), config)?;
+            for (i, moment) in Moment::BOTH.into_iter().enumerate() {
+                write_index(&checkpoint::moment_dir(&partial, moment), &nth_reports(&gathered, i + 1), config)?;
+            }
+            hook(CheckpointMoment::Indexed);
+            checkpoint::commit(dir, &partial, state, keep)?;
+            hook(CheckpointMoment::Committed);
+        }
+        self.all_reduce(&all, &mut [0f64])?;
+        Ok(dir.join(checkpoint::step_dir_name(step)))
     }
 
     /// Sends `msg` to worker 0; worker 0 returns it with every other worker's message of the same

@@ -2,6 +2,7 @@
 //! (the `single` module) or on workers (the distributed runtime).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
 use crate::checkpoint::TrainState;
 use crate::error::Result;
@@ -63,6 +64,9 @@ pub struct StepReport {
     pub expert_counts: Vec<Vec<usize>>,
     /// Where the time went (distributed runs).
     pub timing: StepTiming,
+    /// The run is to stop after this step (a signal reached this process or, in a distributed run,
+    /// any worker's: every worker decides alike).
+    pub stop: bool,
 }
 
 /// Runs training steps for the loop in [`crate::trainer`]: one device or a distributed runtime.
@@ -72,8 +76,9 @@ pub trait StepEngine {
 
     /// Runs step `step` (1-based) on `batch` (the step's whole batch of token rows; empty where
     /// [`EngineInfo::needs_data`] is false) with learning rate `lr`: forward, backward, reduce,
-    /// clip, update.
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64) -> Result<StepReport>;
+    /// clip, update. `stop` is this process's stop request (set by a signal), which the report's
+    /// `stop` carries (agreed among the workers of a distributed run).
+    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport>;
 
     /// Updates the optimizer has applied so far.
     fn optimizer_steps(&self) -> u64;

@@ -8,13 +8,13 @@ pub mod engine;
 pub mod report;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 pub use self::engine::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 pub use self::report::{throughput, TrainSummary};
 use self::report::{step_metrics, Progress};
-use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, TrainState};
+use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSettings, TrainState};
 use crate::config::RunConfig;
 use crate::data::PackedDataset;
 use crate::error::{Result, TrainError};
@@ -44,6 +44,19 @@ pub fn resume_point(cfg: &RunConfig) -> Result<Option<(PathBuf, TrainState)>> {
     })?;
     verify_checkpoint(&path)?;
     let state = read_state(&path)?;
+    match &state.settings {
+        Some(was) => was.check_resume(&RunSettings::of(cfg)?, &cfg.checkpoint.allow_change, &path)?,
+        None if state.seed != cfg.seed && !cfg.checkpoint.allow_change.iter().any(|c| c == "seed") => {
+            return Err(TrainError::Checkpoint {
+                path: path.clone(),
+                message: format!(
+                    "was written by a run with --seed {}, this run has --seed {}; pass --seed {} to continue that run, or --allow-change seed to change it on purpose",
+                    state.seed, cfg.seed, state.seed
+                ),
+            });
+        }
+        None => {}
+    }
     if state.step >= cfg.steps {
         return Err(TrainError::option(
             "steps",
@@ -93,7 +106,14 @@ pub fn run(
         d.seek(s.data);
     }
     let mut metrics = match (&cfg.out, info.primary) {
-        (Some(dir), true) => Some(JsonlWriter::append(&dir.join("metrics.jsonl"))?),
+        (Some(dir), true) => {
+            let path = dir.join("metrics.jsonl");
+            // A resumed run rewrites the steps after its checkpoint: none appears twice.
+            if let Some(s) = &resumed {
+                crate::metrics::truncate_after(&path, s.step)?;
+            }
+            Some(JsonlWriter::append(&path)?)
+        }
         _ => None,
     };
     if let Some(d) = &data {
@@ -115,7 +135,7 @@ pub fn run(
         let t0 = Instant::now();
         let batch = data.as_mut().map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
         let lr = lr_schedule.at(step);
-        let report = engine.step(step, &batch, lr)?;
+        let report = engine.step(step, &batch, lr, stop)?;
         let record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
         seen.record(&record);
         if let Some(w) = &mut metrics {
@@ -123,7 +143,7 @@ pub fn run(
         }
         progress.step(&record, tokens);
         done = step;
-        let interrupted = stop.load(Ordering::SeqCst);
+        let interrupted = report.stop;
         let due = cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0;
         if let (Some(dir), true) = (cfg.checkpoint.directory(), due || step == last_step || interrupted) {
             last_checkpoint = Some(save(cfg, engine, &dir, step, data.as_ref(), &seen)?);
@@ -194,6 +214,8 @@ fn save(
         skipped_steps: seen.skipped,
         seed: cfg.seed,
         total_steps: cfg.steps,
+        settings: Some(RunSettings::of(cfg)?),
+        written_by: Some(cfg.parallel.describe()),
     };
     engine.save_checkpoint(dir, &state, cfg.checkpoint.keep)
 }

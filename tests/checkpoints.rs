@@ -1,0 +1,388 @@
+//! Training checkpoints of distributed runs, through the `disagmoe` command: a run stopped and
+//! resumed under the same placement is bit-identical to a straight run; a checkpoint resumes under
+//! any other placement (resharded) within 1e-5; a worker killed while a checkpoint is written never
+//! leaves a checkpoint that is chosen and does not verify; a resume under other settings is
+//! refused; a signal finishes the step, checkpoints and exits 0.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_disagmoe"))
+}
+
+const RUN: &[&str] = &["train", "--batch", "8", "--seq", "32", "--micro-batches", "4", "--quiet"];
+const PRESETS: [&str; 2] = ["tiny-qwen3-moe", "tiny-deepseek-v3"];
+const SINGLE: &[&str] = &["--placement", "single"];
+const DISAGG: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"];
+const DISAGG_2_4: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "2"];
+const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
+
+fn summary(out: &Output) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "run failed ({:?}): {}\n{}", out.status, String::from_utf8_lossy(&out.stderr), text);
+    let last = text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `disagmoe train` of `preset` for `steps` steps under `placement` with `extra` flags.
+fn train(preset: &str, steps: usize, placement: &[&str], extra: &[&str]) -> Output {
+    bin().args(RUN).args(["--steps", &steps.to_string(), "--model-preset", preset]).args(placement).args(extra).output().unwrap()
+}
+
+fn checkpoints(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|r| r.map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect())
+        .unwrap_or_default();
+    v.retain(|n| n.starts_with("step-"));
+    v.sort();
+    v
+}
+
+/// Every tensor of a saved model directory.
+fn tensors(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let mut reader = disagmoe::models::CheckpointReader::open(dir).unwrap_or_else(|e| panic!("{dir:?}: {e}"));
+    reader.names().into_iter().map(|n| (n.clone(), reader.read_f32(&n).unwrap().1)).collect()
+}
+
+fn losses(s: &serde_json::Value) -> Vec<f64> {
+    s["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+/// Every tensor of two models is the same, bit for bit.
+fn assert_bit_identical(what: &str, got: &Path, want: &Path) {
+    let (g, w) = (tensors(got), tensors(want));
+    assert_eq!(g.keys().collect::<Vec<_>>(), w.keys().collect::<Vec<_>>(), "{what}: the same tensors");
+    for (name, b) in &w {
+        let a = &g[name];
+        let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{what}: {name} differs");
+    }
+}
+
+/// Every tensor of two models agrees within `tol` (||a - b|| / ||b|| per tensor); returns the worst.
+fn assert_close(what: &str, got: &Path, want: &Path, tol: f64) -> f64 {
+    let (g, w) = (tensors(got), tensors(want));
+    assert_eq!(g.keys().collect::<Vec<_>>(), w.keys().collect::<Vec<_>>(), "{what}: the same tensors");
+    let mut worst = (0f64, String::new());
+    for (name, b) in &w {
+        let a = &g[name];
+        let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+        let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30);
+        if diff / norm > worst.0 {
+            worst = (diff / norm, name.clone());
+        }
+    }
+    eprintln!("{what}: worst relative error {:.2e} ({})", worst.0, worst.1);
+    assert!(worst.0 <= tol, "{what}: {} differs by {:.2e} relative (tolerance {tol:.0e})", worst.1, worst.0);
+    worst.0
+}
+
+/// The steps of a metrics file, in order.
+fn metric_steps(out: &Path) -> Vec<u64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect()
+}
+
+/// A launcher of distributed runs: in-process threads, or `mpirun -np <workers>` with `--transport
+/// mpi`.
+#[derive(Clone, Copy)]
+enum Launch {
+    Local,
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    Mpi,
+}
+
+impl Launch {
+    fn train(self, preset: &str, steps: usize, placement: &[&str], extra: &[&str]) -> Output {
+        self.command(preset, steps, placement, extra, &[]).output().unwrap()
+    }
+
+    fn command(self, preset: &str, steps: usize, placement: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Command {
+        let workers = workers(placement);
+        let mut cmd = match self {
+            Launch::Mpi if workers > 1 => {
+                let mut c = Command::new("mpirun");
+                c.args(["--oversubscribe", "-np", &workers.to_string()])
+                    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+                    .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+                    .arg(env!("CARGO_BIN_EXE_disagmoe"));
+                c
+            }
+            _ => bin(),
+        };
+        cmd.args(RUN).args(["--steps", &steps.to_string(), "--model-preset", preset]).args(placement).args(extra);
+        if matches!(self, Launch::Mpi) && workers > 1 {
+            cmd.args(["--transport", "mpi"]);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+}
+
+/// Workers of a placement's arguments.
+fn workers(args: &[&str]) -> usize {
+    let value = |flag: &str| args.iter().position(|a| *a == flag).map(|i| args[i + 1].parse::<usize>().unwrap());
+    match args.iter().position(|a| *a == "--placement").map(|i| args[i + 1]) {
+        Some("single") | None => 1,
+        Some("ep") => value("--workers").unwrap_or(4),
+        _ => value("--attn-workers").unwrap_or(2) + value("--ffn-workers").unwrap_or(2),
+    }
+}
+
+/// 10 steps straight vs `--stop-after 5` then `--resume` under the same placement: the same losses
+/// and every tensor bit-identical; the metrics name every step once.
+fn same_placement_is_bit_identical(launch: Launch, tmp: &Path) {
+    for preset in PRESETS {
+        let dir = |n: &str| tmp.join(format!("{preset}-{n}"));
+        let straight = summary(&launch.train(preset, 10, DISAGG, &["--out", path(&dir("straight"))]));
+        let ck = dir("ck");
+        let out = dir("out");
+        let first = summary(&launch.train(
+            preset,
+            10,
+            DISAGG,
+            &["--stop-after", "7", "--checkpoint-every", "5", "--checkpoint-dir", path(&ck), "--out", path(&out)],
+        ));
+        assert_eq!(first["steps"], 7);
+        assert_eq!(checkpoints(&ck), ["step-00000005", "step-00000007"]);
+        // As if the job had died after step 7 before its checkpoint: it resumes from step 5, and
+        // the metrics of steps 6 and 7 are not left twice.
+        std::fs::remove_dir_all(ck.join("step-00000007")).unwrap();
+        let resumed = summary(&launch.train(preset, 10, DISAGG, &["--resume", path(&ck), "--out", path(&out)]));
+        assert_eq!(resumed["resumed_from_step"], 5);
+        assert_eq!(resumed["losses"], straight["losses"], "{preset}: losses of steps 1-10");
+        assert_eq!(resumed["param_checksum"], straight["param_checksum"], "{preset}");
+        assert_bit_identical(preset, &out.join("final"), &dir("straight").join("final"));
+        assert_eq!(metric_steps(&out), (1..=10).collect::<Vec<_>>(), "{preset}: every step once");
+    }
+}
+
+/// A checkpoint of one placement resumes under another: losses of steps 6-10 and every tensor
+/// within 1e-5 of the straight run of the first placement. Returns the worst tensor error.
+fn resharded_resume(launch: Launch, tmp: &Path, preset: &str, from: &[&str], to: &[&str], name: &str) -> f64 {
+    let dir = |n: &str| tmp.join(format!("{preset}-{name}-{n}"));
+    let straight = summary(&launch.train(preset, 10, from, &["--out", path(&dir("straight"))]));
+    let ck = dir("ck");
+    summary(&launch.train(preset, 10, from, &["--stop-after", "5", "--checkpoint-dir", path(&ck)]));
+    let resumed = summary(&launch.train(preset, 10, to, &["--resume", path(&ck), "--out", path(&dir("resumed"))]));
+    assert_eq!(resumed["resumed_from_step"], 5);
+    let (a, b) = (losses(&resumed), losses(&straight));
+    assert_eq!(a[..5], b[..5], "{preset} {name}: steps 1-5 come from the checkpoint");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate().skip(5) {
+        assert!((x - y).abs() / y.abs() <= 1e-5, "{preset} {name}: step {} loss {x} vs {y}", i + 1);
+    }
+    assert_close(&format!("{preset} {name}"), &dir("resumed").join("final"), &dir("straight").join("final"), 1e-5)
+}
+
+#[test]
+fn stop_and_resume_under_the_same_placement_is_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    same_placement_is_bit_identical(Launch::Local, tmp.path());
+}
+
+#[test]
+fn checkpoints_resume_under_any_other_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    for preset in PRESETS {
+        resharded_resume(Launch::Local, tmp.path(), preset, DISAGG, EP, "disagg 2+2 -> ep 4");
+        resharded_resume(Launch::Local, tmp.path(), preset, EP, SINGLE, "ep 4 -> single");
+        resharded_resume(Launch::Local, tmp.path(), preset, SINGLE, DISAGG_2_4, "single -> disagg 2+4 in 2 groups");
+    }
+}
+
+/// A worker killed (SIGKILL) at `at` while the checkpoint of step 4 is written: the newest complete
+/// checkpoint verifies and the run resumes from it to the same end as a straight run, bit for bit.
+fn killed_while_checkpointing(launch: Launch, tmp: &Path) {
+    let preset = "tiny-qwen3-moe";
+    let straight_out = tmp.join("straight");
+    let straight = summary(&launch.train(preset, 6, DISAGG, &["--out", path(&straight_out)]));
+    for (worker, at) in [(1, "writing"), (3, "written"), (0, "indexed"), (0, "committed")] {
+        let ck = tmp.join(format!("ck-{worker}-{at}"));
+        let faults = format!(r#"{{"kill_in_checkpoint": {{"worker": {worker}, "step": 4, "at": "{at}"}}}}"#);
+        let out = launch
+            .command(preset, 6, DISAGG, &["--checkpoint-every", "2", "--checkpoint-dir", path(&ck)], &[("DISAGMOE_TEST_FAULTS", &faults)])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{at}: the run was killed");
+        let complete = checkpoints(&ck);
+        let want: &[&str] = if at == "committed" { &["step-00000002", "step-00000004"] } else { &["step-00000002"] };
+        assert_eq!(complete, want, "{at}: only committed checkpoints look complete");
+        let resume_out = tmp.join(format!("out-{worker}-{at}"));
+        let resumed = summary(&launch.train(preset, 6, DISAGG, &["--resume", path(&ck), "--out", path(&resume_out)]));
+        let from = if at == "committed" { 4 } else { 2 };
+        assert_eq!(resumed["resumed_from_step"], from, "{at}");
+        assert_eq!(resumed["losses"], straight["losses"], "{at}");
+        assert_bit_identical(at, &resume_out.join("final"), &straight_out.join("final"));
+    }
+}
+
+#[test]
+fn a_worker_killed_while_checkpointing_never_leaves_a_checkpoint_that_is_chosen_and_bad() {
+    let tmp = tempfile::tempdir().unwrap();
+    killed_while_checkpointing(Launch::Local, tmp.path());
+}
+
+#[test]
+fn a_resume_under_other_settings_is_refused_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    let preset = "tiny-qwen3-moe";
+    let resume = |steps: &str, seq: &str, extra: &[&str]| {
+        bin()
+            .args(["train", "--quiet", "--batch", "8", "--micro-batches", "4", "--model-preset", preset])
+            .args(["--steps", steps, "--seq", seq, "--resume", path(&ck)])
+            .args(EP)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    summary(&train(preset, 4, DISAGG, &["--stop-after", "2", "--checkpoint-dir", path(&ck)]));
+    for (out, named, now) in [
+        (resume("4", "32", &["--seed", "7"]), "--seed 42", "--seed 7"),
+        (resume("4", "16", &[]), "--seq 32", "--seq 16"),
+        (resume("8", "32", &[]), "--steps 4", "--steps 8"),
+    ] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{now}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{now}: one line: {err}");
+        assert!(lines[0].contains(named) && lines[0].contains(now), "{now}: {err}");
+        assert!(lines[0].contains("--allow-change"), "{now}: says how to accept the change: {err}");
+    }
+    // A deliberate change, said so: extending the run (under another placement too).
+    let s = summary(&resume("5", "32", &["--allow-change", "steps"]));
+    assert_eq!(s["steps"], 5);
+    let out = resume("6", "32", &["--allow-change", "placement"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("allowed: seed, seq, batch, data, steps, schedule"));
+}
+
+#[test]
+fn sigterm_finishes_the_step_checkpoints_and_exits_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, placement) in [("disagg", DISAGG), ("ep", EP)] {
+        let ck = tmp.path().join(name);
+        let child = bin()
+            .args(RUN)
+            .args(["--steps", "100000", "--model-preset", "tiny-qwen3-moe", "--checkpoint-dir", path(&ck)])
+            .args(placement)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(3000));
+        assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+        let t0 = Instant::now();
+        let out = child.wait_with_output().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(60), "{name}: it ended soon after the signal");
+        let s = summary(&out);
+        assert_eq!(s["stopped_early"], true, "{name}");
+        let steps = s["steps"].as_u64().unwrap();
+        assert_eq!(checkpoints(&ck).last().map(String::as_str), Some(format!("step-{steps:08}").as_str()), "{name}");
+    }
+}
+
+/// The checkpoint of a disaggregated run is a Hugging Face directory (config, index, shards) with
+/// the moments laid out the same way beside it, and the state names the run's settings.
+#[test]
+fn a_distributed_checkpoint_is_a_hugging_face_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    summary(&train("tiny-gpt-oss", 2, DISAGG, &["--checkpoint-dir", path(&ck)]));
+    let step: PathBuf = ck.join("step-00000002");
+    for f in ["config.json", "model.safetensors.index.json", "state.json", "manifest.json", "exp_avg/model.safetensors.index.json", "exp_avg_sq/config.json"] {
+        assert!(step.join(f).exists(), "{f}");
+    }
+    let names = tensors(&step);
+    assert_eq!(tensors(&step.join("exp_avg")).keys().collect::<Vec<_>>(), names.keys().collect::<Vec<_>>());
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("state.json")).unwrap()).unwrap();
+    assert_eq!(state["written_by"], "disagg 2+2 in 2 groups");
+    assert_eq!(state["settings"]["seq"], 32);
+}
+
+#[cfg(feature = "mpi")]
+mod mpi {
+    use super::*;
+
+    fn available() -> bool {
+        let found = Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+        if !found {
+            assert!(std::env::var("CI").is_err(), "CI must have mpirun (.ci/run installs openmpi-bin)");
+            eprintln!("skipped: no mpirun on this machine");
+        }
+        found
+    }
+
+    #[test]
+    fn mpi_stop_and_resume_is_bit_identical() {
+        if !available() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        same_placement_is_bit_identical(Launch::Mpi, tmp.path());
+    }
+
+    #[test]
+    fn mpi_checkpoints_resume_under_other_placements() {
+        if !available() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        for preset in PRESETS {
+            resharded_resume(Launch::Mpi, tmp.path(), preset, DISAGG, EP, "mpi disagg 2+2 -> mpi ep 4");
+            resharded_resume(Launch::Mpi, tmp.path(), preset, EP, SINGLE, "mpi ep 4 -> single");
+            resharded_resume(Launch::Mpi, tmp.path(), preset, SINGLE, DISAGG_2_4, "single -> mpi disagg 2+4 in 2 groups");
+        }
+    }
+
+    /// SIGUSR1 to `mpirun` (which forwards it to every rank; SIGTERM makes Open MPI kill them)
+    /// finishes the step, checkpoints and exits 0.
+    #[test]
+    fn mpi_sigusr1_to_mpirun_finishes_the_step_checkpoints_and_exits_zero() {
+        if !available() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (ck, out_dir) = (tmp.path().join("ck"), tmp.path().join("out"));
+        let child = Launch::Mpi
+            .command("tiny-qwen3-moe", 100_000, DISAGG, &["--checkpoint-dir", path(&ck), "--out", path(&out_dir)], &[])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Signal once a step is done: every rank has installed its handler by then.
+        let t0 = Instant::now();
+        while std::fs::read_to_string(out_dir.join("metrics.jsonl")).map_or(true, |m| m.is_empty()) {
+            assert!(t0.elapsed() < Duration::from_secs(120), "no step within 2 minutes");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap().success());
+        let out = child.wait_with_output().unwrap();
+        let s = summary(&out);
+        assert_eq!(s["stopped_early"], true);
+        let steps = s["steps"].as_u64().unwrap();
+        assert_eq!(checkpoints(&ck).last().map(String::as_str), Some(format!("step-{steps:08}").as_str()));
+    }
+
+    #[test]
+    fn mpi_rank_killed_while_checkpointing() {
+        if !available() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        killed_while_checkpointing(Launch::Mpi, tmp.path());
+    }
+}
