@@ -6,7 +6,9 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use disagmoe_models::weights::{write_atomically, TensorSink};
 use disagmoe_models::{HfCheckpoint, MoeCausalLm};
-use std::sync::atomic::{AtomicBool, Ordering};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use disagmoe_train::{
     AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary,
@@ -99,6 +101,11 @@ pub struct TrainArgs {
     /// End after step N with a checkpoint (the schedule still spans --steps).
     #[arg(long, value_name = "N")]
     pub stop_after: Option<usize>,
+    /// Resume even though this setting differs from the checkpoint's run: seed, seq, batch, data,
+    /// steps (to extend a run), schedule (lr, min-lr, warmup, weight decay, grad clip); repeatable.
+    /// The placement and worker counts may always change (the checkpoint is resharded).
+    #[arg(long, value_name = "SETTING")]
+    pub allow_change: Vec<String>,
     /// Aux-loss-free balancing rate of routers with a correction bias (DeepSeek-V3; 0: off)
     /// [default: 0.001].
     #[arg(long, value_name = "RATE")]
@@ -227,6 +234,9 @@ impl TrainArgs {
             link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
             comm_timeout_s => parallel.comm_timeout_s,
         );
+        if !self.allow_change.is_empty() {
+            cfg.checkpoint.allow_change = self.allow_change.clone();
+        }
         if let Some(a) = self.aux_loss {
             cfg.model.aux_loss = Some(a == Switch::On);
         }
@@ -265,24 +275,29 @@ impl TrainArgs {
     }
 }
 
-static STOP: AtomicBool = AtomicBool::new(false);
+/// Signals that ask a run to stop after the current step: SIGINT and SIGTERM, and SIGUSR1/SIGUSR2,
+/// which Open MPI's `mpirun` forwards to every rank without ending the job (it answers SIGTERM by
+/// killing the ranks a moment later, too soon for a large checkpoint).
+const STOP_SIGNALS: [i32; 4] = [SIGINT, SIGTERM, SIGUSR1, SIGUSR2];
 
 /// Runs `train` on the compiled-in backend and prints the summary as one JSON line on stdout.
-/// SIGINT/SIGTERM finish the current step, write a checkpoint (when a checkpoint directory is set)
-/// and end the run normally.
+/// A stop signal finishes the current step, writes a checkpoint (when a checkpoint directory is
+/// set) and ends the run normally.
 pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     let cfg = args.run_config()?;
     let device = Default::default();
-    // A second signal while the step finishes exits at once. Distributed runs keep no checkpoint
-    // yet, so the first signal ends them at once.
-    let distributed = cfg.parallel.distributed();
-    let _ = ctrlc::set_handler(move || {
-        if STOP.swap(true, Ordering::SeqCst) || distributed {
-            std::process::exit(130);
-        }
-    });
+    // A second signal while the step finishes exits at once (status 130). In a distributed run
+    // every worker learns of a stop request at the end of the step (it is part of the step's
+    // global sum), so all of them checkpoint after the same step.
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in STOP_SIGNALS {
+        // The exit is registered first so that it sees the flag as it was before this signal.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
+            .and_then(|_| signal_hook::flag::register(signal, Arc::clone(&stop)))
+            .map_err(|e| anyhow::anyhow!("cannot install the handler of signal {signal}: {e}"))?;
+    }
     let cfg = if cfg.parallel.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
-    let summary = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &STOP)?;
+    let summary = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &stop)?;
     // Under mpirun every rank knows the summary; one prints it.
     if disagmoe_train::is_primary(&cfg) {
         println!("{}", serde_json::to_string(&summary)?);
