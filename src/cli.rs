@@ -137,10 +137,15 @@ pub struct TrainArgs {
     /// Micro-batches per step (divides --batch) [default: 1 single, 4 disagg, W ep].
     #[arg(long, value_name = "K")]
     pub micro_batches: Option<usize>,
-    /// disagg: micro-batches each embedding worker keeps in flight at most (started, backward not
-    /// done) [default: as many as half the available memory holds, at most all of the step's].
-    #[arg(long = "max-in-flight", alias = "in-flight", value_name = "N")]
+    /// Micro-batches each embedding worker keeps in flight at most (started, backward not done),
+    /// at most those it owns [default: disagg as many as half the available memory holds; ep 1,
+    /// no overlap; 2 is ep's ping-pong overlap].
+    #[arg(long = "in-flight", alias = "max-in-flight", value_name = "N")]
     pub in_flight: Option<usize>,
+    /// CPU threads each worker computes with, in its own pool [default: the cores shared evenly by
+    /// the workers of this process, under mpirun by the ranks of this node].
+    #[arg(long, value_name = "N")]
+    pub threads_per_worker: Option<usize>,
     /// How workers talk: local (threads of this process), mpi (one process per worker under
     /// mpirun; build with --features mpi) or nccl (GPUs; --features nccl) [default: local].
     #[arg(long, value_enum)]
@@ -231,6 +236,7 @@ impl TrainArgs {
         set!(
             attn_workers => parallel.attn_workers, ffn_workers => parallel.ffn_workers, groups => parallel.groups,
             workers => parallel.workers, micro_batches => parallel.micro_batches, in_flight => parallel.in_flight,
+            threads_per_worker => parallel.threads_per_worker,
             link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
             comm_timeout_s => parallel.comm_timeout_s,
         );
@@ -305,17 +311,46 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     Ok(summary)
 }
 
-/// `disagmoe compare`: the same training job under `ep` and `disagg`, side by side.
+/// `disagmoe compare`: the same training job under `ep`, `ep` with overlap and `disagg`, side by
+/// side.
 #[derive(Debug, Clone, Args)]
 pub struct CompareArgs {
-    /// Every `disagmoe train` option; --placement is ignored (both run). The ep run gets as many
-    /// workers as the disagg run (--attn-workers + --ffn-workers) unless --workers says otherwise.
+    /// Every `disagmoe train` option; --placement and --in-flight are set per run (ep 1, ep-overlap
+    /// 2, disagg as given or its default). The ep runs get as many workers as the disagg run
+    /// (--attn-workers + --ffn-workers) unless --workers says otherwise.
     #[command(flatten)]
     pub train: TrainArgs,
 }
 
-/// Runs `ep` then `disagg` with the same model, data, batch, micro-batches and links, prints a
-/// table on stderr and one JSON line with both summaries and their ratios on stdout.
+/// One run of a comparison, as `compare` prints it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CompareRow {
+    /// `ep`, `ep-overlap` or `disagg`.
+    pub placement: String,
+    /// Micro-batches each embedding worker kept in flight.
+    pub in_flight: usize,
+    /// Workers, and CPU threads each computed with.
+    pub workers: usize,
+    pub threads_per_worker: usize,
+    /// Mean step wall time, seconds.
+    pub step_s: f64,
+    /// Per step, summed over workers: waits for data, the part with the data on the wire,
+    /// compute, and emulated-link time, seconds.
+    pub exposed_comm_s: f64,
+    pub in_flight_wait_s: f64,
+    pub compute_s: f64,
+    pub link_s: f64,
+    /// Bytes each worker sent per step (token exchange and gradient all-reduce).
+    pub bytes_sent_per_worker: f64,
+    pub tokens_per_s: f64,
+    /// The run's whole summary.
+    pub summary: TrainSummary,
+}
+
+/// Runs `ep` (one micro-batch in flight: no overlap), `ep-overlap` (two: one micro-batch's
+/// all-to-all overlaps another's compute) and `disagg` with the same model, data, batch,
+/// micro-batches, links and threads per worker; prints a table on stderr and `{"runs": [...]}` as
+/// one JSON line on stdout.
 pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     let mut train = args.train.clone();
     train.placement = Some(PlacementArg::Disagg);
@@ -328,48 +363,66 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     if args.train.workers.is_none() {
         ep.parallel.workers = disagg.parallel.attn_workers + disagg.parallel.ffn_workers;
     }
-    // Same micro-batches for both, whatever each placement's default.
+    // Same micro-batches for all, whatever each placement's default.
     let mbs = base.parallel.micro_batches.unwrap_or(ep.parallel.workers * 4);
     ep.parallel.micro_batches = Some(mbs);
     disagg.parallel.micro_batches = Some(mbs);
+    // Same threads per worker for all: the disagg run's workers share the cores as the ep run's.
+    let threads = disagg.parallel.threads_per_worker();
+    ep.parallel.threads_per_worker = Some(threads);
+    disagg.parallel.threads_per_worker = Some(threads);
+    ep.parallel.in_flight = Some(1);
+    let mut overlap = ep.clone();
+    overlap.parallel.in_flight = Some(2);
     if ep.parallel.trace.is_some() || ep.out.is_some() {
-        bail!("--trace and --out are not available with compare (both runs would write them); use disagmoe train per placement");
+        bail!("--trace and --out are not available with compare (every run would write them); use disagmoe train per placement");
     }
     if ep.parallel.transport != TransportKind::Local {
-        bail!("compare runs both placements in this process and needs --transport local (MPI starts once per process)");
+        bail!("compare runs every placement in this process and needs --transport local (MPI starts once per process)");
     }
-    ep.validate()?;
-    disagg.validate()?;
-    let e = disagmoe_train::train::<TrainBackend>(&ep, &device)?;
-    let d = disagmoe_train::train::<TrainBackend>(&disagg, &device)?;
-    let ratio = d.exposed_comm_s / e.exposed_comm_s.max(1e-12);
-    let speedup = e.step_s / d.step_s.max(1e-12);
+    let runs = [("ep", ep), ("ep-overlap", overlap), ("disagg", disagg)];
+    for (name, cfg) in &runs {
+        cfg.validate().with_context(|| format!("the {name} run"))?;
+    }
+    let mut rows = Vec::new();
+    for (name, cfg) in &runs {
+        let s = disagmoe_train::train::<TrainBackend>(cfg, &device).with_context(|| format!("the {name} run"))?;
+        rows.push(CompareRow {
+            placement: name.to_string(),
+            in_flight: s.in_flight.unwrap_or(1),
+            workers: s.workers,
+            threads_per_worker: s.threads_per_worker,
+            step_s: s.step_s,
+            exposed_comm_s: s.exposed_comm_s,
+            in_flight_wait_s: s.in_flight_wait_s,
+            compute_s: s.compute_s,
+            link_s: s.link_s,
+            bytes_sent_per_worker: s.bytes_sent_per_worker,
+            tokens_per_s: s.tokens_per_s,
+            summary: s,
+        });
+    }
     eprintln!(
-        "{:<8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>10}",
-        "", "workers", "step_s", "exposed_comm_s", "in_flight_wait_s", "compute_s", "link_s", "tokens/s"
+        "{:<11} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>10}",
+        "", "in-flight", "workers", "threads", "step_s", "exposed_comm_s", "in_flight_wait_s", "compute_s", "link_s", "MB sent/wkr", "tokens/s"
     );
-    for s in [&e, &d] {
+    for r in &rows {
         eprintln!(
-            "{:<8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>10.0}",
-            s.placement,
-            s.workers,
-            s.step_s,
-            s.exposed_comm_s,
-            s.in_flight_wait_s,
-            s.compute_s,
-            s.link_s,
-            s.tokens_per_s
+            "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>13.2} {:>10.0}",
+            r.placement,
+            r.in_flight,
+            r.workers,
+            r.threads_per_worker,
+            r.step_s,
+            r.exposed_comm_s,
+            r.in_flight_wait_s,
+            r.compute_s,
+            r.link_s,
+            r.bytes_sent_per_worker / 1e6,
+            r.tokens_per_s
         );
     }
-    eprintln!(
-        "disagg/ep exposed communication {ratio:.3}, step speed-up {speedup:.2}x; ep link time / compute time {:.2}",
-        e.link_s / e.compute_s.max(1e-12)
-    );
-    let out = serde_json::json!({
-        "ep": e, "disagg": d,
-        "exposed_comm_ratio": ratio, "step_speedup": speedup,
-        "ep_link_to_compute": e.link_s / e.compute_s.max(1e-12),
-    });
+    let out = serde_json::json!({ "runs": rows });
     println!("{out}");
     Ok(out)
 }

@@ -305,6 +305,41 @@ fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
     }
 }
 
+/// `ep --in-flight 2` (one micro-batch's all-to-all overlapping another's compute) trains the
+/// same weights as `--in-flight 1`, bit for bit: only the order of independent work changes.
+#[test]
+fn ep_with_two_micro_batches_in_flight_trains_the_same_weights() {
+    // 4 micro-batches on 2 workers: each owns 2.
+    let ep2 = ["--placement", "ep", "--workers", "2"];
+    let one = train("tiny-qwen3-moe", &[&ep2[..], &["--in-flight", "1"]].concat());
+    let two = train("tiny-qwen3-moe", &[&ep2[..], &["--in-flight", "2"]].concat());
+    assert_eq!((one["in_flight"].as_u64(), two["in_flight"].as_u64()), (Some(1), Some(2)));
+    assert_eq!(one["losses"], two["losses"]);
+    assert_eq!(one["param_checksum"], two["param_checksum"]);
+    assert_eq!(one["bytes_sent_per_worker"], two["bytes_sent_per_worker"], "the same messages");
+    assert!(one["bytes_sent_per_worker"].as_f64().unwrap() > 0.0);
+}
+
+/// `compare` runs ep, ep-overlap and disagg at the same micro-batches and threads per worker.
+#[test]
+fn compare_runs_ep_ep_overlap_and_disagg_alike() {
+    let out = bin()
+        .args(["compare", "--steps", "2", "--batch", "8", "--seq", "16", "--micro-batches", "8", "--quiet"])
+        .args(["--attn-workers", "1", "--ffn-workers", "1", "--groups", "1", "--link-gbps", "1"])
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    let runs = s["runs"].as_array().unwrap();
+    let field = |k: &str| runs.iter().map(|r| r[k].clone()).collect::<Vec<_>>();
+    assert_eq!(field("placement"), ["ep", "ep-overlap", "disagg"]);
+    assert_eq!(field("in_flight")[..2], [1, 2]);
+    assert!(field("threads_per_worker").windows(2).all(|w| w[0] == w[1]), "{:?}", field("threads_per_worker"));
+    for r in runs {
+        assert_eq!(r["summary"]["micro_batches"], 8);
+        assert!(r["bytes_sent_per_worker"].as_f64().unwrap() > 0.0 && r["link_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
+
 #[test]
 fn bad_placements_are_refused_with_the_allowed_values() {
     for (args, needle) in [
@@ -317,6 +352,8 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
         (&["--placement", "disagg", "--allocation", "auto", "--transport", "mpi"][..], "transport local"),
         (&["--placement", "disagg", "--allow-change", "model"][..], "allow_change"),
+        (&["--placement", "ep", "--workers", "4", "--micro-batches", "8", "--in-flight", "3"][..], "must be from 1 to 2"),
+        (&["--placement", "disagg", "--threads-per-worker", "0"][..], "threads_per_worker"),
     ] {
         let out = bin()
             .args(["train", "--steps", "1", "--batch", "8", "--seq", "16", "--quiet"])
@@ -360,6 +397,25 @@ mod mpi {
             Some(w) => w,
             None => value("--attn-workers").unwrap_or(2) + value("--ffn-workers").unwrap_or(2),
         }
+    }
+
+    /// Ranks bound to cores (`--bind-to core`) compute with the cores of their node shared among
+    /// them, so no two ranks' threads share a core by default.
+    #[test]
+    fn mpi_ranks_bound_to_cores_share_the_cores() {
+        let Some(mut cmd) = mpirun_np(2) else { return };
+        let out = cmd
+            .args(["--map-by", "core", "--bind-to", "core:overload-allowed"])
+            .arg(env!("CARGO_BIN_EXE_disagmoe"))
+            .args(COMMON)
+            .args(["--model-preset", "tiny-qwen3-moe", "--transport", "mpi", "--placement", "ep", "--workers", "2"])
+            .output()
+            .unwrap();
+        let s = summary(&out);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Each rank sees the cores it may run on (its binding): at least one.
+        let threads = s["threads_per_worker"].as_u64().unwrap() as usize;
+        assert!((1..=cores.div_ceil(2).max(1)).contains(&threads), "{threads} threads per rank on {cores} cores");
     }
 
     #[test]

@@ -21,6 +21,20 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
 pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
     crate::backend::keep_freed_memory();
+    // One device computes on every core unless told otherwise; distributed workers get their own
+    // pools (`runtime::engine`).
+    if let (false, Some(threads)) = (cfg.parallel.distributed(), cfg.parallel.threads_per_worker) {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .stack_size(64 << 20)
+            .build()
+            .map_err(|e| crate::error::TrainError::option("threads_per_worker", format!("cannot start {threads} threads: {e}")))?;
+        return pool.install(|| run::<B>(cfg, device, stop));
+    }
+    run::<B>(cfg, device, stop)
+}
+
+fn run<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
     // A checkpoint resumes under any placement, whichever wrote it.
     let resumed = resume_point(cfg)?;
     let mut engine: Box<dyn StepEngine> = if cfg.parallel.distributed() {

@@ -66,6 +66,9 @@ pub struct StepMetrics {
     pub compute_s: f64,
     /// Seconds transfers spent on emulated links, summed over workers.
     pub link_s: f64,
+    /// Bytes sent, summed over workers (0 on one device).
+    #[serde(default)]
+    pub bytes_sent: f64,
     /// Expert load of each MoE layer.
     pub expert_load: Vec<ExpertLoad>,
 }

@@ -84,6 +84,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             sparse_layers: mconf.sparse_layers(),
             model_type: mconf.model_type(),
             vocab_size: mconf.vocab_size(),
+            in_flight: 1,
         };
         Ok(Self {
             with_aux: with_aux_loss(cfg, &mconf),

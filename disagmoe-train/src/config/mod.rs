@@ -140,6 +140,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("micro_batches", "micro_batches"),
             ("in_flight", "in_flight"),
             ("max_in_flight", "in_flight"),
+            ("threads_per_worker", "threads_per_worker"),
             ("transport", "transport"),
             ("link_gbps", "link_gbps"),
             ("link_latency_us", "link_latency_us"),

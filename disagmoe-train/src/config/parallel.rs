@@ -7,6 +7,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 
+/// The most CPU threads a worker may be given.
+pub const MAX_THREADS: usize = 4096;
+
+/// Ranks of this job on this node, as the MPI launcher says (Open MPI, MPICH/Hydra, Slurm); 1
+/// when none says.
+fn node_ranks() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// How a run is placed on workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -77,11 +90,17 @@ pub struct ParallelOptions {
     /// `disagg`, `workers` for `ep`. Each micro-batch's loss (with its own balance term) is
     /// averaged, so runs with the same value compare across placements.
     pub micro_batches: Option<usize>,
-    /// `disagg`: micro-batches each embedding worker keeps in flight at most (started, backward not
-    /// done; flag `--max-in-flight`, also `--in-flight`); default: as many as half the memory
-    /// available holds (`runtime::activation_bytes` per micro-batch), at most all of the step's.
+    /// Micro-batches each embedding worker keeps in flight at most (started, backward not done;
+    /// flag `--in-flight`, also `--max-in-flight`); at most the micro-batches a worker owns.
+    /// `disagg` default: as many as half the memory available holds (`runtime::activation_bytes`
+    /// per micro-batch). `ep` default: 1 (no overlap); 2 overlaps one micro-batch's all-to-all
+    /// with another's compute (ping-pong).
     #[serde(alias = "max_in_flight")]
     pub in_flight: Option<usize>,
+    /// CPU threads each worker computes with (its own thread pool, so a worker's compute time is
+    /// not spent waiting for another's threads). Default: the machine's cores shared evenly by the
+    /// workers of this process (under `mpirun`, by the ranks on this node), at least 1.
+    pub threads_per_worker: Option<usize>,
     /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`), `nccl`
     /// (processes under mpirun, messages through NCCL; feature `nccl`).
     pub transport: TransportKind,
@@ -106,6 +125,7 @@ impl Default for ParallelOptions {
             workers: 4,
             micro_batches: None,
             in_flight: None,
+            threads_per_worker: None,
             transport: TransportKind::Local,
             link_gbps: None,
             link_latency_us: 0.0,
@@ -141,6 +161,33 @@ impl ParallelOptions {
         }
     }
 
+    /// Workers this process runs: 1 on one device or under `mpirun`, every worker with threads.
+    pub fn workers_here(&self) -> usize {
+        match (self.placement, self.transport) {
+            (Placement::Single, _) | (_, TransportKind::Mpi | TransportKind::Nccl) => 1,
+            (Placement::Disagg, TransportKind::Local) => self.attn_workers + self.ffn_workers,
+            (Placement::Ep, TransportKind::Local) => self.workers,
+        }
+    }
+
+    /// CPU threads per worker: `threads_per_worker`, or the cores this process may use shared by
+    /// its workers. Under `mpirun` a process bound to cores (`--bind-to core`) uses those; an
+    /// unbound one shares the node's cores with the other ranks on the node.
+    pub fn threads_per_worker(&self) -> usize {
+        self.threads_per_worker.unwrap_or_else(|| {
+            // The cores this process may run on (its affinity mask), and the node's.
+            let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // SAFETY: sysconf has no preconditions.
+            let online = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).unwrap_or(usable);
+            let ranks_here = match self.transport {
+                TransportKind::Local => 1,
+                _ if usable < online => 1,
+                _ => node_ranks(),
+            };
+            (usable / (self.workers_here() * ranks_here)).max(1)
+        })
+    }
+
     /// Whether the run is distributed over workers.
     pub fn distributed(&self) -> bool {
         self.placement != Placement::Single
@@ -173,6 +220,11 @@ impl ParallelOptions {
         }
         if self.in_flight == Some(0) {
             return Err(TrainError::option("in_flight", "must be at least 1"));
+        }
+        if let Some(t) = self.threads_per_worker {
+            if !(1..=MAX_THREADS).contains(&t) {
+                return Err(TrainError::option("threads_per_worker", format!("must be from 1 to {MAX_THREADS}, got {t}")));
+            }
         }
         if let Some(g) = self.link_gbps {
             if !(g.is_finite() && g > 0.0) {

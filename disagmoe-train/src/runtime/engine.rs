@@ -128,6 +128,24 @@ impl Distributed {
                 .name(format!("worker-{rank}"))
                 .stack_size(64 << 20)
                 .spawn(move || {
+                    // The worker computes in its own pool: Burn's CPU backend, its matmuls and our
+                    // CPU operations parallelise on the pool they are called from.
+                    let threads = shared.cfg.parallel.threads_per_worker();
+                    let pool = match rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .thread_name(move |i| format!("worker-{rank}-cpu-{i}"))
+                        .stack_size(64 << 20)
+                        .build()
+                    {
+                        Ok(pool) => pool,
+                        Err(e) => {
+                            let _ = rx.recv();
+                            let cause = format!("cannot start its {threads} compute threads: {e}");
+                            let _ = reply_tx.send((rank, Reply::Start(Err(TrainError::Worker { worker: rank, cause }))));
+                            return;
+                        }
+                    };
+                    pool.install(move || {
                     let part = match build_part::<B, C>(&config, &shared.layout, rank, &shared.source, &device) {
                         Ok(part) => part,
                         Err(e) => {
@@ -190,6 +208,7 @@ impl Distributed {
                         opt,
                     );
                     serve(&shared, worker, rx, reply_tx);
+                    })
                 })
                 .map_err(|e| TrainError::Worker { worker: rank, cause: format!("cannot start its thread: {e}") })?;
             handles.push(handle);
@@ -205,6 +224,7 @@ impl Distributed {
             sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
             model_type: facts.model_type,
             vocab_size: facts.vocab_size,
+            in_flight: shared.settings.in_flight,
         };
         let mut engine = Self {
             info,
@@ -404,6 +424,7 @@ impl StepEngine for Distributed {
                 in_flight_wait_s: out.in_flight_wait_s,
                 compute_s: out.compute_s,
                 link_s: out.link_s,
+                bytes_sent: out.bytes_sent,
             },
             stop: out.stop,
         })

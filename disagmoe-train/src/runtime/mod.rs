@@ -77,19 +77,32 @@ pub fn activation_bytes(tokens: usize, hidden: usize, layers: usize, vocab: usiz
     tokens * 4 * (16 * hidden * layers.max(1) + 2 * vocab)
 }
 
-/// Micro-batches each embedding worker keeps in flight: `in_flight` when given; else as many as
-/// half the memory available to this process holds, shared by the workers it runs (at least one,
-/// at most all of the worker's micro-batches).
-fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usize) -> usize {
+/// Micro-batches each embedding worker keeps in flight: `in_flight` when given (refused when a
+/// worker owns fewer micro-batches, as it could not be honoured); else 1 for `ep` (no overlap), and
+/// for `disagg` as many as half the memory available to this process holds, shared by the workers
+/// it runs (at least one, at most all of the worker's micro-batches).
+fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usize) -> Result<usize> {
+    let own = (0..layout.workers).map(|w| layout.own_micro_batches(w).len()).filter(|&n| n > 0).min().unwrap_or(1);
     if let Some(n) = cfg.parallel.in_flight {
-        return n;
+        if n > own {
+            return Err(TrainError::option(
+                "in_flight",
+                format!(
+                    "must be from 1 to {own}: under {} with {} micro-batches each embedding worker owns {own}, got {n}",
+                    cfg.parallel.describe(),
+                    layout.micro_batches
+                ),
+            ));
+        }
+        return Ok(n);
     }
-    let own = layout.own_micro_batches(0).len().max(1);
+    if cfg.parallel.placement == Placement::Ep {
+        return Ok(1);
+    }
     let tokens = cfg.data.batch / cfg.micro_batches() * cfg.data.seq;
     let per_mb = activation_bytes(tokens, hidden, layout.attn_layers(0).len(), vocab).max(1);
-    let here = if cfg.parallel.transport == TransportKind::Local { layout.workers } else { 1 };
-    let budget = crate::metrics::available_memory_bytes() / 2 / here;
-    (budget / per_mb).clamp(1, own)
+    let budget = crate::metrics::available_memory_bytes() / 2 / cfg.parallel.workers_here();
+    Ok((budget / per_mb).clamp(1, own))
 }
 
 fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_flight: usize) -> StepSettings {
@@ -200,7 +213,7 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
             (None, None) => WeightSource::Seed(cfg.seed),
         };
         let d = config.dims();
-        let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size);
+        let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size)?;
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
             settings: step_settings(cfg, with_aux_loss(cfg, model), config.aux_loss(), window),

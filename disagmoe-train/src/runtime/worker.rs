@@ -42,7 +42,7 @@ use super::exchange::{
     ResidualIn, Share,
 };
 pub use super::part::WorkerPart;
-use super::layout::{Layout, Placement};
+use super::layout::Layout;
 use super::shards::{write_index, write_shards, ShardReport};
 use super::trace::{Tracer, COMM, COMPUTE};
 use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Port};
@@ -101,6 +101,8 @@ pub struct StepOutcome {
     pub compute_s: f64,
     /// Seconds transfers spent on the (emulated) links, summed over workers.
     pub link_s: f64,
+    /// Bytes sent, summed over workers (see [`crate::trainer::StepTiming::bytes_sent`]).
+    pub bytes_sent: f64,
     /// Routed copies per expert of every MoE layer, in layer order.
     pub expert_counts: Vec<Vec<usize>>,
     /// Some worker was asked to stop: every worker ends the run after this step.
@@ -225,6 +227,8 @@ struct GlobalSums {
     /// Compute and emulated-link time, seconds.
     compute_s: f64,
     link_s: f64,
+    /// Bytes sent.
+    bytes_sent: f64,
     /// Workers asked to stop (a signal reached their process).
     stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
@@ -233,12 +237,12 @@ struct GlobalSums {
 }
 
 impl GlobalSums {
-    const FIXED: usize = 9;
+    const FIXED: usize = 10;
 
     fn to_vec(&self) -> Vec<f64> {
         let l = self.losses;
         let mut v =
-            vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s, self.stop];
+            vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s, self.stop, self.bytes_sent];
         v.extend(&self.expert_counts);
         v
     }
@@ -252,6 +256,7 @@ impl GlobalSums {
             compute_s: v[6],
             link_s: v[7],
             stop: v[8],
+            bytes_sent: v[9],
             expert_counts: v[Self::FIXED..].to_vec(),
         }
     }
@@ -304,6 +309,9 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     wait_bubble_us: u64,
     compute_us: u64,
     link_us: u64,
+    /// Bytes sent so far: messages of the token exchange, and each all-reduce as a ring sends it
+    /// (2(n-1)/n of the data per member), whatever reduces it.
+    bytes_sent: u64,
     tasks_run: usize,
     later: Vec<Envelope>,
     opt: AdamW<B>,
@@ -532,6 +540,7 @@ where
             wait_bubble_us: 0,
             compute_us: 0,
             link_us: 0,
+            bytes_sent: 0,
             tasks_run: 0,
             later: Vec::new(),
             opt,
@@ -548,6 +557,9 @@ where
 
     fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
         let kind = msg.kind();
+        if !matches!(msg, Msg::Reduce { .. }) {
+            self.bytes_sent += msg.payload_bytes() as u64;
+        }
         let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
         self.link_us += wire;
         self.tracer.span(|| format!("{kind} -> {dst}"), "send", COMM, sent, delivered);
@@ -560,7 +572,7 @@ where
     pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: bool) -> Result<StepOutcome> {
         self.step = step;
         self.tasks_run = 0;
-        let (wait_c, wait_b, comp, link) = (self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us);
+        let start = [self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us, self.bytes_sent];
         let mine = self.layout.own_micro_batches(self.rank);
         let rows_per = self.settings.mb_rows;
         self.rows = mine.iter().map(|&m| (m, batch[m * rows_per..(m + 1) * rows_per].to_vec())).collect();
@@ -581,10 +593,7 @@ where
             next.insert((BackwardOrder::FFN, l), all_mbs.clone().collect());
         }
         self.order = BackwardOrder { next };
-        let in_flight = match self.layout.placement {
-            Placement::Ep => 1,
-            _ => self.settings.in_flight.max(1),
-        };
+        let in_flight = self.settings.in_flight.max(1);
         self.waiting_mbs = mine.into_iter().collect();
         for _ in 0..in_flight.min(self.waiting_mbs.len()) {
             if let Some(m) = self.waiting_mbs.pop_front() {
@@ -613,7 +622,7 @@ where
                 }
             }
         }
-        self.end_of_step(lr, [wait_c, wait_b, comp, link], stop)
+        self.end_of_step(lr, start, stop)
     }
 
     fn accept(&mut self, env: Envelope) -> Result<()> {
@@ -989,6 +998,8 @@ where
         if group.len() <= 1 {
             return Ok(());
         }
+        let n = group.len();
+        self.bytes_sent += (2 * (n - 1) * data.len() * std::mem::size_of::<T>() / n) as u64;
         let count = self.reductions.entry((group[0], group.len())).or_insert(0);
         *count += 1;
         let op = ((group[0] as u64) << 48) | ((group.len() as u64) << 32) | *count;
@@ -1022,7 +1033,7 @@ where
         Ok(env)
     }
 
-    fn end_of_step(&mut self, lr: f64, start: [u64; 4], stop: bool) -> Result<StepOutcome> {
+    fn end_of_step(&mut self, lr: f64, start: [u64; 5], stop: bool) -> Result<StepOutcome> {
         let t0 = now_us();
         let mut grads = {
             let part = self.part.as_ref().expect("part");
@@ -1092,7 +1103,7 @@ where
         let all: Vec<usize> = (0..self.layout.workers).collect();
         // The step's waits, compute and link time so far (the final reduction is the step's barrier
         // and is not counted).
-        let [wait_c, wait_b, comp, link0] = start;
+        let [wait_c, wait_b, comp, link0, bytes0] = start;
         let wire_s = (self.wait_comm_us - wait_c) as f64 * 1e-6;
         // Expert load of every MoE layer: its attention group's first copy counts it.
         let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
@@ -1113,6 +1124,7 @@ where
             wire_s,
             compute_s: (self.compute_us - comp) as f64 * 1e-6,
             link_s: (self.link_us - link0) as f64 * 1e-6,
+            bytes_sent: (self.bytes_sent - bytes0) as f64,
             stop: if stop { 1.0 } else { 0.0 },
             expert_counts,
         };
@@ -1131,6 +1143,7 @@ where
             in_flight_wait_s: g.wire_s,
             compute_s: g.compute_s,
             link_s: g.link_s,
+            bytes_sent: g.bytes_sent,
             expert_counts: g.expert_counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
             stop: g.stop > 0.0,
         };

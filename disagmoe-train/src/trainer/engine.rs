@@ -32,6 +32,8 @@ pub struct EngineInfo {
     pub model_type: &'static str,
     /// Vocabulary size (the data is checked against it).
     pub vocab_size: usize,
+    /// Micro-batches each embedding worker keeps in flight (1 on one device).
+    pub in_flight: usize,
 }
 
 /// Where a step's time went, summed over workers (zero on one device but `compute_s`).
@@ -45,6 +47,9 @@ pub struct StepTiming {
     pub compute_s: f64,
     /// Seconds transfers spent on emulated links.
     pub link_s: f64,
+    /// Bytes workers sent: the token exchange's messages, and each all-reduce as a ring sends it
+    /// (2(n-1)/n of the data per member) whatever reduced it.
+    pub bytes_sent: f64,
 }
 
 /// What one step did, the same on every worker.

@@ -89,6 +89,7 @@ impl History {
         self.timing.in_flight_wait_s += m.in_flight_wait_s;
         self.timing.compute_s += m.compute_s;
         self.timing.link_s += m.link_s;
+        self.timing.bytes_sent += m.bytes_sent;
     }
 }
 
@@ -193,6 +194,9 @@ pub fn run(
         in_flight_wait_s: per_step(seen.timing.in_flight_wait_s),
         compute_s: per_step(seen.timing.compute_s),
         link_s: per_step(seen.timing.link_s),
+        bytes_sent_per_worker: per_step(seen.timing.bytes_sent) / info.workers.max(1) as f64,
+        threads_per_worker: cfg.parallel.threads_per_worker(),
+        in_flight: cfg.parallel.distributed().then_some(info.in_flight),
         losses: seen.losses,
     })
 }

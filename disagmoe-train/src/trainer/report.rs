@@ -72,6 +72,12 @@ pub struct TrainSummary {
     /// Mean per step of the time transfers spent on emulated links, summed over workers (0 without
     /// `link_gbps`).
     pub link_s: f64,
+    /// Mean per step and worker of the bytes sent (see [`crate::trainer::StepTiming::bytes_sent`]).
+    pub bytes_sent_per_worker: f64,
+    /// CPU threads each worker computed with.
+    pub threads_per_worker: usize,
+    /// Micro-batches each embedding worker kept in flight (distributed runs).
+    pub in_flight: Option<usize>,
 }
 
 /// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see
@@ -108,6 +114,7 @@ pub(crate) fn step_metrics(
         in_flight_wait_s: t.in_flight_wait_s,
         compute_s: t.compute_s,
         link_s: t.link_s,
+        bytes_sent: t.bytes_sent,
         expert_load: report
             .expert_counts
             .iter()
