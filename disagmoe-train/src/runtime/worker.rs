@@ -557,7 +557,18 @@ where
 
     fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
         let kind = msg.kind();
-        if !matches!(msg, Msg::Reduce { .. }) {
+        // The token exchange to other workers (a message to oneself never leaves; all-reduces are
+        // counted by `all_reduce`, whatever carries them).
+        let exchange = matches!(
+            msg,
+            Msg::Dispatch { .. }
+                | Msg::Combine { .. }
+                | Msg::Residual { .. }
+                | Msg::GradCombine { .. }
+                | Msg::GradResidual { .. }
+                | Msg::GradDispatch { .. }
+        );
+        if exchange && dst != self.rank {
             self.bytes_sent += msg.payload_bytes() as u64;
         }
         let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
