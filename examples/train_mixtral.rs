@@ -9,5 +9,9 @@
 //! It shows progress on stderr and ends with the same JSON line as `disagmoe train`.
 
 fn main() {
-    disagmoe::cli::example_main("train_mixtral", "Train the embedded tiny Mixtral on the bundled corpus", "tiny-mixtral");
+    disagmoe::cli::example_main(
+        "train_mixtral",
+        "Train the embedded tiny Mixtral on the bundled corpus",
+        "tiny-mixtral",
+    );
 }

@@ -404,7 +404,17 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     }
     eprintln!(
         "{:<11} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>10}",
-        "", "in-flight", "workers", "threads", "step_s", "exposed_comm_s", "in_flight_wait_s", "compute_s", "link_s", "MB sent/wkr", "tokens/s"
+        "",
+        "in-flight",
+        "workers",
+        "threads",
+        "step_s",
+        "exposed_comm_s",
+        "in_flight_wait_s",
+        "compute_s",
+        "link_s",
+        "MB sent/wkr",
+        "tokens/s"
     );
     for r in &rows {
         eprintln!(

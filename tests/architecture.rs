@@ -23,7 +23,8 @@ fn dependencies(metadata: &Value, krate: &str) -> BTreeSet<String> {
     let mut stack = vec![root];
     while let Some(id) = stack.pop() {
         for dep in nodes[id]["deps"].as_array().unwrap() {
-            let normal = dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
+            let normal =
+                dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
             let pkg = dep["pkg"].as_str().unwrap();
             if normal && seen.insert(packages[pkg].to_string()) {
                 stack.push(pkg);
@@ -43,11 +44,8 @@ fn declared(metadata: &Value, krate: &str) -> BTreeSet<String> {
 fn metadata() -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let args = ["metadata", "--format-version", "1", "--offline", "--all-features"];
-    let out = Command::new(cargo)
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("cargo metadata runs");
+    let out =
+        Command::new(cargo).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().expect("cargo metadata runs");
     assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
 }
@@ -73,5 +71,8 @@ fn the_planner_depends_on_no_tensor_library_and_the_models_on_no_transport() {
         assert!(bad.is_empty(), "{krate} must not declare a transport dependency, found {bad:?}");
     }
     assert!(declared(&all, "disagmoe-models").contains("burn"), "the check sees the models' real dependencies");
-    assert!(!declared(&all, "disagmoe-kernels").iter().any(|d| d.starts_with("disagmoe-")), "the kernels know no workspace crate");
+    assert!(
+        !declared(&all, "disagmoe-kernels").iter().any(|d| d.starts_with("disagmoe-")),
+        "the kernels know no workspace crate"
+    );
 }

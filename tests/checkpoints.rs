@@ -23,7 +23,8 @@ const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
 fn summary(out: &Output) -> serde_json::Value {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "run failed ({:?}): {}\n{}", out.status, String::from_utf8_lossy(&out.stderr), text);
-    let last = text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    let last =
+        text.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
     serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
 }
 
@@ -33,7 +34,13 @@ fn path(p: &Path) -> &str {
 
 /// `disagmoe train` of `preset` for `steps` steps under `placement` with `extra` flags.
 fn train(preset: &str, steps: usize, placement: &[&str], extra: &[&str]) -> Output {
-    bin().args(RUN).args(["--steps", &steps.to_string(), "--model-preset", preset]).args(placement).args(extra).output().unwrap()
+    bin()
+        .args(RUN)
+        .args(["--steps", &steps.to_string(), "--model-preset", preset])
+        .args(placement)
+        .args(extra)
+        .output()
+        .unwrap()
 }
 
 fn checkpoints(dir: &Path) -> Vec<String> {
@@ -213,7 +220,13 @@ fn killed_while_checkpointing(launch: Launch, tmp: &Path) {
         let ck = tmp.join(format!("ck-{worker}-{at}"));
         let faults = format!(r#"{{"kill_in_checkpoint": {{"worker": {worker}, "step": 4, "at": "{at}"}}}}"#);
         let out = launch
-            .command(preset, 6, DISAGG, &["--checkpoint-every", "2", "--checkpoint-dir", path(&ck)], &[("DISAGMOE_TEST_FAULTS", &faults)])
+            .command(
+                preset,
+                6,
+                DISAGG,
+                &["--checkpoint-every", "2", "--checkpoint-dir", path(&ck)],
+                &[("DISAGMOE_TEST_FAULTS", &faults)],
+            )
             .output()
             .unwrap();
         assert!(!out.status.success(), "{at}: the run was killed");
@@ -303,12 +316,20 @@ fn a_distributed_checkpoint_is_a_hugging_face_directory() {
     let ck = tmp.path().join("ck");
     summary(&train("tiny-gpt-oss", 2, DISAGG, &["--checkpoint-dir", path(&ck)]));
     let step: PathBuf = ck.join("step-00000002");
-    for f in ["config.json", "model.safetensors.index.json", "state.json", "manifest.json", "exp_avg/model.safetensors.index.json", "exp_avg_sq/config.json"] {
+    for f in [
+        "config.json",
+        "model.safetensors.index.json",
+        "state.json",
+        "manifest.json",
+        "exp_avg/model.safetensors.index.json",
+        "exp_avg_sq/config.json",
+    ] {
         assert!(step.join(f).exists(), "{f}");
     }
     let names = tensors(&step);
     assert_eq!(tensors(&step.join("exp_avg")).keys().collect::<Vec<_>>(), names.keys().collect::<Vec<_>>());
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("state.json")).unwrap()).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(step.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["written_by"], "disagg 2+2 in 2 groups");
     assert_eq!(state["settings"]["seq"], 32);
 }
@@ -344,7 +365,14 @@ mod mpi {
         for preset in PRESETS {
             resharded_resume(Launch::Mpi, tmp.path(), preset, DISAGG, EP, "mpi disagg 2+2 -> mpi ep 4");
             resharded_resume(Launch::Mpi, tmp.path(), preset, EP, SINGLE, "mpi ep 4 -> single");
-            resharded_resume(Launch::Mpi, tmp.path(), preset, SINGLE, DISAGG_2_4, "single -> mpi disagg 2+4 in 2 groups");
+            resharded_resume(
+                Launch::Mpi,
+                tmp.path(),
+                preset,
+                SINGLE,
+                DISAGG_2_4,
+                "single -> mpi disagg 2+4 in 2 groups",
+            );
         }
     }
 

@@ -157,8 +157,10 @@ fn bad_input_gets_one_clear_message() {
         (r#""hidden_size": -4"#, "hidden_size"),
         (r#""hidden_size": "wide""#, "hidden_size"),
     ] {
-        let base =
-            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("disagmoe-models/src/families/qwen3_moe/tiny.json")).unwrap();
+        let base = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("disagmoe-models/src/families/qwen3_moe/tiny.json"),
+        )
+        .unwrap();
         let key = patch.split(':').next().unwrap();
         let line = base.lines().find(|l| l.trim_start().starts_with(key)).unwrap();
         let comma = if line.trim_end().ends_with(',') { "," } else { "" };
@@ -187,8 +189,10 @@ fn bad_input_gets_one_clear_message() {
 fn hf_tokenizer_json_is_used_when_given() {
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizer/tokenizer.json");
     let tmp = tempfile::tempdir().unwrap();
-    let base =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("disagmoe-models/src/families/qwen3_moe/tiny.json")).unwrap();
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("disagmoe-models/src/families/qwen3_moe/tiny.json"),
+    )
+    .unwrap();
     let cfg = tmp.path().join("config.json");
     std::fs::write(&cfg, base.replace("\"vocab_size\": 256", "\"vocab_size\": 384")).unwrap();
     let out = bin()
@@ -238,7 +242,8 @@ fn damaged_checkpoints_are_clear_errors() {
 
 #[test]
 fn every_preset_learns_within_60_steps() {
-    let presets = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"];
+    let presets =
+        ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"];
     for preset in presets {
         let out = bin()
             .args(["train", "--quiet", "--model-preset", preset, "--steps", "60", "--batch", "4", "--seq", "64"])
@@ -252,4 +257,3 @@ fn every_preset_learns_within_60_steps() {
     let out = bin().args(["train", "--quiet", "--model-preset", "huge"]).output().unwrap();
     fails_with(&out, "allowed: [\"tiny-qwen3-moe\"");
 }
-

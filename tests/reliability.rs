@@ -118,7 +118,8 @@ fn sigkill_while_checkpointing_leaves_the_previous_checkpoint_loadable() {
     let fake = ck.join("step-00009999");
     std::fs::create_dir_all(&fake).unwrap();
     std::fs::copy(newest.join("model.safetensors"), fake.join("model.safetensors")).unwrap();
-    let s = summary(&train(&["--steps", "10000", "--stop-after", "402", "--allow-change", "steps", "--resume"], &[&ck]));
+    let s =
+        summary(&train(&["--steps", "10000", "--stop-after", "402", "--allow-change", "steps", "--resume"], &[&ck]));
     assert_ne!(s["resumed_from_step"], 9999);
 }
 

@@ -46,8 +46,14 @@ const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
 /// copies), ep on 4.
 const PLACEMENTS: [(&str, &[&str]); 4] = [
     ("disagg 2+2", DISAGG),
-    ("disagg 2+4 in one group", &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "1"]),
-    ("disagg 4+2 in two groups", &["--placement", "disagg", "--attn-workers", "4", "--ffn-workers", "2", "--groups", "2"]),
+    (
+        "disagg 2+4 in one group",
+        &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "1"],
+    ),
+    (
+        "disagg 4+2 in two groups",
+        &["--placement", "disagg", "--attn-workers", "4", "--ffn-workers", "2", "--groups", "2"],
+    ),
     ("ep 4", EP),
 ];
 
@@ -130,7 +136,10 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
         let start = out("single").join("final");
         let from = |name: &str, args: &[&str]| {
             let o = out(&format!("from-{name}"));
-            let run = train(preset, &[args, &["--model-dir", start.to_str().unwrap(), "--out", o.to_str().unwrap()]].concat());
+            let run = train(
+                preset,
+                &[args, &["--model-dir", start.to_str().unwrap(), "--out", o.to_str().unwrap()]].concat(),
+            );
             (run, o.join("final"))
         };
         let (single_run, single_model) = from("single", &["--placement", "single"]);
@@ -148,7 +157,8 @@ fn every_rank_holds_only_its_share_of_the_model() {
         let single = train(preset, &["--placement", "single"]);
         for (name, args) in PLACEMENTS {
             let s = train(preset, args);
-            let per_rank: Vec<u64> = s["params_per_rank"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let per_rank: Vec<u64> =
+                s["params_per_rank"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
             let params = single["params"].as_u64().unwrap();
             assert_eq!(s["params"].as_u64().unwrap(), params, "{preset} {name}: the model's parameters");
             assert_eq!(per_rank.len(), s["workers"].as_u64().unwrap() as usize);
@@ -218,7 +228,8 @@ fn distributed_runs_save_the_model_single_would_have_saved() {
                 let load = m["expert_load"].as_array().unwrap_or_else(|| panic!("{name}: no expert_load in {line}"));
                 assert!(!load.is_empty(), "{name}: expert load of the MoE layers");
                 for l in load {
-                    let tokens: u64 = l["tokens_per_expert"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).sum();
+                    let tokens: u64 =
+                        l["tokens_per_expert"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).sum();
                     assert_eq!(tokens, 8 * 32 * 2, "{name}: every routed copy of the step counted once");
                 }
                 for key in ["loss", "lm_loss", "grad_norm", "lr", "step_s", "exposed_comm_s", "compute_s", "link_s"] {
@@ -352,7 +363,10 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (&["--placement", "ep", "--allocation", "auto"][..], "allocation"),
         (&["--placement", "disagg", "--allocation", "auto", "--transport", "mpi"][..], "transport local"),
         (&["--placement", "disagg", "--allow-change", "model"][..], "allow_change"),
-        (&["--placement", "ep", "--workers", "4", "--micro-batches", "8", "--in-flight", "3"][..], "must be from 1 to 2"),
+        (
+            &["--placement", "ep", "--workers", "4", "--micro-batches", "8", "--in-flight", "3"][..],
+            "must be from 1 to 2",
+        ),
         (&["--placement", "disagg", "--threads-per-worker", "0"][..], "threads_per_worker"),
     ] {
         let out = bin()
@@ -442,7 +456,8 @@ mod mpi {
             // From a checkpoint: each process reads only its tensors.
             let from = want.join("final");
             let want_from = dir.path().join(format!("{preset}-single-from"));
-            let single_from = train(preset, &["--model-dir", from.to_str().unwrap(), "--out", want_from.to_str().unwrap()]);
+            let single_from =
+                train(preset, &["--model-dir", from.to_str().unwrap(), "--out", want_from.to_str().unwrap()]);
             let Some(mut cmd) = mpirun() else { return };
             let out_dir = dir.path().join(format!("{preset}-disagg-from"));
             let out = cmd

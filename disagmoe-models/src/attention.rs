@@ -166,9 +166,10 @@ impl<B: Backend> GqaAttention<B> {
         };
         let (q, k) = (rope(q), rope(k));
         let sinks = self.sinks.as_ref().map(|p| p.val());
-        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window)
-            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window)); // [B, S, H, D]
-        // 4. Merge heads, output projection.
+        let out =
+            disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window)
+                .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window)); // [B, S, H, D]
+                                                                                                                // 4. Merge heads, output projection.
         self.o_proj.forward(out.reshape([b, s, h * d]))
     }
 

@@ -180,7 +180,8 @@ mod tests {
         let got = BalanceLoss::DeepSeek { seq_aux: false }.value(&[l.clone()], &p);
         assert!((got - want).abs() < 1e-12, "{got} vs {want}");
         // seq_aux true: per sequence with S = 3, averaged.
-        let per_seq = |b: usize| (0..3).map(|e| 3.0 * l.counts[b * 3 + e] as f64 / 6.0 * p[0][b * 3 + e] / 3.0).sum::<f64>();
+        let per_seq =
+            |b: usize| (0..3).map(|e| 3.0 * l.counts[b * 3 + e] as f64 / 6.0 * p[0][b * 3 + e] / 3.0).sum::<f64>();
         let want = (per_seq(0) + per_seq(1)) / 2.0;
         let got = BalanceLoss::DeepSeek { seq_aux: true }.value(&[l], &p);
         assert!((got - want).abs() < 1e-12, "{got} vs {want}");

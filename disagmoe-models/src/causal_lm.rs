@@ -91,7 +91,11 @@ pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B,
 
 /// Cross-entropy plus the coefficient times the balance loss (when `aux` is given and there are
 /// MoE layers), as transformers' `*ForCausalLM.forward` adds them.
-pub fn causal_lm_loss<B: Backend>(out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, aux: Option<AuxLoss>) -> LossParts<B> {
+pub fn causal_lm_loss<B: Backend>(
+    out: &CausalLmOutput<B>,
+    ids: Tensor<B, 2, Int>,
+    aux: Option<AuxLoss>,
+) -> LossParts<B> {
     let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
     let aux_loss = aux.and_then(|a| a.kind.loss(&out.router_stats));
     let total = match (&aux_loss, aux) {

@@ -231,7 +231,11 @@ pub fn init_layer<B: Backend, C: FamilyConfig>(config: &C, layer: usize, init: &
     DecoderLayer {
         input_layernorm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, &prefix.child("input_layernorm")),
         self_attn: config.attention(layer, &prefix.child("self_attn")),
-        post_attention_layernorm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, &prefix.child("post_attention_layernorm")),
+        post_attention_layernorm: RmsNorm::new(
+            d.hidden_size,
+            d.rms_norm_eps,
+            &prefix.child("post_attention_layernorm"),
+        ),
         mlp: init_feed_forward(config, layer, 0..config.routed_experts(), true, init),
         ffn_name: C::FFN_NAME,
     }
@@ -279,7 +283,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
-        // 2. (attention block, expert block) pairs.
+                                                            // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
             x = layer.attention_block(x, cos.clone(), sin.clone());

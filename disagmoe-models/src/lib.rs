@@ -36,7 +36,9 @@ pub use error::{ModelError, Result};
 pub use families::deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
 pub use families::gpt_oss::{GptOssConfig, GptOssForCausalLM};
 pub use families::qwen3_moe::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
-pub use families::{model_presets, FamilyConfig, FamilyVisitor, ModelConfig, MoeCausalLm, TrainModule, SUPPORTED_MODEL_TYPES};
+pub use families::{
+    model_presets, FamilyConfig, FamilyVisitor, ModelConfig, MoeCausalLm, TrainModule, SUPPORTED_MODEL_TYPES,
+};
 pub use init::Init;
 pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use rope::RopeScaling;

@@ -160,8 +160,8 @@ impl<B: Backend> MlaAttention<B> {
         let v = kv.narrow(3, dn, dv); // [B, H, S, Dv]
         let k = Tensor::cat(vec![k_nope, k_rot.expand([b, h, s, dr])], 3); // [B, H, S, Dq]
         let q = Tensor::cat(vec![q_pass, q_rot], 3); // [B, H, S, Dq]
-        // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
-        //      operation or kernel for this backend, else its reference), merge heads, project.
+                                                     // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
+                                                     //      operation or kernel for this backend, else its reference), merge heads, project.
         let (qs, ks, vs) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)); // [B, S, H, *]
         let scale = self.shape.softmax_scale;
         let out = disagmoe_kernels::fused::attention(qs.clone(), ks.clone(), vs.clone(), None, scale, None)

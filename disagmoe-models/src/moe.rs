@@ -190,7 +190,8 @@ impl<B: Backend> SwiGluExperts<B> {
     /// Experts `range` (global indices) of a layer, freshly initialised; `init` is scoped to the
     /// experts' prefix (`model.layers.3.mlp.experts`).
     pub fn new(range: std::ops::Range<usize>, hidden: usize, inter: usize, names: ExpertNames, init: &Init<B>) -> Self {
-        let experts = range.clone().map(|j| SwiGluMlp::named(hidden, inter, names, &init.child(j.to_string()))).collect();
+        let experts =
+            range.clone().map(|j| SwiGluMlp::named(hidden, inter, names, &init.child(j.to_string()))).collect();
         Self { experts, first: range.start, names }
     }
 }
@@ -303,7 +304,11 @@ impl<B: Backend> TopKRouter<B> {
     /// A router over `experts` experts for width `hidden`, its weight `{block}.gate.weight` (`init`
     /// is scoped to the MoE block).
     pub fn new(hidden: usize, experts: usize, top_k: usize, norm_topk_prob: bool, init: &Init<B>) -> Self {
-        Self { weight: Param::from_tensor(init.child("gate").normal("weight", [experts, hidden])), top_k, norm_topk_prob }
+        Self {
+            weight: Param::from_tensor(init.child("gate").normal("weight", [experts, hidden])),
+            top_k,
+            norm_topk_prob,
+        }
     }
 }
 
@@ -458,7 +463,12 @@ impl<B: Backend> RouterStats<B> {
     /// The statistics of a router's decision over `sequences` sequences of `T / sequences` tokens.
     pub fn new(route: &RouterOutput<B>, sequences: usize, experts: usize, top_k: usize) -> Self {
         let [t, _] = route.probs.dims();
-        let prob_sum = route.probs.clone().reshape([sequences, t / sequences.max(1), experts]).sum_dim(1).reshape([sequences, experts]);
+        let prob_sum = route
+            .probs
+            .clone()
+            .reshape([sequences, t / sequences.max(1), experts])
+            .sum_dim(1)
+            .reshape([sequences, experts]);
         let routing = LayerRouting::from_ids(&route.ids, sequences, t, experts, top_k);
         Self { prob_sum, counts: routing.per_expert(), routing }
     }
@@ -487,14 +497,14 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
     pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, RouterStats<B>) {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]); // [T, M]
-        // 1. route
+                                          // 1. route
         let routed = self.gate.route(flat.clone());
         // 2. dispatch
         let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k());
         let xs = dispatch.permute(flat.clone()); // [N, M]
-        // 3. compute
+                                                 // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
-        // 4. combine
+                                                                     // 4. combine
         let mut out = dispatch.combine(ys, routed.weights.clone()); // [T, M]
         if let Some(shared) = &self.shared_experts {
             out = out + shared.forward(flat);

@@ -145,7 +145,13 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
 
     /// Loads layer `layer`'s norms, attention and router (under its feed-forward module
     /// `ffn_name`).
-    pub fn load(&mut self, ckpt: &mut CheckpointReader, layer: usize, ffn_name: &str, device: &B::Device) -> Result<()> {
+    pub fn load(
+        &mut self,
+        ckpt: &mut CheckpointReader,
+        layer: usize,
+        ffn_name: &str,
+        device: &B::Device,
+    ) -> Result<()> {
         let prefix = format!("model.layers.{layer}");
         self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
         self.self_attn.load_attention(ckpt, &format!("{prefix}.self_attn"), device)?;
@@ -227,7 +233,13 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
 
     /// Loads the tensors of what this stage holds of layer `layer` (the rows of its experts only,
     /// where the checkpoint stacks them).
-    pub fn load(&mut self, ckpt: &mut CheckpointReader, layer: usize, ffn_name: &str, device: &B::Device) -> Result<()> {
+    pub fn load(
+        &mut self,
+        ckpt: &mut CheckpointReader,
+        layer: usize,
+        ffn_name: &str,
+        device: &B::Device,
+    ) -> Result<()> {
         let prefix = ffn_prefix(layer, ffn_name);
         if let Some(x) = &mut self.experts {
             x.load(ckpt, &format!("{prefix}.experts"), device)?;
@@ -367,7 +379,8 @@ pub struct Stages<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
 impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     /// Takes the model apart into [`Stages`].
     pub fn into_stages(self) -> Stages<B, C::Attention<B>, C::Router<B>, C::Experts<B>> {
-        let (vocab_size, aux_loss, rope) = (self.config().dims().vocab_size, self.config().aux_loss(), self.rope().clone());
+        let (vocab_size, aux_loss, rope) =
+            (self.config().dims().vocab_size, self.config().aux_loss(), self.rope().clone());
         let Self { embed_tokens, layers, norm, lm_head, .. } = self;
         let mut attention = Vec::with_capacity(layers.len());
         let mut experts = Vec::with_capacity(layers.len());

@@ -8,8 +8,8 @@ use burn::tensor::{Distribution, Tensor};
 use disagmoe_models::moe::{
     map_groups, top_k_rows, Dispatch, ExpertNames, Experts, SparseMoeBlock, SwiGluExperts, TopKRouter,
 };
-use disagmoe_models::Init;
 use disagmoe_models::weights::{CheckpointReader, TensorSink};
+use disagmoe_models::Init;
 use disagmoe_models::{Qwen3MoeConfig, Result};
 
 type B = Autodiff<Flex>;

@@ -85,7 +85,10 @@ fn both_config_spellings_load_the_same_model() {
     for family in ["mixtral", "olmoe", "deepseek"] {
         for dir in common::fixtures(family) {
             let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
-            let (a, b) = (ModelConfig::from_json_str(&text).unwrap(), ModelConfig::from_json_str(&other_spelling(&text)).unwrap());
+            let (a, b) = (
+                ModelConfig::from_json_str(&text).unwrap(),
+                ModelConfig::from_json_str(&other_spelling(&text)).unwrap(),
+            );
             assert_eq!(a.to_hf_json(), b.to_hf_json(), "{dir:?}");
             // Loaded under the other spelling, the checkpoint gives the same logits.
             let tmp = tempfile::tempdir().unwrap();
@@ -135,7 +138,8 @@ fn deepseek_moe_16b_is_the_real_architecture_with_16_4b_parameters() {
     let dense = DeepseekConfig::from_json_str(&dense).unwrap();
     assert!((0..28).all(|l| !dense.is_sparse_layer(l)));
     // moe_layer_freq 2: dense below first_k_dense_replace and on odd layers.
-    let freq = DeepseekConfig::from_json_str(&HUB_16B.replace(r#""moe_layer_freq": 1"#, r#""moe_layer_freq": 2"#)).unwrap();
+    let freq =
+        DeepseekConfig::from_json_str(&HUB_16B.replace(r#""moe_layer_freq": 1"#, r#""moe_layer_freq": 2"#)).unwrap();
     assert_eq!((0..6).filter(|&l| freq.is_sparse_layer(l)).collect::<Vec<_>>(), vec![2, 4]);
 }
 

@@ -121,7 +121,11 @@ impl RunSettings {
             seed: cfg.seed,
             seq: cfg.data.seq,
             batch: cfg.data.batch,
-            data: cfg.data.path.as_ref().map_or_else(|| crate::data::BUNDLED_CORPUS_NAME.into(), |p| p.display().to_string()),
+            data: cfg
+                .data
+                .path
+                .as_ref()
+                .map_or_else(|| crate::data::BUNDLED_CORPUS_NAME.into(), |p| p.display().to_string()),
             tokenizer: cfg.data.tokenizer.as_ref().map_or_else(|| "default".into(), |p| p.display().to_string()),
             steps: cfg.steps,
             lr: o.lr,
@@ -163,11 +167,19 @@ impl RunSettings {
             && self.warmup_steps == default(self.steps)
             && now.warmup_steps == default(now.steps);
         if warmup_follows_steps {
-            tracing::warn!(was = self.warmup_steps, now = now.warmup_steps, "the default warm-up follows --steps; pass --warmup-steps to keep it");
+            tracing::warn!(
+                was = self.warmup_steps,
+                now = now.warmup_steps,
+                "the default warm-up follows --steps; pass --warmup-steps to keep it"
+            );
         }
         for (name, flag, was, is) in pairs {
             if was != is && !allows(name) && !(flag == "--warmup-steps" && warmup_follows_steps) {
-                let extend = if name == "steps" { " (to extend the run; the learning-rate schedule then spans the new count)" } else { "" };
+                let extend = if name == "steps" {
+                    " (to extend the run; the learning-rate schedule then spans the new count)"
+                } else {
+                    ""
+                };
                 return Err(TrainError::Checkpoint {
                     path: checkpoint.into(),
                     message: format!(

@@ -24,11 +24,9 @@ pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop
     // One device computes on every core unless told otherwise; distributed workers get their own
     // pools (`runtime::engine`).
     if let (false, Some(threads)) = (cfg.parallel.distributed(), cfg.parallel.threads_per_worker) {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .stack_size(64 << 20)
-            .build()
-            .map_err(|e| crate::error::TrainError::option("threads_per_worker", format!("cannot start {threads} threads: {e}")))?;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).stack_size(64 << 20).build().map_err(|e| {
+            crate::error::TrainError::option("threads_per_worker", format!("cannot start {threads} threads: {e}"))
+        })?;
         return pool.install(|| run::<B>(cfg, device, stop));
     }
     run::<B>(cfg, device, stop)

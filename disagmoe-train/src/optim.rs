@@ -308,7 +308,12 @@ impl<B: AutodiffBackend> AdamW<B> {
 
     /// Takes the moments of `module`'s parameters from `m` and `v`, modules of the same structure
     /// whose parameters hold them (as [`AdamW::moments_as`] makes and a checkpoint loads them).
-    pub fn import_moment_modules<M: AutodiffModule<B>>(&mut self, module: &M, m: &M, v: &M) -> crate::error::Result<()> {
+    pub fn import_moment_modules<M: AutodiffModule<B>>(
+        &mut self,
+        module: &M,
+        m: &M,
+        v: &M,
+    ) -> crate::error::Result<()> {
         let flat = |x: &M| {
             let mut f = Flat::<B> { out: Vec::new() };
             x.visit(&mut f);
@@ -318,7 +323,12 @@ impl<B: AutodiffBackend> AdamW<B> {
         if params.len() != ms.len() || params.len() != vs.len() {
             return Err(crate::error::TrainError::option(
                 "resume",
-                format!("the checkpoint's moments hold {} and {} tensors, the model {}", ms.len(), vs.len(), params.len()),
+                format!(
+                    "the checkpoint's moments hold {} and {} tensors, the model {}",
+                    ms.len(),
+                    vs.len(),
+                    params.len()
+                ),
             ));
         }
         for (((id, p), (_, m)), (_, v)) in params.into_iter().zip(ms).zip(vs) {

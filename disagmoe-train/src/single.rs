@@ -66,7 +66,10 @@ impl<B: AutodiffBackend> SingleDevice<B> {
         let poison = match &cfg.faults.inject_nonfinite {
             Some(inj) => {
                 let id = names.iter().find(|(_, n)| **n == inj.tensor).map(|(id, _)| *id).ok_or_else(|| {
-                    TrainError::option("inject_nonfinite.tensor", format!("`{}` is not a parameter of the model", inj.tensor))
+                    TrainError::option(
+                        "inject_nonfinite.tensor",
+                        format!("`{}` is not a parameter of the model", inj.tensor),
+                    )
                 })?;
                 Some((inj.step, id))
             }
@@ -138,7 +141,10 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             let out = model.forward(ids.clone());
             let loss = model.loss(&out, ids, self.with_aux);
             let parts: Vec<Tensor<B, 1>> =
-                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()].into_iter().flatten().collect();
+                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()]
+                    .into_iter()
+                    .flatten()
+                    .collect();
             let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
             sums.total += scalars[0] / mbs as f64;
             sums.lm += scalars[1] / mbs as f64;
@@ -159,9 +165,8 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         }
         let norms = grad_norm::<B, _>(self.model(), &grads);
         let finite = sums.total.is_finite() && norms.total.is_finite();
-        let worst = || {
-            norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| self.names.get(id).cloned())
-        };
+        let worst =
+            || norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| self.names.get(id).cloned());
         if !finite && self.on_nonfinite == NonFinitePolicy::Abort {
             return Err(TrainError::NonFinite {
                 step,

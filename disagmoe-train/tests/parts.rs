@@ -73,7 +73,9 @@ impl FamilyVisitor<B> for Check<'_> {
 
 #[test]
 fn parts_built_alone_are_the_whole_model_s_tensors() {
-    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"] {
+    for preset in
+        ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"]
+    {
         let config = ModelConfig::preset(preset).unwrap();
         let (layers, experts) = (config.dims().num_hidden_layers, config.model_shape(preset).moe.experts);
         for layout in [

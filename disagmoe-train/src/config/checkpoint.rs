@@ -45,13 +45,19 @@ impl CheckpointOptions {
             if !crate::checkpoint::CHANGEABLE.contains(&c.as_str()) {
                 return Err(TrainError::option(
                     "allow_change",
-                    format!("`{c}` is not a setting a resume may change; allowed: {}", crate::checkpoint::CHANGEABLE.join(", ")),
+                    format!(
+                        "`{c}` is not a setting a resume may change; allowed: {}",
+                        crate::checkpoint::CHANGEABLE.join(", ")
+                    ),
                 ));
             }
         }
         if let Some(n) = self.stop_after {
             if n == 0 || n > steps {
-                return Err(TrainError::option("stop_after", format!("must be between 1 and steps ({steps}), got {n}")));
+                return Err(TrainError::option(
+                    "stop_after",
+                    format!("must be between 1 and steps ({steps}), got {n}"),
+                ));
             }
         }
         Ok(())

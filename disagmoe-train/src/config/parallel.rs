@@ -223,7 +223,10 @@ impl ParallelOptions {
         }
         if let Some(t) = self.threads_per_worker {
             if !(1..=MAX_THREADS).contains(&t) {
-                return Err(TrainError::option("threads_per_worker", format!("must be from 1 to {MAX_THREADS}, got {t}")));
+                return Err(TrainError::option(
+                    "threads_per_worker",
+                    format!("must be from 1 to {MAX_THREADS}, got {t}"),
+                ));
             }
         }
         if let Some(g) = self.link_gbps {

@@ -58,7 +58,11 @@ pub trait ReduceValues: Summable + Sized {
     fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
     /// Sums over `group` with NCCL.
     #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
+    fn nccl_all_reduce(
+        groups: &super::nccl::NcclGroups,
+        group: &[usize],
+        data: &mut [Self],
+    ) -> crate::error::Result<()>;
 }
 
 impl ReduceValues for f32 {
@@ -76,7 +80,11 @@ impl ReduceValues for f32 {
         groups.all_reduce(group, data)
     }
     #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+    fn nccl_all_reduce(
+        groups: &super::nccl::NcclGroups,
+        group: &[usize],
+        data: &mut [Self],
+    ) -> crate::error::Result<()> {
         groups.all_reduce(group, data)
     }
 }
@@ -96,7 +104,11 @@ impl ReduceValues for f64 {
         groups.all_reduce(group, data)
     }
     #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(groups: &super::nccl::NcclGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
+    fn nccl_all_reduce(
+        groups: &super::nccl::NcclGroups,
+        group: &[usize],
+        data: &mut [Self],
+    ) -> crate::error::Result<()> {
         groups.all_reduce(group, data)
     }
 }
@@ -165,7 +177,11 @@ pub fn ring_all_reduce<T: Summable, L: RingLink<T>>(
             if got.len() != end - start {
                 return Err(crate::error::TrainError::Worker {
                     worker: me,
-                    cause: format!("all-reduce: a chunk of {} values from worker {prev}, expected {}", got.len(), end - start),
+                    cause: format!(
+                        "all-reduce: a chunk of {} values from worker {prev}, expected {}",
+                        got.len(),
+                        end - start
+                    ),
                 });
             }
             if gather {
@@ -234,11 +250,13 @@ mod tests {
     fn every_member_gets_the_sum_with_any_chunk_size() {
         for (n, len, chunk) in [(2, 10, 3), (3, 7, 1), (4, 1, 4), (4, 1000, 64), (5, 13, 1000), (3, 2, 1)] {
             let out = run(n, len, chunk);
-            let want: Vec<f32> =
-                (0..len).map(|i| (0..n).map(|me| (me * 1000 + i) as f32 * 0.5).sum::<f32>()).collect();
+            let want: Vec<f32> = (0..len).map(|i| (0..n).map(|me| (me * 1000 + i) as f32 * 0.5).sum::<f32>()).collect();
             for (me, got) in out.iter().enumerate() {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!((g - w).abs() <= 1e-3 * w.abs().max(1.0), "n={n} len={len} chunk={chunk} member {me} [{i}]");
+                    assert!(
+                        (g - w).abs() <= 1e-3 * w.abs().max(1.0),
+                        "n={n} len={len} chunk={chunk} member {me} [{i}]"
+                    );
                 }
                 assert_eq!(got, &out[0], "every member has the same bits");
             }

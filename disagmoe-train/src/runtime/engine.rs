@@ -41,10 +41,22 @@ pub(crate) struct RunFacts {
 enum Command {
     /// Count the parameters held (after every worker has built its part).
     Start,
-    Step { step: usize, batch: Arc<Vec<Vec<i64>>>, lr: f64, stop: bool },
+    Step {
+        step: usize,
+        batch: Arc<Vec<Vec<i64>>>,
+        lr: f64,
+        stop: bool,
+    },
     /// Write a training checkpoint (every worker its part, rank 0 commits).
-    Checkpoint { dir: PathBuf, state: Box<TrainState>, keep: usize },
-    Finish { out: Option<PathBuf>, traces: bool },
+    Checkpoint {
+        dir: PathBuf,
+        state: Box<TrainState>,
+        keep: usize,
+    },
+    Finish {
+        out: Option<PathBuf>,
+        traces: bool,
+    },
 }
 
 /// What the workers report once built: parameters by rank, and of the whole model.
@@ -141,73 +153,77 @@ impl Distributed {
                         Err(e) => {
                             let _ = rx.recv();
                             let cause = format!("cannot start its {threads} compute threads: {e}");
-                            let _ = reply_tx.send((rank, Reply::Start(Err(TrainError::Worker { worker: rank, cause }))));
+                            let _ =
+                                reply_tx.send((rank, Reply::Start(Err(TrainError::Worker { worker: rank, cause }))));
                             return;
                         }
                     };
                     pool.install(move || {
-                    let part = match build_part::<B, C>(&config, &shared.layout, rank, &shared.source, &device) {
-                        Ok(part) => part,
-                        Err(e) => {
-                            // The error answers the first command; the others learn of it by their
-                            // time-out or the engine's round.
-                            let _ = rx.recv();
-                            let _ = reply_tx.send((rank, Reply::Start(Err(e))));
-                            return;
-                        }
-                    };
-                    let reducer = match shared.cfg.parallel.transport {
-                        #[cfg(feature = "nccl")]
-                        TransportKind::Nccl => {
-                            let mpi = super::mpi::MpiGroups::new(&shared.layout.replicas(rank));
-                            match super::nccl::NcclGroups::new(&mpi, rank) {
-                                Ok(groups) => Reducer::Nccl(groups),
-                                Err(e) => {
-                                    let _ = rx.recv();
-                                    let _ = reply_tx.send((rank, Reply::Start(Err(e))));
-                                    return;
+                        let part = match build_part::<B, C>(&config, &shared.layout, rank, &shared.source, &device) {
+                            Ok(part) => part,
+                            Err(e) => {
+                                // The error answers the first command; the others learn of it by their
+                                // time-out or the engine's round.
+                                let _ = rx.recv();
+                                let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                                return;
+                            }
+                        };
+                        let reducer = match shared.cfg.parallel.transport {
+                            #[cfg(feature = "nccl")]
+                            TransportKind::Nccl => {
+                                let mpi = super::mpi::MpiGroups::new(&shared.layout.replicas(rank));
+                                match super::nccl::NcclGroups::new(&mpi, rank) {
+                                    Ok(groups) => Reducer::Nccl(groups),
+                                    Err(e) => {
+                                        let _ = rx.recv();
+                                        let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                                        return;
+                                    }
                                 }
                             }
+                            #[cfg(feature = "mpi")]
+                            TransportKind::Mpi => {
+                                Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank)))
+                            }
+                            // `nccl` without the feature is refused before any worker starts.
+                            _ => Reducer::Ring,
+                        };
+                        let port = Port::new(endpoint, link_model(&shared.cfg));
+                        let mut settings = shared.settings.clone();
+                        let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
+                        settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
+                        let mut opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
+                        if let Some((path, steps)) = &shared.resume {
+                            // The moments of this worker's tensors, read like its weights.
+                            let moments = Moment::BOTH.map(|m| {
+                                let source = WeightSource::Checkpoint(crate::checkpoint::moment_dir(path, m));
+                                build_part::<B, C>(&config, &shared.layout, rank, &source, &device)
+                            });
+                            let [first, second] = moments;
+                            let loaded =
+                                first.and_then(|m| second.and_then(|v| opt.import_moment_modules(&part, &m, &v)));
+                            if let Err(e) = loaded {
+                                let _ = rx.recv();
+                                let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                                return;
+                            }
+                            opt.set_steps_taken(*steps);
                         }
-                        #[cfg(feature = "mpi")]
-                        TransportKind::Mpi => Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank))),
-                        // `nccl` without the feature is refused before any worker starts.
-                        _ => Reducer::Ring,
-                    };
-                    let port = Port::new(endpoint, link_model(&shared.cfg));
-                    let mut settings = shared.settings.clone();
-                    let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
-                    settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
-                    let mut opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
-                    if let Some((path, steps)) = &shared.resume {
-                        // The moments of this worker's tensors, read like its weights.
-                        let moments = Moment::BOTH.map(|m| {
-                            let source = WeightSource::Checkpoint(crate::checkpoint::moment_dir(path, m));
-                            build_part::<B, C>(&config, &shared.layout, rank, &source, &device)
-                        });
-                        let [first, second] = moments;
-                        let loaded = first.and_then(|m| second.and_then(|v| opt.import_moment_modules(&part, &m, &v)));
-                        if let Err(e) = loaded {
-                            let _ = rx.recv();
-                            let _ = reply_tx.send((rank, Reply::Start(Err(e))));
-                            return;
-                        }
-                        opt.set_steps_taken(*steps);
-                    }
-                    let trace = shared.cfg.parallel.trace.is_some();
-                    let worker = Worker::new(
-                        shared.layout.clone(),
-                        settings,
-                        port,
-                        reducer,
-                        part,
-                        C::FFN_NAME,
-                        shared.rope.clone(),
-                        device,
-                        trace,
-                        opt,
-                    );
-                    serve(&shared, worker, rx, reply_tx);
+                        let trace = shared.cfg.parallel.trace.is_some();
+                        let worker = Worker::new(
+                            shared.layout.clone(),
+                            settings,
+                            port,
+                            reducer,
+                            part,
+                            C::FFN_NAME,
+                            shared.rope.clone(),
+                            device,
+                            trace,
+                            opt,
+                        );
+                        serve(&shared, worker, rx, reply_tx);
                     })
                 })
                 .map_err(|e| TrainError::Worker { worker: rank, cause: format!("cannot start its thread: {e}") })?;
@@ -464,7 +480,10 @@ impl StepEngine for Distributed {
         if let Some(p) = &self.process {
             p.barrier();
         }
-        Ok(FinalReport { param_checksum: checksum, peak_rss_mb_per_rank: std::mem::take(&mut self.peak_rss_mb_per_rank) })
+        Ok(FinalReport {
+            param_checksum: checksum,
+            peak_rss_mb_per_rank: std::mem::take(&mut self.peak_rss_mb_per_rank),
+        })
     }
 }
 

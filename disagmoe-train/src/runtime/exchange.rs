@@ -38,7 +38,10 @@ pub struct Share {
 impl Share {
     /// The `k` chosen expert ids of each of the share's tokens, token-major.
     pub fn ids(&self, route_ids: &[usize], k: usize) -> Vec<u32> {
-        self.tokens.iter().flat_map(|&t| route_ids[t as usize * k..(t as usize + 1) * k].iter().map(|&e| e as u32)).collect()
+        self.tokens
+            .iter()
+            .flat_map(|&t| route_ids[t as usize * k..(t as usize + 1) * k].iter().map(|&e| e as u32))
+            .collect()
     }
 }
 
@@ -207,15 +210,26 @@ mod tests {
         assert_eq!(shares[1].ids(&ids, 2), vec![1, 3, 2, 3]);
         let with_shared = m2n_shares(&ids, 2, 3, &[(5, 0..2), (6, 2..4)], true);
         assert_eq!(with_shared[0].tokens, vec![0, 1, 2]);
-        assert_eq!(dense_shares(2, &[5, 6]), vec![Share { holder: 5, tokens: vec![0, 1] }, Share { holder: 6, tokens: vec![] }]);
+        assert_eq!(
+            dense_shares(2, &[5, 6]),
+            vec![Share { holder: 5, tokens: vec![0, 1] }, Share { holder: 6, tokens: vec![] }]
+        );
     }
 
     #[test]
     fn shares_add_onto_the_residual_and_gradients_split_back_by_rows() {
         let x = HostTensor { shape: vec![3, 2], data: vec![1.0; 6] };
         let mut input = LayerInput { residual: Some(ResidualIn { x, aux: AuxSums::default() }), partials: Vec::new() };
-        input.partials.push(Partial { holder: 5, tokens: vec![0, 2], out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] } });
-        input.partials.push(Partial { holder: 6, tokens: vec![2], out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] } });
+        input.partials.push(Partial {
+            holder: 5,
+            tokens: vec![0, 2],
+            out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] },
+        });
+        input.partials.push(Partial {
+            holder: 6,
+            tokens: vec![2],
+            out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] },
+        });
         assert!(input.complete(2));
         let a = input.assemble();
         assert_eq!(a.h.data, vec![2.0, 3.0, 1.0, 1.0, 14.0, 25.0]);

@@ -204,7 +204,8 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         let Self { cfg, device, model, resume } = self;
         let layers = config.dims().num_hidden_layers;
         let mut layout = layout_of(cfg, layers, config.routed_experts())?;
-        layout.shared_experts = (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
+        layout.shared_experts =
+            (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
         layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
         let rope = config.rope().tables::<B>(cfg.data.seq, device);
         let source = match (resume, &cfg.model.dir) {

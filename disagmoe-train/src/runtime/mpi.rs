@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::datatype::Equivalence;
-use mpi::topology::Color;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
+use mpi::topology::Color;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 

@@ -50,7 +50,10 @@ fn header(tensors: &BTreeMap<String, Vec<usize>>) -> (Vec<u8>, BTreeMap<String, 
     let mut starts = BTreeMap::new();
     for (name, shape) in tensors {
         let bytes = shape.iter().product::<usize>() * 4;
-        meta.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + bytes]}));
+        meta.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + bytes]}),
+        );
         starts.insert(name.clone(), at);
         at += bytes;
     }
@@ -95,7 +98,12 @@ fn write_rows(dir: &Path, rows: &StackedRows, experts: usize) -> Result<usize> {
         .collect();
     let (head, starts) = header(&full);
     let path = dir.join(stacked_file(rows.layer));
-    let file = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(&path).map_err(io("cannot open", &path))?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io("cannot open", &path))?;
     let total = head.len() + full.values().map(|s| s.iter().product::<usize>() * 4).sum::<usize>();
     file.set_len(total as u64).map_err(io("cannot size", &path))?;
     file.write_all_at(&head, 0).map_err(io("cannot write", &path))?;
@@ -150,7 +158,11 @@ mod tests {
             let mut sink = TensorSink::new();
             let rows: Vec<f32> = (first * m..(first + n) * m).map(|x| x as f32).collect();
             sink.put_raw("model.layers.0.mlp.experts.down_proj_bias".into(), vec![n, m], rows.clone());
-            sink.put_raw("model.layers.0.mlp.experts.gate_up_proj_bias".into(), vec![n, 2 * m], [rows.clone(), rows].concat());
+            sink.put_raw(
+                "model.layers.0.mlp.experts.gate_up_proj_bias".into(),
+                vec![n, 2 * m],
+                [rows.clone(), rows].concat(),
+            );
             let parts = NamedParts { whole: TensorSink::new(), stacked: vec![StackedRows { layer: 0, first, sink }] };
             write_shards(dir.path(), first, &parts, experts).unwrap();
         }

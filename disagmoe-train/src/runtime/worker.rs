@@ -36,13 +36,13 @@ use disagmoe_models::moe::{Experts, Router, RouterStats};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 use disagmoe_models::{AuxLoss, TrainModule};
 
-use super::collectives::{max_chunk_elements, ring_all_reduce, Reducer, ReduceValues, RingLink};
+use super::collectives::{max_chunk_elements, ring_all_reduce, ReduceValues, Reducer, RingLink};
 use super::exchange::{
     dense_shares, empty, m2n_shares, rows_of, Assembled, DispatchGrad, GradInput, GradResidualIn, LayerInput, Partial,
     ResidualIn, Share,
 };
-pub use super::part::WorkerPart;
 use super::layout::Layout;
+pub use super::part::WorkerPart;
 use super::shards::{write_index, write_shards, ShardReport};
 use super::trace::{Tracer, COMM, COMPUTE};
 use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Port};
@@ -241,8 +241,18 @@ impl GlobalSums {
 
     fn to_vec(&self) -> Vec<f64> {
         let l = self.losses;
-        let mut v =
-            vec![self.grad_sq, l.total, l.lm, l.aux, self.waits_s, self.wire_s, self.compute_s, self.link_s, self.stop, self.bytes_sent];
+        let mut v = vec![
+            self.grad_sq,
+            l.total,
+            l.lm,
+            l.aux,
+            self.waits_s,
+            self.wire_s,
+            self.compute_s,
+            self.link_s,
+            self.stop,
+            self.bytes_sent,
+        ];
         v.extend(&self.expert_counts);
         v
     }
@@ -264,10 +274,7 @@ impl GlobalSums {
 
 /// The `i`-th report of every worker's [`Msg::Shards`] (the model's files, then each moment's).
 fn nth_reports(gathered: &[Msg], i: usize) -> Vec<ShardReport> {
-    gathered
-        .iter()
-        .filter_map(|m| if let Msg::Shards(r) = m { r.get(i).cloned() } else { None })
-        .collect()
+    gathered.iter().filter_map(|m| if let Msg::Shards(r) = m { r.get(i).cloned() } else { None }).collect()
 }
 
 /// A worker and its state within a step.
@@ -380,9 +387,9 @@ where
         let (op, w) = (self.op, &mut *self.worker);
         loop {
             let step = w.step;
-            let found = w.later.iter().position(
-                |e| e.src == src && matches!(&e.msg, Msg::Reduce { op: o, seq: s, .. } if *o == op && *s == seq),
-            );
+            let found = w.later.iter().position(|e| {
+                e.src == src && matches!(&e.msg, Msg::Reduce { op: o, seq: s, .. } if *o == op && *s == seq)
+            });
             if let Some(pos) = found {
                 let Msg::Reduce { data, .. } = w.later.remove(pos).msg else { unreachable!("matched a reduce") };
                 return T::unwrap(data).ok_or_else(|| TrainError::Worker {
@@ -595,7 +602,10 @@ where
         self.bwd_left = attn_tasks + self.layout.micro_batches * self.ffn_index.len();
         let all_mbs = 0..self.layout.micro_batches;
         let mut next = HashMap::new();
-        next.insert((BackwardOrder::HEAD, 0), all_mbs.clone().filter(|&m| self.layout.head_worker(m) == self.rank).collect());
+        next.insert(
+            (BackwardOrder::HEAD, 0),
+            all_mbs.clone().filter(|&m| self.layout.head_worker(m) == self.rank).collect(),
+        );
         for &l in self.attn_index.keys() {
             let mine = all_mbs.clone().filter(|&m| self.layout.attn_worker(m, l) == self.rank).collect();
             next.insert((BackwardOrder::ATTN, l), mine);
@@ -818,7 +828,11 @@ where
             _ => {
                 // A dense layer: every token goes to the first holder, none to the others.
                 for Share { holder, tokens } in dense_shares(t, &holders) {
-                    let (y, sent_y) = if tokens.is_empty() { (empty(m), None) } else { (host(&out.normed), Some(out.normed.clone())) };
+                    let (y, sent_y) = if tokens.is_empty() {
+                        (empty(m), None)
+                    } else {
+                        (host(&out.normed), Some(out.normed.clone()))
+                    };
                     msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights: None, ids: vec![] }));
                     sent.push(SentDispatch { holder, y: sent_y, w: None });
                 }
@@ -1155,7 +1169,11 @@ where
             compute_s: g.compute_s,
             link_s: g.link_s,
             bytes_sent: g.bytes_sent,
-            expert_counts: g.expert_counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
+            expert_counts: g
+                .expert_counts
+                .chunks(e.max(1))
+                .map(|c| c.iter().map(|&x| x.round() as usize).collect())
+                .collect(),
             stop: g.stop > 0.0,
         };
         if out.skipped && self.settings.abort_on_nonfinite {
@@ -1259,7 +1277,8 @@ where
         let partial = checkpoint::partial_dir(dir, step);
         let experts = self.layout.experts;
         let part = self.part.as_ref().expect("part");
-        let mut reports = vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts)?];
+        let mut reports =
+            vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts)?];
         hook(CheckpointMoment::Writing);
         for moment in Moment::BOTH {
             let moments = self.opt.moments_as(part.clone(), moment);

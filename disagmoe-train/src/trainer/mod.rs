@@ -12,8 +12,8 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 pub use self::engine::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
-pub use self::report::{throughput, TrainSummary};
 use self::report::{step_metrics, Progress};
+pub use self::report::{throughput, TrainSummary};
 use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSettings, TrainState};
 use crate::config::RunConfig;
 use crate::data::PackedDataset;
@@ -118,8 +118,16 @@ pub fn run(
         _ => None,
     };
     if let Some(d) = &data {
-        tracing::info!(model = info.model_type, backend = crate::BACKEND_NAME, params = info.params, placement = info.placement,
-            corpus = d.source(), corpus_tokens = d.num_tokens(), windows = d.windows(), "training");
+        tracing::info!(
+            model = info.model_type,
+            backend = crate::BACKEND_NAME,
+            params = info.params,
+            placement = info.placement,
+            corpus = d.source(),
+            corpus_tokens = d.num_tokens(),
+            windows = d.windows(),
+            "training"
+        );
     }
     let (first_step, last_step) = (resumed.as_ref().map_or(1, |s| s.step + 1), cfg.last_step());
     let lr_schedule = cfg.optimizer.lr_schedule(cfg.steps);
