@@ -153,10 +153,15 @@ pub fn choose_allocation(cfg: &RunConfig) -> anyhow::Result<RunConfig> {
     );
     let mut chosen = oracle.config_of(&best);
     if chosen.parallel.in_flight.is_none() {
-        // The planner's in-flight window for this allocation (what its memory model admits).
+        // The planner's in-flight window for this allocation (what its memory model admits), at
+        // most the micro-batches each embedding worker of the chosen layout owns: a worker cannot
+        // keep in flight more than it starts.
         let (window, _) = disagmoe_core::schedule::afpipe::afpipe_window(&cost, &best);
-        chosen.parallel.in_flight = Some(window.max(1));
-        tracing::info!(in_flight = window, "in-flight micro-batches from the planner");
+        let own = disagmoe_train::runtime::layout_of(&chosen, cost.model.layers, cost.model.moe.experts)?
+            .fewest_owned_micro_batches();
+        let in_flight = window.clamp(1, own);
+        chosen.parallel.in_flight = Some(in_flight);
+        tracing::info!(in_flight, planner_window = window, owned = own, "in-flight micro-batches from the planner");
     }
     Ok(chosen)
 }

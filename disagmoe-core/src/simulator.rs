@@ -662,7 +662,7 @@ impl StepTimeOracle for SimulatorOracle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::{ScheduleBuilder, StreamKind as K, WorkerRole};
+    use crate::schedule::{ScheduleBuilder, StreamKind as K, Transfer, WorkerRole};
 
     fn two_workers() -> ScheduleBuilder {
         let mut b = ScheduleBuilder::new("t");
@@ -873,5 +873,126 @@ mod tests {
         let (_, a) = union_len(vec![(0.0, 4.0), (6.0, 8.0)]);
         let (_, b) = union_len(vec![(1.0, 2.0), (3.0, 7.0)]);
         assert!((difference_len(&a, &b) - 3.0).abs() < 1e-12);
+    }
+
+    /// `n` workers with one ordered compute stream, a communication stream and receives.
+    fn stages(n: usize, port_bw: f64) -> ScheduleBuilder {
+        let mut b = ScheduleBuilder::new("t");
+        for g in 0..n {
+            b.worker(
+                format!("S{g}"),
+                WorkerRole::Stage { stage: g },
+                1,
+                1,
+                port_bw,
+                &[(K::Compute, true), (K::Comm, true), (K::Recv, false)],
+            );
+        }
+        b
+    }
+
+    #[test]
+    fn a_two_stage_pipeline_ends_after_the_fill_and_m_runs_of_the_slower_stage() {
+        // m micro-batches through stages of a and b seconds: a + b + (m - 1) max(a, b).
+        for (a, bt, m) in [(1.0, 2.0, 5usize), (2.0, 1.0, 5), (1.5, 1.5, 7), (0.25, 3.0, 1)] {
+            let mut b = stages(2, 1e9);
+            let mut last = 0;
+            for i in 0..m {
+                let first = b.op(0, K::Compute, OpKind::AttentionForward, i, 0, 0, vec![], a, 0.0, 0.0);
+                last = b.op(1, K::Compute, OpKind::ExpertForward, i, 0, 0, vec![first], bt, 0.0, 0.0);
+            }
+            let sched = b.finish().unwrap();
+            let (trace, rep) = run(&sched).unwrap();
+            let want = a + bt + (m - 1) as f64 * f64::max(a, bt);
+            assert!((trace.step_s - want).abs() < 1e-9, "a {a} b {bt} m {m}: {} vs {want}", trace.step_s);
+            assert_eq!(trace.end[last], trace.step_s);
+            // Each stage idles for the rest of the step: no communication, all bubble.
+            assert!((rep.workers[0].bubble_s - (want - m as f64 * a)).abs() < 1e-9);
+            assert!((rep.workers[1].bubble_s - (want - m as f64 * bt)).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn a_transfer_of_b_bytes_takes_b_over_the_rate_plus_the_latency() {
+        let shape = crate::model_shape::ModelShape::preset("qwen3-30b-a3b").unwrap();
+        let cluster = crate::hardware::Cluster::preset("h800x16").unwrap();
+        let workload = crate::cost::Workload { seq: 4096, micro_batch: 1, global_batch: 16 };
+        let cost = crate::cost::CostModel::new(shape, cluster, workload).unwrap();
+        let latency = cost.cluster.node.latency_s;
+        assert!(latency > 0.0);
+        let bytes = 3.0e8;
+        // Sender 50 GB/s, receiver 25 GB/s: the slower port sets the rate.
+        let mut b = ScheduleBuilder::new("t");
+        for (g, bw) in [50e9, 25e9].into_iter().enumerate() {
+            b.worker(
+                format!("W{g}"),
+                WorkerRole::Stage { stage: g },
+                1,
+                1,
+                bw,
+                &[(K::Compute, true), (K::Comm, true), (K::Recv, false)],
+            );
+        }
+        let c = b.op(0, K::Compute, OpKind::AttentionForward, 0, 0, 0, vec![], 0.5, 0.0, 0.0);
+        let r1 = b.transfer(&cost, 0, 1, Transfer::M2n, false, 0, 0, vec![c], bytes);
+        // A second transfer queued behind the first on the same port: one more of the same.
+        let r2 = b.transfer(&cost, 0, 1, Transfer::M2n, false, 1, 0, vec![c], bytes);
+        let e = b.op(1, K::Compute, OpKind::ExpertForward, 0, 0, 0, vec![r1, r2], 0.0, 0.0, 0.0);
+        let sched = b.finish().unwrap();
+        let (trace, rep) = run(&sched).unwrap();
+        let one = bytes / 25e9 + latency;
+        assert!((trace.end[r1] - (0.5 + one)).abs() < 1e-12, "{} vs {}", trace.end[r1], 0.5 + one);
+        assert!((trace.end[r2] - (0.5 + 2.0 * one)).abs() < 1e-12);
+        assert!((trace.end[e] - (0.5 + 2.0 * one)).abs() < 1e-12);
+        // The receiver waits on both transfers with nothing to compute: all of it is exposed.
+        assert!((rep.workers[1].exposed_comm_s - 2.0 * one).abs() < 1e-9, "{:?}", rep.workers[1]);
+        assert_eq!(rep.workers[0].exposed_comm_s, 0.0);
+    }
+
+    #[test]
+    fn one_f_one_b_leaves_a_bubble_of_p_minus_1_over_m_plus_p_minus_1() {
+        // p stages, m micro-batches, forward f and backward b seconds per stage; 1F1B: stage s
+        // warms up with p - 1 - s forwards, alternates one forward and one backward, then drains.
+        for (p, m, f, bw) in [(4usize, 8usize, 1.0, 2.0), (2, 3, 1.0, 1.0), (5, 16, 0.5, 1.0), (3, 3, 1.0, 2.0)] {
+            let mut b = stages(p, 1e9);
+            let mut fwd = vec![vec![usize::MAX; m]; p];
+            let mut bwd = vec![vec![usize::MAX; m]; p];
+            // Ops are created in an order where every dependency exists: forwards stage by stage,
+            // backwards from the last stage; each stage's program order is set afterwards.
+            for s in 0..p {
+                for i in 0..m {
+                    let deps = if s == 0 { vec![] } else { vec![fwd[s - 1][i]] };
+                    fwd[s][i] = b.op(s, K::Compute, OpKind::AttentionForward, i, s as u32, 0, deps, f, 0.0, 0.0);
+                }
+            }
+            for s in (0..p).rev() {
+                for i in 0..m {
+                    let mut deps = vec![fwd[s][i]];
+                    if s + 1 < p {
+                        deps.push(bwd[s + 1][i]);
+                    }
+                    bwd[s][i] = b.op(s, K::Compute, OpKind::AttentionBackward, i, s as u32, 0, deps, bw, 0.0, 0.0);
+                }
+            }
+            for s in 0..p {
+                let warm = (p - 1 - s).min(m);
+                let mut order: Vec<OpId> = fwd[s][..warm].to_vec();
+                for i in 0..m {
+                    if warm + i < m {
+                        order.push(fwd[s][warm + i]);
+                    }
+                    order.push(bwd[s][i]);
+                }
+                let stream = b.stream_of(s, K::Compute);
+                b.schedule.workers[s].streams[stream].ops = order;
+            }
+            let sched = b.finish().unwrap();
+            let (trace, rep) = run(&sched).unwrap();
+            let want = (m + p - 1) as f64 * (f + bw);
+            assert!((trace.step_s - want).abs() < 1e-9, "p {p} m {m}: step {} vs {want}", trace.step_s);
+            let fraction = rep.bubble_s / trace.step_s;
+            let analytic = (p - 1) as f64 / (m + p - 1) as f64;
+            assert!((fraction - analytic).abs() < 1e-9, "p {p} m {m}: bubble {fraction} vs {analytic}");
+        }
     }
 }

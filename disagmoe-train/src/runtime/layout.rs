@@ -179,6 +179,12 @@ impl Layout {
         (0..self.micro_batches).filter(|&m| self.head_worker(m) == worker).collect()
     }
 
+    /// The fewest micro-batches an embedding worker owns (the largest in-flight window every
+    /// embedding worker can fill).
+    pub fn fewest_owned_micro_batches(&self) -> usize {
+        (0..self.workers).map(|w| self.own_micro_batches(w).len()).filter(|&n| n > 0).min().unwrap_or(1)
+    }
+
     /// A name for logs and traces: `attn g0.w1`, `ffn g1.w0`, `ep 2`.
     pub fn worker_name(&self, worker: usize) -> String {
         match self.placement {

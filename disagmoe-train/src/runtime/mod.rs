@@ -82,7 +82,7 @@ pub fn activation_bytes(tokens: usize, hidden: usize, layers: usize, vocab: usiz
 /// for `disagg` as many as half the memory available to this process holds, shared by the workers
 /// it runs (at least one, at most all of the worker's micro-batches).
 fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usize) -> Result<usize> {
-    let own = (0..layout.workers).map(|w| layout.own_micro_batches(w).len()).filter(|&n| n > 0).min().unwrap_or(1);
+    let own = layout.fewest_owned_micro_batches();
     if let Some(n) = cfg.parallel.in_flight {
         if n > own {
             return Err(TrainError::option(
