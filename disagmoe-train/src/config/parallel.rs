@@ -10,6 +10,17 @@ use crate::error::{Result, TrainError};
 /// The most CPU threads a worker may be given.
 pub const MAX_THREADS: usize = 4096;
 
+/// The emulated link's rate, Gbit/s: from 1 Mbit/s to 100 Tbit/s.
+pub const LINK_GBPS: (f64, f64) = (0.001, 100_000.0);
+
+/// The emulated link's latency at most, microseconds (one second).
+pub const MAX_LINK_LATENCY_US: f64 = 1e6;
+
+/// The communication time-out, seconds: from a millisecond to a day.
+pub const MIN_COMM_TIMEOUT_S: f64 = 1e-3;
+/// See [`MIN_COMM_TIMEOUT_S`].
+pub const MAX_COMM_TIMEOUT_S: f64 = 86_400.0;
+
 /// Ranks of this job on this node, as the MPI launcher says (Open MPI, MPICH/Hydra, Slurm); 1
 /// when none says.
 fn node_ranks() -> usize {
@@ -230,15 +241,27 @@ impl ParallelOptions {
             }
         }
         if let Some(g) = self.link_gbps {
-            if !(g.is_finite() && g > 0.0) {
-                return Err(TrainError::option("link_gbps", format!("must be a finite number > 0, got {g}")));
+            if !(LINK_GBPS.0..=LINK_GBPS.1).contains(&g) {
+                return Err(TrainError::option(
+                    "link_gbps",
+                    format!("must be from {} (1 Mbit/s) to {} Gbit/s, got {g}", LINK_GBPS.0, LINK_GBPS.1),
+                ));
             }
         }
-        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
-            return Err(TrainError::option("link_latency_us", format!("must be >= 0, got {}", self.link_latency_us)));
+        if !(0.0..=MAX_LINK_LATENCY_US).contains(&self.link_latency_us) {
+            return Err(TrainError::option(
+                "link_latency_us",
+                format!("must be from 0 to {MAX_LINK_LATENCY_US} (one second), got {}", self.link_latency_us),
+            ));
         }
-        if !(self.comm_timeout_s.is_finite() && self.comm_timeout_s > 0.0) {
-            return Err(TrainError::option("comm_timeout_s", format!("must be > 0, got {}", self.comm_timeout_s)));
+        if !(self.comm_timeout_s >= MIN_COMM_TIMEOUT_S && self.comm_timeout_s <= MAX_COMM_TIMEOUT_S) {
+            return Err(TrainError::option(
+                "comm_timeout_s",
+                format!(
+                    "must be from {MIN_COMM_TIMEOUT_S} to {MAX_COMM_TIMEOUT_S} seconds (a day), got {}",
+                    self.comm_timeout_s
+                ),
+            ));
         }
         if self.placement == Placement::Single && (self.link_gbps.is_some() || self.trace.is_some()) {
             return Err(TrainError::option(

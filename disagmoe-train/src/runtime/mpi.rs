@@ -24,7 +24,7 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use super::collectives::max_chunk_elements;
-use super::transport::{receive_within, Endpoint, Envelope, Msg};
+use super::transport::{receive_within, Delivery, Endpoint, Envelope, Msg};
 use crate::config::{RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 
@@ -76,9 +76,9 @@ pub struct MpiEndpoint {
     outbox: Option<Sender<(usize, Vec<u8>)>>,
     /// Bytes handed to the send thread and not sent yet (backpressure).
     queued: Arc<Backlog>,
-    inbox: Receiver<Envelope>,
+    inbox: Receiver<Delivery>,
     /// Keeps the inbox open while no receive thread is running (a worker alone, or closing).
-    _inbox_open: Sender<Envelope>,
+    _inbox_open: Sender<Delivery>,
     sender: Option<JoinHandle<()>>,
     receiver: Option<JoinHandle<()>>,
 }
@@ -88,7 +88,7 @@ impl MpiEndpoint {
         let world = SimpleCommunicator::world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let (outbox, outgoing) = channel::<(usize, Vec<u8>)>();
-        let (inbox_tx, inbox) = channel::<Envelope>();
+        let (inbox_tx, inbox) = channel::<Delivery>();
         let queued = Arc::new(Backlog::default());
         let sent = queued.clone();
         let sender = std::thread::Builder::new()
@@ -118,36 +118,49 @@ impl MpiEndpoint {
             .spawn(move || {
                 let world = SimpleCommunicator::world();
                 let mut partial: HashMap<i32, (usize, Vec<u8>)> = HashMap::new();
+                // A message this rank cannot take ends the run at once, naming its sender.
+                let fail = |src: i32, cause: String| {
+                    let _ = deliver.send(Err(TrainError::Worker {
+                        worker: rank,
+                        cause: format!("a message from worker {src} cannot be taken: {cause}"),
+                    }));
+                };
                 loop {
                     let (bytes, status) = world.any_process().receive_vec::<u8>();
                     let src = status.source_rank();
                     let whole = match status.tag() {
                         TAG_HEAD => {
-                            let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-                            partial.insert(src, (n, Vec::with_capacity(n)));
+                            let Ok(head) = <[u8; 8]>::try_from(&bytes[..]) else {
+                                break fail(src, format!("a length head of {} bytes (8 expected)", bytes.len()));
+                            };
+                            let n = u64::from_le_bytes(head) as usize;
+                            // Only what has arrived is held: a wrong length cannot reserve memory.
+                            partial.insert(src, (n, Vec::new()));
                             continue;
                         }
                         TAG_PIECE => {
                             let Some((n, buf)) = partial.get_mut(&src) else {
-                                tracing::error!(src, "an MPI message piece without its head dropped");
-                                continue;
+                                break fail(src, "a piece of a long message without its length head".into());
                             };
                             buf.extend_from_slice(&bytes);
                             if buf.len() < *n {
                                 continue;
+                            }
+                            if buf.len() > *n {
+                                break fail(src, format!("{} bytes for a message of {n}", buf.len()));
                             }
                             partial.remove(&src).expect("present").1
                         }
                         _ => bytes,
                     };
                     match Envelope::from_bytes(&whole) {
-                        Some(env) if matches!(env.msg, Msg::Shutdown) => break,
-                        Some(env) => {
-                            if deliver.send(env).is_err() {
+                        Ok(env) if matches!(env.msg, Msg::Shutdown) => break,
+                        Ok(env) => {
+                            if deliver.send(Ok(env)).is_err() {
                                 break;
                             }
                         }
-                        None => tracing::error!(bytes = whole.len(), "undecodable MPI message dropped"),
+                        Err(e) => break fail(src, format!("undecodable: {e}")),
                     }
                 }
             })

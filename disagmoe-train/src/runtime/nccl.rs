@@ -26,7 +26,7 @@ use cudarc::nccl::safe::{Comm, Id};
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use super::transport::{receive_within, Endpoint, Envelope, Msg};
+use super::transport::{receive_within, Delivery, Endpoint, Envelope, Msg};
 use crate::error::{Result, TrainError};
 
 fn nccl_error(rank: usize, what: String) -> TrainError {
@@ -38,9 +38,9 @@ pub struct NcclEndpoint {
     rank: usize,
     size: usize,
     outboxes: Vec<Option<Sender<Vec<u8>>>>,
-    inbox: Receiver<Envelope>,
+    inbox: Receiver<Delivery>,
     /// Keeps the inbox open while no receive thread is running (a worker alone, or closing).
-    _inbox_open: Sender<Envelope>,
+    _inbox_open: Sender<Delivery>,
     senders: Vec<JoinHandle<()>>,
 }
 
@@ -101,7 +101,7 @@ impl NcclEndpoint {
         // 2. Threads, each with its own stream and communicator; each reports whether its
         // communicator came up.
         let (ready_tx, ready_rx) = channel::<std::result::Result<(), String>>();
-        let (inbox_tx, inbox) = channel::<Envelope>();
+        let (inbox_tx, inbox) = channel::<Delivery>();
         let mut outboxes: Vec<Option<Sender<Vec<u8>>>> = (0..size).map(|_| None).collect();
         let mut senders = Vec::new();
         for (peer, id) in out_ids {
@@ -157,18 +157,19 @@ impl NcclEndpoint {
                         }
                     };
                     loop {
+                        // A message this rank cannot take ends the run at once, naming its sender.
+                        let fail = |cause: String| {
+                            let _ = deliver.send(Err(nccl_error(rank, format!("from worker {peer}: {cause}"))));
+                        };
                         match recv_bytes(&comm).map(|b| Envelope::from_bytes(&b)) {
-                            Ok(Some(env)) if matches!(env.msg, Msg::Shutdown) => break,
-                            Ok(Some(env)) => {
-                                if deliver.send(env).is_err() {
+                            Ok(Ok(env)) if matches!(env.msg, Msg::Shutdown) => break,
+                            Ok(Ok(env)) => {
+                                if deliver.send(Ok(env)).is_err() {
                                     break;
                                 }
                             }
-                            Ok(None) => tracing::error!(peer, "nccl: undecodable message dropped"),
-                            Err(e) => {
-                                tracing::error!(peer, "nccl: receive failed: {e}");
-                                break;
-                            }
+                            Ok(Err(e)) => break fail(format!("an undecodable message: {e}")),
+                            Err(e) => break fail(format!("receive failed: {e}")),
                         }
                     }
                 })

@@ -10,7 +10,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,9 +21,17 @@ use super::shards::ShardReport;
 
 use crate::error::{Result, TrainError};
 
-/// Microseconds since the Unix epoch: one clock for every worker of a machine.
+/// Microseconds on the machine's monotonic clock (`CLOCK_MONOTONIC`): it never steps back or
+/// jumps with the wall clock, and every process of a machine reads the same one, so a time stamped
+/// by one worker (a message's send or delivery time) means the same to another on that machine.
+/// Across machines only differences taken within one process are used (and a sender's stamp is
+/// clamped into the receiver's wait), so clocks of different machines never meet.
 pub fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on every Linux and macOS.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC) failed");
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
 }
 
 /// A dense f32 tensor on the host, as it travels.
@@ -232,9 +240,13 @@ impl Envelope {
         bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("envelopes serialise")
     }
 
-    /// An envelope from [`Envelope::to_bytes`] (`None` if the bytes are not one).
-    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        bincode::serde::decode_from_slice(bytes, bincode::config::standard()).ok().map(|(env, _)| env)
+    /// An envelope from [`Envelope::to_bytes`]; the decoder's complaint if the bytes are not one.
+    pub fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
+        match bincode::serde::decode_from_slice(bytes, bincode::config::standard()) {
+            Ok((env, used)) if used == bytes.len() => Ok(env),
+            Ok((_, used)) => Err(format!("{} bytes left over after an envelope of {used}", bytes.len() - used)),
+            Err(e) => Err(format!("{e} ({} bytes)", bytes.len())),
+        }
     }
 }
 
@@ -366,16 +378,21 @@ impl Port {
     }
 }
 
+/// What a receive thread hands its worker: an envelope, or why the transport cannot go on (an
+/// undecodable message, a failed receive), which ends the run at once.
+pub(crate) type Delivery = std::result::Result<Envelope, TrainError>;
+
 /// The next envelope of a channel inbox within `timeout` (`None` on time-out); `what` names the
 /// senders in the error when they have all gone.
 pub(crate) fn receive_within(
-    inbox: &Receiver<Envelope>,
+    inbox: &Receiver<Delivery>,
     rank: usize,
     timeout: Duration,
     what: &str,
 ) -> Result<Option<Envelope>> {
     match inbox.recv_timeout(timeout) {
-        Ok(env) => Ok(Some(env)),
+        Ok(Ok(env)) => Ok(Some(env)),
+        Ok(Err(e)) => Err(e),
         Err(RecvTimeoutError::Timeout) => Ok(None),
         Err(RecvTimeoutError::Disconnected) => {
             Err(TrainError::Worker { worker: rank, cause: format!("{what} have stopped") })
@@ -386,8 +403,8 @@ pub(crate) fn receive_within(
 /// The in-process transport: workers are threads, messages move through channels.
 pub struct LocalEndpoint {
     rank: usize,
-    peers: Vec<Sender<Envelope>>,
-    inbox: Receiver<Envelope>,
+    peers: Vec<Sender<Delivery>>,
+    inbox: Receiver<Delivery>,
 }
 
 /// Endpoints for `n` workers in this process.
@@ -409,10 +426,47 @@ impl Endpoint for LocalEndpoint {
     }
     fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()> {
         // A peer that has ended dropped its inbox; its own error is what the run reports.
-        let _ = self.peers[dst].send(env);
+        let _ = self.peers[dst].send(Ok(env));
         Ok(())
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         receive_within(&self.inbox, self.rank, timeout, "all peers")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(feature = "mpi")]
+    fn envelopes_round_trip_and_damaged_bytes_are_refused_with_the_reason() {
+        let env = Envelope { src: 3, step: 7, sent_us: 11, deliver_us: 13, msg: Msg::Shutdown };
+        let bytes = env.to_bytes();
+        let back = Envelope::from_bytes(&bytes).unwrap();
+        assert_eq!((back.src, back.step, back.sent_us, back.deliver_us), (3, 7, 11, 13));
+        assert!(matches!(back.msg, Msg::Shutdown));
+        // Cut short, trailing bytes, nonsense: each an error, none a panic.
+        for (what, damaged) in [
+            ("cut", bytes[..bytes.len() - 1].to_vec()),
+            ("trailing", [&bytes[..], &[0u8]].concat()),
+            ("nonsense", vec![0xff; 64]),
+            ("empty", Vec::new()),
+        ] {
+            let e = Envelope::from_bytes(&damaged).err().unwrap_or_else(|| panic!("{what}: decoded"));
+            assert!(!e.is_empty(), "{what}");
+        }
+    }
+
+    #[test]
+    fn a_transport_failure_reaches_the_worker_as_an_error() {
+        let (tx, rx) = channel::<Delivery>();
+        tx.send(Err(TrainError::Worker { worker: 1, cause: "a message from worker 2 cannot be taken".into() }))
+            .unwrap();
+        let e = receive_within(&rx, 1, Duration::from_millis(10), "test").unwrap_err().to_string();
+        assert!(e.contains("worker 2"), "{e}");
+        assert!(receive_within(&rx, 1, Duration::from_millis(10), "test").unwrap().is_none());
+        drop(tx);
+        assert!(receive_within(&rx, 1, Duration::from_millis(10), "test").is_err());
     }
 }

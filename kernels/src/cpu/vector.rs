@@ -7,12 +7,17 @@
 /// `e^x` in f32 by Cephes' method: `x = n ln2 + r`, `|r| <= ln2/2`, a degree-6 polynomial in `r`,
 /// times `2^n` built in the exponent bits. Relative error about 1e-7 (2 ulp) on `[-87, 88]`;
 /// inputs below clamp to `e^-87.3` (~1e-38), which softmax and sigmoid treat as zero anyway.
+/// What overflows stays visible: above `ln(f32::MAX)` (88.72, +inf included) the result is +inf,
+/// and NaN gives NaN (so the non-finite checks see them).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    const LN_MAX: f32 = 88.722_84;
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to nearest
+    let x_in = x;
+    // NaN passes through the clamp and the polynomial.
     let x = x.clamp(-87.336_55, 88.376_26);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * C1 - n * C2;
@@ -24,7 +29,13 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 0.5; // Cephes: 5.0000001201e-1, whose nearest f32 is 0.5
     let y = p * r * r + r + 1.0;
     let bits = ((n as i32 + 127) as u32) << 23;
-    y * f32::from_bits(bits)
+    let out = y * f32::from_bits(bits);
+    // A select, not a branch: the loops that call this still vectorise.
+    if x_in > LN_MAX {
+        f32::INFINITY
+    } else {
+        out
+    }
 }
 
 /// `1 / (1 + e^-x)`.
@@ -297,6 +308,16 @@ mod tests {
         assert_eq!(exp(-1000.0), exp(-87.336_55));
         assert!(exp(-1000.0) < 1e-37);
         assert!((exp(0.0) - 1.0).abs() < 1e-7);
+        // Overflow and NaN stay visible; the range just below overflow stays finite.
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp(89.0), f32::INFINITY);
+        assert!(exp(88.5).is_finite() && exp(88.5) > 1e38);
+        assert!(exp(f32::NAN).is_nan());
+        assert_eq!(exp(f32::NEG_INFINITY), exp(-87.336_55));
+        assert_eq!(sigmoid(f32::NEG_INFINITY), 0.0);
+        assert_eq!(sigmoid(f32::INFINITY), 1.0);
+        let mut row = [0.0f32, f32::NAN, 1.0];
+        assert!(exp_shifted_sum(&mut row, 0.0).is_nan());
     }
 
     #[test]
