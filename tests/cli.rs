@@ -71,7 +71,8 @@ fn forward_matches_transformers_logits_and_loss() {
         assert_eq!(shape, ref_shape);
         let num: f64 = ours.iter().zip(&reference).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
         let den: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
-        assert!((num / den).sqrt() <= 1e-4, "{name}: logits relative error {}", (num / den).sqrt());
+        // Ten times the worst measured over the parity fixtures (5.2e-7).
+        assert!((num / den).sqrt() <= 5e-6, "{name}: logits relative error {}", (num / den).sqrt());
         let loss = stdout_last_json(&out)["loss"].as_f64().unwrap();
         let (_, lm) = read_f32(&dir.join("reference.safetensors"), "lm_loss");
         assert!((loss - lm[0] as f64).abs() < 1e-4, "{name}: loss {loss} vs transformers' {}", lm[0]);

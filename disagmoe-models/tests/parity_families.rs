@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{check_fixture, reference, rel_err, values};
+use common::{check_fixture, reference, rel_err, values, LOGITS_TOL};
 use disagmoe_models::families::deepseek::DeepseekConfig;
 use disagmoe_models::{HfCheckpoint, ModelConfig, MoeCausalLm};
 
@@ -101,7 +101,7 @@ fn both_config_spellings_load_the_same_model() {
             let r = reference(&dir);
             let ids = model.input_ids(&r.ids, &device).unwrap();
             let err = rel_err(&values(model.forward(ids).logits), &r.tensors["logits"].1);
-            assert!(err <= 1e-4, "{dir:?} in the other spelling: logits relative error {err:.2e}");
+            assert!(err <= LOGITS_TOL, "{dir:?} in the other spelling: logits relative error {err:.2e}");
         }
     }
 }

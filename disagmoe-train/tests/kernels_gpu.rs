@@ -17,11 +17,12 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
     let device = Default::default();
     let probe =
         std::panic::catch_unwind(|| burn::tensor::Tensor::<WgpuCube, 1>::ones([2], &device).sum().into_scalar());
-    if !matches!(probe, Ok(x) if x == 2.0) {
-        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "no working Vulkan/WebGPU device in CI");
-        eprintln!("skipped: no working Vulkan/WebGPU device on this machine (apt-get install mesa-vulkan-drivers)");
-        return Vec::new();
-    }
+    // Without a Vulkan driver this test is ignored (build-support/probe.rs); with one, a device
+    // that does not answer is a failure.
+    assert!(
+        matches!(probe, Ok(x) if x == 2.0),
+        "a Vulkan driver is installed but no WebGPU/Vulkan device answers ({probe:?})"
+    );
     let before = ops_run();
     let summary = train::<B>(&cfg, &device).expect("training runs");
     let used = ops_run() - before;
@@ -35,12 +36,10 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
 
 // One test (the kernel switch is process-wide), the families one after another.
 #[test]
+#[cfg_attr(disagmoe_no_vulkan, ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)")]
 fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
         let with = run(preset, true);
-        if with.is_empty() {
-            return; // no device (said why above)
-        }
         let without = run(preset, false);
         disagmoe_kernels::set_enabled(true);
         assert_eq!(with.len(), without.len());

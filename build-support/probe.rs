@@ -1,0 +1,86 @@
+// Shared by the build scripts of the crates whose tests need something the machine may lack (a
+// Vulkan driver, `mpirun`): `include!`d, not a crate, so that no crate gains a build dependency.
+//
+// For each capability the calling crate's tests need, this sets `--cfg disagmoe_no_<name>` when
+// the machine lacks it, so those tests are marked `#[ignore = "<why>"]` and `cargo test` reports
+// them as ignored in its summary instead of passing without running. A capability named in
+// `DISAGMOE_REQUIRE` (comma-separated: `vulkan,mpi`; `.ci/run` sets it) is never skipped: its
+// tests run, and fail saying what is missing.
+
+/// Directories the Vulkan loader reads driver manifests from (besides `VK_ICD_FILENAMES` /
+/// `VK_DRIVER_FILES`).
+const VULKAN_ICD_DIRS: &[&str] =
+    &["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d", "/usr/local/etc/vulkan/icd.d"];
+
+fn vulkan_driver_present() -> bool {
+    let from_env = ["VK_ICD_FILENAMES", "VK_DRIVER_FILES"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|files| std::env::split_paths(&files).any(|p| p.is_file())));
+    from_env
+        || VULKAN_ICD_DIRS.iter().any(|dir| {
+            std::fs::read_dir(dir).is_ok_and(|entries| {
+                entries.flatten().any(|e| e.path().extension().is_some_and(|x| x == "json"))
+            })
+        })
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
+}
+
+/// Reruns the build script when `path` (or, while it does not exist, its nearest existing
+/// ancestor) changes: installing a driver later switches the tests on.
+fn rerun_if_changed(path: &std::path::Path) {
+    let mut p = path;
+    while !p.exists() {
+        match p.parent() {
+            Some(parent) => p = parent,
+            None => return,
+        }
+    }
+    println!("cargo:rerun-if-changed={}", p.display());
+}
+
+/// Probes each capability in `needs` (`"vulkan"`, `"mpi"`) and emits its `disagmoe_no_*` cfg.
+fn probe(needs: &[&str]) {
+    println!("cargo:rerun-if-env-changed=DISAGMOE_REQUIRE");
+    let required: Vec<String> = std::env::var("DISAGMOE_REQUIRE")
+        .unwrap_or_default()
+        .split(',')
+        .map(|s| s.trim().to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect();
+    for r in &required {
+        if !["vulkan", "mpi"].contains(&r.as_str()) {
+            panic!("DISAGMOE_REQUIRE names `{r}`: the allowed values are vulkan and mpi (comma-separated)");
+        }
+    }
+    for &need in needs {
+        println!("cargo:rustc-check-cfg=cfg(disagmoe_no_{need})");
+        let present = match need {
+            "vulkan" => {
+                for v in ["VK_ICD_FILENAMES", "VK_DRIVER_FILES"] {
+                    println!("cargo:rerun-if-env-changed={v}");
+                }
+                VULKAN_ICD_DIRS.iter().for_each(|d| rerun_if_changed(std::path::Path::new(d)));
+                vulkan_driver_present()
+            }
+            "mpi" => {
+                println!("cargo:rerun-if-env-changed=PATH");
+                if let Some(paths) = std::env::var_os("PATH") {
+                    // System directories only: a user's own bin directories change too often.
+                    std::env::split_paths(&paths)
+                        .filter(|d| d.starts_with("/usr") || d.starts_with("/opt"))
+                        .for_each(|d| rerun_if_changed(&d));
+                }
+                on_path("mpirun")
+            }
+            other => panic!("probe: unknown capability `{other}`"),
+        };
+        if !present && required.iter().any(|r| r == need) {
+            println!("cargo:warning=DISAGMOE_REQUIRE names {need} but this machine lacks it: its tests will run and fail");
+        } else if !present {
+            println!("cargo:rustc-cfg=disagmoe_no_{need}");
+        }
+    }
+}
