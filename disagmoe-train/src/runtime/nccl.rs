@@ -156,11 +156,11 @@ impl NcclEndpoint {
                             return;
                         }
                     };
+                    // A message this rank cannot take ends the run at once, naming its sender.
+                    let fail = |cause: String| {
+                        let _ = deliver.send(Err(nccl_error(rank, format!("from worker {peer}: {cause}"))));
+                    };
                     loop {
-                        // A message this rank cannot take ends the run at once, naming its sender.
-                        let fail = |cause: String| {
-                            let _ = deliver.send(Err(nccl_error(rank, format!("from worker {peer}: {cause}"))));
-                        };
                         match recv_bytes(&comm).map(|b| Envelope::from_bytes(&b)) {
                             Ok(Ok(env)) if matches!(env.msg, Msg::Shutdown) => break,
                             Ok(Ok(env)) => {
