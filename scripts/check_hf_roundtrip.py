@@ -4,8 +4,10 @@
 1. transformers -> disagmoe: a fresh random Qwen3-MoE saved by `save_pretrained` (in float32 and in
    bfloat16, sharded) is run by `disagmoe forward`; its logits must match transformers' float32
    logits within 1e-4 relative error.
-2. disagmoe -> transformers: a checkpoint written by `disagmoe train --out` is loaded by
-   `from_pretrained`; transformers' logits must match `disagmoe forward` on the same checkpoint.
+2. disagmoe -> transformers: the final model written by `disagmoe train --out`, and a training
+   checkpoint (`--checkpoint-dir`, step-<n>/), each written by one device and by a disaggregated
+   run (every worker its own shards), are loaded by `from_pretrained`; transformers' logits must
+   match `disagmoe forward` on the same directory.
 
 Usage: .venv/bin/python scripts/check_hf_roundtrip.py --bin target/release/disagmoe
 """
@@ -96,16 +98,18 @@ def check_ours_to_hf(binary, work):
 
 def check_ours_one(binary, work, preset, placement):
     out = os.path.join(work, f"run_{preset}_{placement}")
+    ck = os.path.join(work, f"ck_{preset}_{placement}")
     subprocess.run([binary, "train", "--model-preset", preset, "--steps", "3", "--batch", "4", "--seq", "32",
-                    "--out", out, "--quiet"] + PLACEMENTS[placement], check=True, capture_output=True)
-    d = os.path.join(out, "final")
-    ids = torch.randint(0, 256, (2, 20))
-    ref, ref_loss = hf_logits(d, ids)
-    ours, loss = ours_forward(binary, d, ids, work)
-    shards = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
-    print(f"disagmoe -> transformers ({preset}, {placement}, {len(shards)} shard files): from_pretrained ok, "
-          f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
-    assert rel(ours, ref) <= 1e-4
+                    "--out", out, "--checkpoint-dir", ck, "--checkpoint-every", "2", "--quiet"] + PLACEMENTS[placement],
+                   check=True, capture_output=True)
+    for what, d in (("final model", os.path.join(out, "final")), ("checkpoint", os.path.join(ck, "step-00000002"))):
+        ids = torch.randint(0, 256, (2, 20))
+        ref, ref_loss = hf_logits(d, ids)
+        ours, loss = ours_forward(binary, d, ids, work)
+        shards = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        print(f"disagmoe -> transformers ({preset}, {placement} {what}, {len(shards)} shard files): from_pretrained ok, "
+              f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
+        assert rel(ours, ref) <= 1e-4
 
 
 def main():

@@ -320,6 +320,40 @@ fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
     }
 }
 
+/// The time-out is about progress, not silence: a worker computing for longer than the time-out
+/// keeps its peers waiting through its heartbeat and the run ends normally; one busy for more
+/// than 30 time-outs is reported as hung, by name, and the run ends.
+#[test]
+fn a_long_compute_is_not_a_stall_but_a_hang_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |timeout: f64, seconds: f64| {
+        let cfg = dir.path().join(format!("timeout-{timeout}.toml"));
+        std::fs::write(&cfg, format!("comm_timeout_s = {timeout}\n")).unwrap();
+        let faults = format!(r#"{{"slow_worker": {{"worker": 2, "step": 2, "seconds": {seconds}}}}}"#);
+        let t0 = Instant::now();
+        let out = bin()
+            .args(COMMON)
+            .args(DISAGG)
+            .arg("--run-config")
+            .arg(&cfg)
+            .env("DISAGMOE_TEST_FAULTS", faults)
+            .output()
+            .unwrap();
+        (out, t0.elapsed())
+    };
+    // Worker 2 (an expert worker) computes for 4 s in step 2, four times the 1 s time-out.
+    let (out, took) = run(1.0, 4.0);
+    assert_eq!(summary(&out)["losses"].as_array().unwrap().len(), 5, "the run ends normally");
+    assert!(took > Duration::from_secs(4), "the slow task ran: {took:?}");
+    // With a 0.3 s time-out, 12 s is more than 30 time-outs (9 s): a hang, named.
+    let (out, took) = run(0.3, 12.0);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the run should fail: {err}");
+    assert!(err.contains("worker 2") && err.contains("hangs"), "the error names the hung worker: {err}");
+    assert!(!err.contains("panicked"), "no panic: {err}");
+    assert!(took < Duration::from_secs(40), "ended in {took:?}");
+}
+
 /// `ep --in-flight 2` (one micro-batch's all-to-all overlapping another's compute) trains the
 /// same weights as `--in-flight 1`, bit for bit: only the order of independent work changes.
 #[test]

@@ -55,7 +55,9 @@ pub struct TrainState {
     pub optimizer_steps: u64,
     /// Position of the next batch.
     pub data: DataPosition,
-    /// Loss of every completed step.
+    /// Loss of every completed step (a non-finite one, whose update was skipped, is written as
+    /// `null` and read back as NaN).
+    #[serde(deserialize_with = "losses_with_gaps")]
     pub losses: Vec<f64>,
     /// Steps skipped for non-finite values.
     pub skipped_steps: usize,
@@ -69,6 +71,40 @@ pub struct TrainState {
     /// The placement that wrote it, for people (`single`, `disagg 2+2 in 2 groups`, `ep 4`).
     #[serde(default)]
     pub written_by: Option<String>,
+}
+
+/// Reads losses where a non-finite one was written as `null` (JSON has no NaN).
+fn losses_with_gaps<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<f64>, D::Error> {
+    let v: Vec<Option<f64>> = Deserialize::deserialize(d)?;
+    Ok(v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect())
+}
+
+impl TrainState {
+    /// Parses `state.json` and checks that it describes a run that can be continued: a loss for
+    /// every completed step, no more optimizer updates or skipped steps than steps, no more steps
+    /// than the run was configured for, and the same seed in the state and its settings. The
+    /// error names what is wrong.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let state: Self = serde_json::from_str(text).map_err(|e| format!("state.json: {e}"))?;
+        let step = state.step;
+        let problem = if state.losses.len() != step {
+            Some(format!("{} losses recorded for {step} steps", state.losses.len()))
+        } else if state.optimizer_steps > step as u64 {
+            Some(format!("{} optimizer updates in {step} steps", state.optimizer_steps))
+        } else if state.skipped_steps > step {
+            Some(format!("{} skipped steps of {step}", state.skipped_steps))
+        } else if step > state.total_steps {
+            Some(format!("step {step} beyond the run's {} steps", state.total_steps))
+        } else if state.settings.as_ref().is_some_and(|s| s.seed != state.seed || s.steps != state.total_steps) {
+            Some("the settings' seed or steps differ from the state's".to_string())
+        } else {
+            None
+        };
+        match problem {
+            Some(p) => Err(format!("state.json is inconsistent: {p}")),
+            None => Ok(state),
+        }
+    }
 }
 
 /// The settings that make a run that run: a resume under different ones is refused unless the
@@ -388,23 +424,64 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// A checkpoint's manifest: the SHA-256 of every other file, by its path relative to the
+/// checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    /// `(relative path, lower-case hex SHA-256)`, sorted by path.
+    pub files: Vec<(String, String)>,
+}
+
+impl Manifest {
+    /// Parses `manifest.json`. Every path must be relative and stay inside the checkpoint
+    /// (`/`-separated names of letters, digits, `.`, `-` and `_`, none of them `.` or `..`), every
+    /// checksum 64 hex digits: a damaged or hostile manifest is refused, never followed outside
+    /// the checkpoint (where a name like `/dev/zero` would hash forever).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let manifest: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("manifest is not valid JSON: {e}"))?;
+        let table = manifest.get("sha256").and_then(|f| f.as_object()).ok_or("manifest has no `sha256` table")?;
+        let mut files = Vec::with_capacity(table.len());
+        for (name, sum) in table {
+            let plain = |part: &str| {
+                !part.is_empty()
+                    && part != "."
+                    && part != ".."
+                    && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+            };
+            if name.len() > 4096 || !name.split('/').all(plain) {
+                return Err(format!(
+                    "manifest names {name:?}: a file must be a relative path inside the checkpoint \
+                     (names of letters, digits, `.`, `-`, `_` separated by `/`)"
+                ));
+            }
+            let sum = sum.as_str().filter(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
+            let Some(sum) = sum else {
+                return Err(format!("manifest's checksum of {name:?} is not 64 hex digits"));
+            };
+            files.push((name.clone(), sum.to_ascii_lowercase()));
+        }
+        Ok(Self { files })
+    }
+}
+
 /// Checks every file of a checkpoint against its manifest.
 pub fn verify_checkpoint(path: &Path) -> Result<()> {
     let manifest_path = path.join("manifest.json");
     let text =
         std::fs::read_to_string(&manifest_path).map_err(io("cannot read checkpoint manifest", &manifest_path))?;
-    let manifest: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
-        path: manifest_path.clone(),
-        message: format!("manifest is not valid JSON: {e}"),
-    })?;
-    let files = manifest.get("sha256").and_then(|f| f.as_object()).ok_or_else(|| TrainError::Checkpoint {
-        path: manifest_path.clone(),
-        message: "manifest has no `sha256` table".into(),
-    })?;
-    for (name, want) in files {
+    let manifest =
+        Manifest::parse(&text).map_err(|message| TrainError::Checkpoint { path: manifest_path.clone(), message })?;
+    for (name, want) in &manifest.files {
         let file = path.join(name);
+        if !std::fs::symlink_metadata(&file).map(|m| m.is_file()).unwrap_or(false) {
+            return Err(TrainError::Checkpoint {
+                path: file,
+                message: "listed in the manifest but not a regular file of the checkpoint".into(),
+            });
+        }
         let got = sha256_file(&file)?;
-        if Some(got.as_str()) != want.as_str() {
+        if got != *want {
             return Err(TrainError::Checkpoint {
                 path: file,
                 message: "checksum does not match the manifest (corrupted file)".into(),
@@ -430,8 +507,7 @@ pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
 pub fn read_state(path: &Path) -> Result<TrainState> {
     let state_path = path.join("state.json");
     let text = std::fs::read_to_string(&state_path).map_err(io("cannot read", &state_path))?;
-    serde_json::from_str(&text)
-        .map_err(|e| TrainError::Checkpoint { path: state_path.clone(), message: format!("state.json: {e}") })
+    TrainState::parse(&text).map_err(|message| TrainError::Checkpoint { path: state_path.clone(), message })
 }
 
 /// The single file of flattened moments of checkpoints written before v2.
@@ -468,6 +544,50 @@ pub fn load_checkpoint<B: AutodiffBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn manifests_name_only_files_inside_the_checkpoint() {
+        let sum = "ab".repeat(32);
+        let m = |name: &str, sum: &str| Manifest::parse(&format!(r#"{{"sha256": {{"{name}": "{sum}"}}}}"#));
+        assert_eq!(m("exp_avg/model-00001.safetensors", &sum).unwrap().files[0].0, "exp_avg/model-00001.safetensors");
+        for bad in ["/dev/zero", "../x", "a/../../x", "a//b", "", "./a", "a b"] {
+            let e = m(bad, &sum).unwrap_err();
+            assert!(e.contains("relative path inside the checkpoint"), "{bad}: {e}");
+        }
+        assert!(m("a", "xyz").unwrap_err().contains("64 hex digits"));
+        assert!(Manifest::parse("{}").unwrap_err().contains("no `sha256`"));
+        assert!(Manifest::parse("[").unwrap_err().contains("not valid JSON"));
+    }
+
+    #[test]
+    fn state_json_keeps_non_finite_losses_and_must_add_up() {
+        let state = TrainState {
+            step: 2,
+            optimizer_steps: 1,
+            data: DataPosition::default(),
+            losses: vec![f64::NAN, 3.5],
+            skipped_steps: 1,
+            seed: 7,
+            total_steps: 4,
+            settings: None,
+            written_by: None,
+        };
+        let text = serde_json::to_string(&state).unwrap();
+        let back = TrainState::parse(&text).unwrap();
+        assert!(back.losses[0].is_nan() && back.losses[1] == 3.5, "{text}");
+        for (field, value, says) in [
+            ("losses", serde_json::json!([1.0]), "1 losses recorded for 2 steps"),
+            ("optimizer_steps", serde_json::json!(3), "3 optimizer updates"),
+            ("skipped_steps", serde_json::json!(5), "5 skipped steps"),
+            ("total_steps", serde_json::json!(1), "beyond the run's 1 steps"),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            v[field] = value;
+            let e = TrainState::parse(&v.to_string()).unwrap_err();
+            assert!(e.contains(says), "{field}: {e}");
+        }
+        assert!(TrainState::parse("{").unwrap_err().starts_with("state.json"));
+    }
 
     fn settings(steps: usize, warmup_steps: usize) -> RunSettings {
         RunSettings {

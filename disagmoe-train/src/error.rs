@@ -68,8 +68,20 @@ pub enum TrainError {
         /// What went wrong.
         cause: String,
     },
+    /// A worker has been busy far longer than any compute should take (its heartbeat says so).
+    #[error("worker {worker}: busy for {seconds:.0} s without taking a message (more than {limit} x --comm-timeout-s; seen by worker {seen_by}): it hangs")]
+    Hung {
+        /// The hung worker.
+        worker: usize,
+        /// How long it has been busy.
+        seconds: f64,
+        /// The limit, in time-outs.
+        limit: u32,
+        /// The worker that noticed.
+        seen_by: usize,
+    },
     /// A worker waited too long for its peers.
-    #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came; a peer has stopped or hangs")]
+    #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came, and no peer was busy meanwhile; a peer has stopped, or the run is stuck")]
     Stalled {
         /// The waiting worker.
         worker: usize,

@@ -38,6 +38,19 @@ pub struct WorkerFault {
     pub exit: bool,
 }
 
+/// One worker computes for a long time (sleeps in its first task of one step), longer than the
+/// communication time-out: a long compute is not a stall.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowWorker {
+    /// The worker's rank.
+    pub worker: usize,
+    /// Step (1-based).
+    pub step: usize,
+    /// Seconds it spends.
+    pub seconds: f64,
+}
+
 /// Where in writing a checkpoint a worker is killed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -87,6 +100,8 @@ pub struct FaultPlan {
     pub fail_worker: Option<WorkerFault>,
     /// One worker is killed while a checkpoint is written.
     pub kill_in_checkpoint: Option<CheckpointKill>,
+    /// One worker takes long over one task.
+    pub slow_worker: Option<SlowWorker>,
 }
 
 impl FaultPlan {
@@ -101,6 +116,9 @@ impl FaultPlan {
 
     /// Whether any fault is planned.
     pub fn any(&self) -> bool {
-        self.inject_nonfinite.is_some() || self.fail_worker.is_some() || self.kill_in_checkpoint.is_some()
+        self.inject_nonfinite.is_some()
+            || self.fail_worker.is_some()
+            || self.kill_in_checkpoint.is_some()
+            || self.slow_worker.is_some()
     }
 }

@@ -121,7 +121,9 @@ pub struct ParallelOptions {
     pub link_latency_us: f64,
     /// Write a Chrome trace of every worker's streams here (distributed runs).
     pub trace: Option<PathBuf>,
-    /// A worker that waits this long for any message ends the run with an error, seconds.
+    /// A worker that waits this long with no message arriving and no peer busy (busy workers
+    /// send heartbeats) ends the run with an error, seconds; a peer busy for more than 30 times
+    /// this is reported as hung.
     pub comm_timeout_s: f64,
 }
 

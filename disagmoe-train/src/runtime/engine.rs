@@ -189,10 +189,12 @@ impl Distributed {
                             // `nccl` without the feature is refused before any worker starts.
                             _ => Reducer::Ring,
                         };
-                        let port = Port::new(endpoint, link_model(&shared.cfg));
+                        let port = Port::new(endpoint, link_model(&shared.cfg), shared.settings.timeout);
                         let mut settings = shared.settings.clone();
                         let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
                         settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
+                        let slow = shared.cfg.faults.slow_worker.as_ref().filter(|f| f.worker == rank);
+                        settings.slow_at = slow.map(|f| (f.step, f.seconds));
                         let mut opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
                         if let Some((path, steps)) = &shared.resume {
                             // The moments of this worker's tensors, read like its weights.
@@ -313,10 +315,12 @@ impl Distributed {
     }
 }
 
-/// The order in which failures explain a run's end: a worker's own failure first, then any other
-/// error, then the time-outs of workers left waiting, then errors that only relay another's.
+/// The order in which failures explain a run's end: a worker's own failure (or a hung worker,
+/// named by the one that noticed) first, then any other error, then the time-outs of workers left
+/// waiting, then errors that only relay another's.
 fn root_cause_rank(rank: usize, e: &TrainError) -> u8 {
     match e {
+        TrainError::Hung { .. } => 0,
         TrainError::Worker { worker, .. } if *worker != rank => 3,
         TrainError::Worker { .. } => 0,
         TrainError::Stalled { .. } => 2,

@@ -115,6 +115,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         abort_on_nonfinite: cfg.precision.on_nonfinite == NonFinitePolicy::Abort,
         timeout: Duration::from_secs_f64(cfg.parallel.comm_timeout_s),
         fail_at: None,
+        slow_at: None,
         own_process: cfg.parallel.transport != TransportKind::Local,
         in_flight,
     }

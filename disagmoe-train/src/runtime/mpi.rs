@@ -8,7 +8,6 @@
 //! When a worker fails it tells the others (an `Abort` message) and the process exits with an error;
 //! if a process dies outright, `mpirun` ends the job.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -24,16 +23,15 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use super::collectives::max_chunk_elements;
-use super::transport::{receive_within, Delivery, Endpoint, Envelope, Msg};
+use super::transport::{
+    receive_within, Beacon, Delivery, Endpoint, Envelope, Msg, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE,
+};
 use crate::config::{RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(0);
 
 /// MPI tags: a whole envelope, the length of a long one, a piece of a long one.
-const TAG_WHOLE: i32 = 1;
-const TAG_HEAD: i32 = 2;
-const TAG_PIECE: i32 = 3;
 
 /// Bytes queued for the send thread, bounded by `DISAGMOE_OUTBOX_BYTES` (default 1 GiB; a message
 /// larger than the bound goes alone).
@@ -117,7 +115,7 @@ impl MpiEndpoint {
             .name("mpi-recv".into())
             .spawn(move || {
                 let world = SimpleCommunicator::world();
-                let mut partial: HashMap<i32, (usize, Vec<u8>)> = HashMap::new();
+                let mut pieces = Reassembly::default();
                 // A message this rank cannot take ends the run at once, naming its sender.
                 let fail = |src: i32, cause: String| {
                     let _ = deliver.send(Err(TrainError::Worker {
@@ -128,30 +126,10 @@ impl MpiEndpoint {
                 loop {
                     let (bytes, status) = world.any_process().receive_vec::<u8>();
                     let src = status.source_rank();
-                    let whole = match status.tag() {
-                        TAG_HEAD => {
-                            let Ok(head) = <[u8; 8]>::try_from(&bytes[..]) else {
-                                break fail(src, format!("a length head of {} bytes (8 expected)", bytes.len()));
-                            };
-                            let n = u64::from_le_bytes(head) as usize;
-                            // Only what has arrived is held: a wrong length cannot reserve memory.
-                            partial.insert(src, (n, Vec::new()));
-                            continue;
-                        }
-                        TAG_PIECE => {
-                            let Some((n, buf)) = partial.get_mut(&src) else {
-                                break fail(src, "a piece of a long message without its length head".into());
-                            };
-                            buf.extend_from_slice(&bytes);
-                            if buf.len() < *n {
-                                continue;
-                            }
-                            if buf.len() > *n {
-                                break fail(src, format!("{} bytes for a message of {n}", buf.len()));
-                            }
-                            partial.remove(&src).expect("present").1
-                        }
-                        _ => bytes,
+                    let whole = match pieces.take(src, status.tag(), bytes) {
+                        Ok(Some(whole)) => whole,
+                        Ok(None) => continue,
+                        Err(e) => break fail(src, e),
                     };
                     match Envelope::from_bytes(&whole) {
                         Ok(env) if matches!(env.msg, Msg::Shutdown) => break,
@@ -216,6 +194,14 @@ impl Endpoint for MpiEndpoint {
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         receive_within(&self.inbox, self.rank, timeout, "the MPI receive thread and this worker's sends")
+    }
+    fn beacon(&self) -> Option<Beacon> {
+        let (outbox, queued) = (self.outbox.clone()?, self.queued.clone());
+        Some(Box::new(move |dst, env| {
+            let bytes = env.to_bytes();
+            queued.acquire(bytes.len());
+            outbox.send((dst, bytes)).is_ok()
+        }))
     }
 }
 

@@ -26,7 +26,7 @@ use cudarc::nccl::safe::{Comm, Id};
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use super::transport::{receive_within, Delivery, Endpoint, Envelope, Msg};
+use super::transport::{receive_within, Beacon, Delivery, Endpoint, Envelope, Msg};
 use crate::error::{Result, TrainError};
 
 fn nccl_error(rank: usize, what: String) -> TrainError {
@@ -219,6 +219,13 @@ impl Endpoint for NcclEndpoint {
     }
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         receive_within(&self.inbox, self.rank, timeout, "the NCCL receive threads and this worker's sends")
+    }
+    fn beacon(&self) -> Option<Beacon> {
+        let outboxes = self.outboxes.clone();
+        Some(Box::new(move |dst, env| match &outboxes[dst] {
+            Some(outbox) => outbox.send(env.to_bytes()).is_ok(),
+            None => true,
+        }))
     }
 }
 

@@ -9,7 +9,9 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -175,6 +177,13 @@ pub enum Msg {
     Shards(Vec<ShardReport>),
     /// Stops an endpoint's receiving thread.
     Shutdown,
+    /// "Still computing": sent by a worker's heartbeat while it is busy (not waiting for
+    /// messages), so that a peer waiting on it knows a long compute from a stall. [`Port::recv`]
+    /// takes it in and never hands it to the worker.
+    Heartbeat {
+        /// How long the sender has been busy, microseconds.
+        busy_us: u64,
+    },
 }
 
 impl Msg {
@@ -196,7 +205,45 @@ impl Msg {
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
             Msg::Shards(r) => r.iter().flat_map(|r| &r.files).map(|(t, f)| t.len() + f.len()).sum(),
-            Msg::Shutdown => 0,
+            Msg::Shutdown | Msg::Heartbeat { .. } => 0,
+        }
+    }
+
+    /// Whether the message is well formed: every tensor's values fill its shape exactly, and a
+    /// share's rows, gate weights and expert ids agree with its token list. A message that is not
+    /// (a damaged or foreign one) is refused before anything indexes into it.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let tensor = |what: &str, h: &HostTensor| -> std::result::Result<usize, String> {
+            let size = h.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            match size {
+                Some(n) if n == h.data.len() && !h.shape.is_empty() => Ok(h.rows()),
+                _ => Err(format!("{}: {} values for shape {:?}", what, h.data.len(), h.shape)),
+            }
+        };
+        let rows = |what: &str, h: &HostTensor, n: usize| match tensor(what, h)? {
+            r if r == n => Ok(()),
+            r => Err(format!("{what}: {r} rows for {n} tokens")),
+        };
+        match self {
+            Msg::Dispatch { tokens, y, weights, ids, .. } => {
+                rows("dispatch y", y, tokens.len())?;
+                if let Some(w) = weights {
+                    rows("dispatch weights", w, tokens.len())?;
+                    let k = w.shape.get(1).copied().unwrap_or(0);
+                    if w.shape.len() != 2 || ids.len() != tokens.len() * k {
+                        return Err(format!("dispatch: {} expert ids for {} tokens x {k}", ids.len(), tokens.len()));
+                    }
+                }
+                Ok(())
+            }
+            Msg::Combine { tokens, out, .. } => rows("combine", out, tokens.len()),
+            Msg::Residual { x, .. } => tensor("residual", x).map(drop),
+            Msg::GradCombine { g, .. } | Msg::GradResidual { g, .. } => tensor("gradient", g).map(drop),
+            Msg::GradDispatch { gy, gw, .. } => {
+                let n = tensor("gradient of a dispatch", gy)?;
+                gw.as_ref().map_or(Ok(()), |w| rows("gradient of gate weights", w, n))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -214,6 +261,7 @@ impl Msg {
             Msg::Trace(_) => "trace",
             Msg::Shards(_) => "shards",
             Msg::Shutdown => "shutdown",
+            Msg::Heartbeat { .. } => "heartbeat",
         }
     }
 }
@@ -233,19 +281,94 @@ pub struct Envelope {
     pub msg: Msg,
 }
 
-#[cfg(feature = "mpi")]
+#[cfg(feature = "wire")]
 impl Envelope {
     /// The envelope as bytes for a process transport (bincode).
     pub fn to_bytes(&self) -> Vec<u8> {
         bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("envelopes serialise")
     }
 
-    /// An envelope from [`Envelope::to_bytes`]; the decoder's complaint if the bytes are not one.
+    /// An envelope from [`Envelope::to_bytes`]; the decoder's complaint if the bytes are not one,
+    /// or if what they decode to is malformed ([`Msg::check`]).
+    ///
+    /// Memory is bounded by the message, whatever its length fields claim: strings are decoded
+    /// under a limit of the next power of 16 above the message's size (at least 64 KiB), so their
+    /// declared lengths together cannot reserve more; a sequence reserves at most serde's cautious
+    /// 1 MiB before its elements arrive, and every element consumes input bytes.
     pub fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
-        match bincode::serde::decode_from_slice(bytes, bincode::config::standard()) {
-            Ok((env, used)) if used == bytes.len() => Ok(env),
+        fn limited<const L: usize>(
+            bytes: &[u8],
+        ) -> std::result::Result<(Envelope, usize), bincode::error::DecodeError> {
+            bincode::serde::decode_from_slice(bytes, bincode::config::standard().with_limit::<L>())
+        }
+        let decoded = match bytes.len() {
+            n if n <= 1 << 16 => limited::<{ 1 << 16 }>(bytes),
+            n if n <= 1 << 20 => limited::<{ 1 << 20 }>(bytes),
+            n if n <= 1 << 24 => limited::<{ 1 << 24 }>(bytes),
+            n if n <= 1 << 28 => limited::<{ 1 << 28 }>(bytes),
+            n if n <= 1 << 32 => limited::<{ 1 << 32 }>(bytes),
+            n if n <= 1 << 36 => limited::<{ 1 << 36 }>(bytes),
+            _ => limited::<{ 1 << 40 }>(bytes),
+        };
+        match decoded {
+            Ok((env, used)) if used == bytes.len() => env.msg.check().map(|()| env),
             Ok((_, used)) => Err(format!("{} bytes left over after an envelope of {used}", bytes.len() - used)),
             Err(e) => Err(format!("{e} ({} bytes)", bytes.len())),
+        }
+    }
+}
+
+/// Tag of a message sent whole.
+#[cfg(feature = "wire")]
+pub const TAG_WHOLE: i32 = 1;
+/// Tag of the 8-byte little-endian length of a message sent in pieces.
+#[cfg(feature = "wire")]
+pub const TAG_HEAD: i32 = 2;
+/// Tag of a piece of a long message.
+#[cfg(feature = "wire")]
+pub const TAG_PIECE: i32 = 3;
+
+/// Puts long messages back together from their length head and pieces, per sender (a process
+/// transport keeps the order of one sender's messages). Only what has arrived is held: a wrong
+/// length head reserves nothing, and more bytes than it declared is an error.
+#[cfg(feature = "wire")]
+#[derive(Debug, Default)]
+pub struct Reassembly {
+    partial: HashMap<i32, (usize, Vec<u8>)>,
+}
+
+#[cfg(feature = "wire")]
+impl Reassembly {
+    /// Takes one received frame from `src`; returns a whole message when one is complete.
+    pub fn take(&mut self, src: i32, tag: i32, bytes: Vec<u8>) -> std::result::Result<Option<Vec<u8>>, String> {
+        match tag {
+            TAG_WHOLE if self.partial.contains_key(&src) => Err("a whole message in the middle of a long one".into()),
+            TAG_WHOLE => Ok(Some(bytes)),
+            TAG_HEAD => {
+                let Ok(head) = <[u8; 8]>::try_from(&bytes[..]) else {
+                    return Err(format!("a length head of {} bytes (8 expected)", bytes.len()));
+                };
+                if self.partial.contains_key(&src) {
+                    return Err("a length head in the middle of a long message".into());
+                }
+                let n = usize::try_from(u64::from_le_bytes(head)).map_err(|_| "a length beyond memory".to_string())?;
+                self.partial.insert(src, (n, Vec::new()));
+                Ok(None)
+            }
+            TAG_PIECE => {
+                let Some((n, buf)) = self.partial.get_mut(&src) else {
+                    return Err("a piece of a long message without its length head".into());
+                };
+                if bytes.len() > *n - buf.len() {
+                    return Err(format!("{} bytes for a message of {n}", buf.len() + bytes.len()));
+                }
+                buf.extend_from_slice(&bytes);
+                if buf.len() < *n {
+                    return Ok(None);
+                }
+                Ok(self.partial.remove(&src).map(|(_, b)| b))
+            }
+            other => Err(format!("a frame with tag {other} (allowed: {TAG_WHOLE}, {TAG_HEAD}, {TAG_PIECE})")),
         }
     }
 }
@@ -279,10 +402,97 @@ pub trait Endpoint: Send {
     fn transmit(&mut self, dst: usize, env: Envelope) -> Result<()>;
     /// The next envelope that arrived, waiting at most `timeout`; `None` on time-out.
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>>;
+    /// A handle another thread sends heartbeats through (to a peer, bypassing link emulation
+    /// and the metrics); `None` where the transport has none (then a wait's time-out is silence).
+    fn beacon(&self) -> Option<Beacon> {
+        None
+    }
+}
+
+/// Sends an envelope to a peer from the heartbeat thread; `false` once the transport is gone.
+pub type Beacon = Box<dyn FnMut(usize, Envelope) -> bool + Send>;
+
+/// Whether a worker is busy (computing, writing, reducing) or waiting for messages, for its
+/// heartbeat.
+#[derive(Debug, Default)]
+pub struct Pulse {
+    /// [`now_us`] when the worker last stopped waiting; 0 while it waits.
+    busy_since_us: AtomicU64,
+}
+
+impl Pulse {
+    /// The worker stops waiting (keeps the earlier start if it was busy already).
+    pub fn busy(&self) {
+        let _ = self.busy_since_us.compare_exchange(0, now_us().max(1), Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// The worker waits for messages (a peer's progress, not its own).
+    pub fn idle(&self) {
+        self.busy_since_us.store(0, Ordering::Relaxed);
+    }
+
+    /// How long the worker has been busy, or `None` while it waits.
+    pub fn busy_for_us(&self) -> Option<u64> {
+        match self.busy_since_us.load(Ordering::Relaxed) {
+            0 => None,
+            since => Some(now_us().saturating_sub(since)),
+        }
+    }
+}
+
+/// How long a peer may stay busy, in multiples of the time-out, before a worker waiting on it
+/// reports it as hung (30 x the default 60 s: half an hour; a first step's autotuning or a big
+/// checkpoint write fits).
+pub const BUSY_LIMIT_TIMEOUTS: u32 = 30;
+
+/// Heartbeats of a busy worker: every `interval` while its [`Pulse`] says busy, to every peer.
+struct Heartbeat {
+    stop: Option<Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Heartbeat {
+    fn start(mut beacon: Beacon, rank: usize, size: usize, pulse: Arc<Pulse>, interval: Duration) -> Self {
+        let (stop, stopped) = channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("heartbeat-{rank}"))
+            .spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
+                    let Some(busy_us) = pulse.busy_for_us() else { continue };
+                    let now = now_us();
+                    for dst in (0..size).filter(|&d| d != rank) {
+                        let msg = Msg::Heartbeat { busy_us };
+                        if !beacon(dst, Envelope { src: rank, step: 0, sent_us: now, deliver_us: now, msg }) {
+                            return;
+                        }
+                    }
+                }
+            })
+            .expect("spawn a heartbeat thread");
+        Self { stop: Some(stop), thread: Some(thread) }
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Link emulation and delivery order on top of any [`Endpoint`]: what workers use.
+///
+/// **Time-outs are about progress, not silence.** While its worker is busy, a port's heartbeat
+/// thread tells every peer so every `timeout / 4` (at most 5 s); a wait ([`Port::recv`]) ends
+/// empty only after `timeout` in which no message came and no peer said it was busy. A peer busy
+/// for more than [`BUSY_LIMIT_TIMEOUTS`] time-outs is reported as hung.
 pub struct Port {
+    // Dropped first: the heartbeat stops before the endpoint it sends through.
+    _heartbeat: Option<Heartbeat>,
+    pulse: Arc<Pulse>,
+    busy_limit_us: u64,
     inner: Box<dyn Endpoint>,
     link: Option<LinkModel>,
     nic_free_us: f64,
@@ -293,9 +503,53 @@ pub struct Port {
 }
 
 impl Port {
-    /// Wraps an endpoint; `link` turns on emulation.
-    pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>) -> Self {
-        Self { inner, link, nic_free_us: 0.0, rx_free_us: 0.0, due: BinaryHeap::new(), held: HashMap::new(), seq: 0 }
+    /// Wraps an endpoint; `link` turns on emulation; `timeout` is the run's communication
+    /// time-out (it paces the heartbeat and bounds how long a peer may stay busy).
+    pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>, timeout: Duration) -> Self {
+        let pulse = Arc::new(Pulse::default());
+        pulse.busy();
+        let interval = (timeout / 4).clamp(Duration::from_millis(1), Duration::from_secs(5));
+        let heartbeat =
+            inner.beacon().map(|b| Heartbeat::start(b, inner.rank(), inner.size(), pulse.clone(), interval));
+        Self {
+            _heartbeat: heartbeat,
+            pulse,
+            busy_limit_us: (timeout * BUSY_LIMIT_TIMEOUTS).as_micros() as u64,
+            inner,
+            link,
+            nic_free_us: 0.0,
+            rx_free_us: 0.0,
+            due: BinaryHeap::new(),
+            held: HashMap::new(),
+            seq: 0,
+        }
+    }
+
+    /// What this worker's heartbeat reports: a worker that blocks outside [`Port::recv`] on its
+    /// peers (an MPI collective) marks itself idle meanwhile.
+    pub fn pulse(&self) -> &Pulse {
+        &self.pulse
+    }
+
+    /// Takes in an arrived envelope: a heartbeat is progress of its sender (or, busy beyond the
+    /// limit, a hang); anything else is held for delivery.
+    fn take_in(&mut self, env: Envelope, progress_at: &mut u64) -> Result<()> {
+        match env.msg {
+            Msg::Heartbeat { busy_us } if busy_us > self.busy_limit_us => Err(TrainError::Hung {
+                worker: env.src,
+                seconds: busy_us as f64 / 1e6,
+                limit: BUSY_LIMIT_TIMEOUTS,
+                seen_by: self.rank(),
+            }),
+            Msg::Heartbeat { .. } => {
+                *progress_at = now_us();
+                Ok(())
+            }
+            _ => {
+                self.hold(env);
+                Ok(())
+            }
+        }
     }
 
     /// This worker's rank.
@@ -346,16 +600,25 @@ impl Port {
         self.held.insert(self.seq, env);
     }
 
-    /// The next delivered envelope (in delivery-time order), waiting at most `timeout` (zero: just
-    /// look); `None` on time-out. A message that has arrived but is still on the emulated wire is
-    /// waited for past the time-out: it is not a stall.
+    /// The next delivered envelope (in delivery-time order); `None` once `timeout` has passed
+    /// with no message and no peer busy (zero: just look). A message that has arrived but is
+    /// still on the emulated wire is waited for past the time-out: it is not a stall.
     pub fn recv(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
-        let deadline = now_us() + timeout.as_micros() as u64;
+        self.pulse.idle();
+        let got = self.wait(timeout);
+        self.pulse.busy();
+        got
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
+        let timeout_us = timeout.as_micros() as u64;
+        let mut progress_at = now_us();
         loop {
             while let Some(env) = self.inner.arrive(Duration::ZERO)? {
-                self.hold(env);
+                self.take_in(env, &mut progress_at)?;
             }
             let now = now_us();
+            let deadline = progress_at + timeout_us;
             let next_due = self.due.peek().map(|Reverse((due, _))| *due);
             if let (Some(due), Some(&Reverse((_, seq)))) = (next_due, self.due.peek()) {
                 if due <= now {
@@ -372,7 +635,7 @@ impl Port {
                 None => deadline,
             };
             if let Some(env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
-                self.hold(env);
+                self.take_in(env, &mut progress_at)?;
             }
         }
     }
@@ -432,6 +695,13 @@ impl Endpoint for LocalEndpoint {
     fn arrive(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
         receive_within(&self.inbox, self.rank, timeout, "all peers")
     }
+    fn beacon(&self) -> Option<Beacon> {
+        let peers = self.peers.clone();
+        Some(Box::new(move |dst, env| {
+            let _ = peers[dst].send(Ok(env));
+            true
+        }))
+    }
 }
 
 #[cfg(test)]
@@ -439,7 +709,7 @@ mod tests {
     use super::*;
 
     #[test]
-    #[cfg(feature = "mpi")]
+    #[cfg(feature = "wire")]
     fn envelopes_round_trip_and_damaged_bytes_are_refused_with_the_reason() {
         let env = Envelope { src: 3, step: 7, sent_us: 11, deliver_us: 13, msg: Msg::Shutdown };
         let bytes = env.to_bytes();
@@ -456,6 +726,68 @@ mod tests {
             let e = Envelope::from_bytes(&damaged).err().unwrap_or_else(|| panic!("{what}: decoded"));
             assert!(!e.is_empty(), "{what}");
         }
+    }
+
+    #[test]
+    #[cfg(feature = "wire")]
+    fn malformed_messages_are_refused_before_use() {
+        let t = |shape: Vec<usize>, n: usize| HostTensor { shape, data: vec![0.0; n] };
+        let env = |msg| Envelope { src: 1, step: 1, sent_us: 0, deliver_us: 0, msg };
+        let good = Msg::Dispatch {
+            mb: 0,
+            layer: 0,
+            tokens: vec![0, 2],
+            y: t(vec![2, 3], 6),
+            weights: Some(t(vec![2, 2], 4)),
+            ids: vec![0, 1, 1, 3],
+        };
+        assert!(Envelope::from_bytes(&env(good).to_bytes()).is_ok());
+        // Found by fuzzing: a string whose length field claims 2^50 bytes used to be allocated
+        // before its bytes were read (an abort of the process); now the claim is refused.
+        let mut huge = vec![1, 2, 3, 4, 7, 2, 0xfd];
+        huge.extend_from_slice(&(1u64 << 50).to_le_bytes());
+        huge.extend_from_slice(b"short");
+        let e = Envelope::from_bytes(&huge).expect_err("a 2^50-byte string in 17 bytes");
+        assert!(e.contains("imit"), "{e}");
+        for (what, msg) in [
+            ("values", Msg::Combine { mb: 0, layer: 0, tokens: vec![0], out: t(vec![1, 3], 2) }),
+            ("rows", Msg::Combine { mb: 0, layer: 0, tokens: vec![0, 1], out: t(vec![1, 3], 3) }),
+            ("overflow", Msg::Residual { mb: 0, layer: 0, x: t(vec![usize::MAX, 2], 0), aux: AuxSums::default() }),
+            (
+                "ids",
+                Msg::Dispatch {
+                    mb: 0,
+                    layer: 0,
+                    tokens: vec![0],
+                    y: t(vec![1, 3], 3),
+                    weights: Some(t(vec![1, 2], 2)),
+                    ids: vec![0],
+                },
+            ),
+        ] {
+            let e = Envelope::from_bytes(&env(msg).to_bytes()).expect_err(what);
+            assert!(e.contains("for"), "{what}: {e}");
+        }
+    }
+
+    #[test]
+    #[cfg(feature = "wire")]
+    fn long_messages_are_put_back_together_and_bad_frames_refused() {
+        let mut r = Reassembly::default();
+        assert_eq!(r.take(0, TAG_WHOLE, vec![1]).unwrap(), Some(vec![1]));
+        assert_eq!(r.take(2, TAG_HEAD, 5u64.to_le_bytes().to_vec()).unwrap(), None);
+        assert_eq!(r.take(2, TAG_PIECE, vec![1, 2, 3]).unwrap(), None);
+        assert_eq!(r.take(3, TAG_WHOLE, vec![9]).unwrap(), Some(vec![9]), "other senders go on");
+        assert_eq!(r.take(2, TAG_PIECE, vec![4, 5]).unwrap(), Some(vec![1, 2, 3, 4, 5]));
+        // A huge declared length reserves nothing; too many bytes, a piece without a head, a
+        // short head, a whole message inside a long one, an unknown tag: each an error.
+        assert_eq!(r.take(4, TAG_HEAD, u64::MAX.to_le_bytes().to_vec()).unwrap(), None);
+        assert!(r.take(4, TAG_WHOLE, vec![1]).unwrap_err().contains("middle"));
+        assert_eq!(r.take(5, TAG_HEAD, 2u64.to_le_bytes().to_vec()).unwrap(), None);
+        assert!(r.take(5, TAG_PIECE, vec![1, 2, 3]).unwrap_err().contains("3 bytes for a message of 2"));
+        assert!(r.take(6, TAG_PIECE, vec![1]).unwrap_err().contains("without its length head"));
+        assert!(r.take(7, TAG_HEAD, vec![1, 2]).unwrap_err().contains("8 expected"));
+        assert!(r.take(8, 99, vec![]).unwrap_err().contains("allowed"));
     }
 
     #[test]

@@ -76,6 +76,8 @@ pub struct StepSettings {
     pub fail_at: Option<(usize, usize, bool)>,
     /// Whether workers are processes of their own (then a silent failure ends the process).
     pub own_process: bool,
+    /// Test-only fault: `(step, seconds)` this worker spends in its first task of that step.
+    pub slow_at: Option<(usize, f64)>,
 }
 
 /// What a step measured, the same on every worker after the step's global reduction.
@@ -654,6 +656,7 @@ where
             self.later.push(env);
             return Ok(());
         }
+        self.admit(&env)?;
         let src = env.src;
         match env.msg {
             Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
@@ -677,7 +680,49 @@ where
                 self.grad_inputs.entry((mb, layer)).or_default().dispatch.push(DispatchGrad { holder: src, gy, gw });
                 self.check_grad_input(mb, layer);
             }
-            Msg::Trace(_) | Msg::Shards(_) | Msg::Shutdown | Msg::Reduce { .. } | Msg::Abort { .. } => {}
+            Msg::Trace(_)
+            | Msg::Shards(_)
+            | Msg::Shutdown
+            | Msg::Heartbeat { .. }
+            | Msg::Reduce { .. }
+            | Msg::Abort { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Refuses a message of this step that does not fit the run (a micro-batch, layer or token
+    /// beyond the layout's, or a sender that is not a worker), naming its sender, before anything
+    /// indexes with it.
+    fn admit(&self, env: &Envelope) -> Result<()> {
+        let (mbs, layers, tokens) =
+            (self.layout.micro_batches, self.layout.layers, self.settings.mb_rows * self.settings.seq);
+        let bad = |what: String| {
+            Err(TrainError::Worker {
+                worker: self.rank(),
+                cause: format!("a message from worker {} cannot be taken: {what}", env.src),
+            })
+        };
+        if env.src >= self.layout.workers {
+            return bad(format!("no worker {} in a run of {}", env.src, self.layout.workers));
+        }
+        let (mb, layer, ids) = match &env.msg {
+            Msg::Dispatch { mb, layer, tokens, .. } | Msg::Combine { mb, layer, tokens, .. } => {
+                (*mb, *layer, Some(tokens))
+            }
+            Msg::Residual { mb, layer, .. }
+            | Msg::GradCombine { mb, layer, .. }
+            | Msg::GradResidual { mb, layer, .. }
+            | Msg::GradDispatch { mb, layer, .. } => (*mb, *layer, None),
+            _ => return Ok(()),
+        };
+        if mb >= mbs || layer >= layers {
+            return bad(format!(
+                "{} of micro-batch {mb}, layer {layer} (the run has {mbs} and {layers})",
+                env.msg.kind()
+            ));
+        }
+        if let Some(&t) = ids.and_then(|ids| ids.iter().find(|&&t| t as usize >= tokens)) {
+            return bad(format!("{} names token {t} of a micro-batch of {tokens}", env.msg.kind()));
         }
         Ok(())
     }
@@ -721,6 +766,10 @@ where
                     ),
                 });
             }
+        }
+        if let Some((_, seconds)) = self.settings.slow_at.filter(|(s, _)| *s == self.step && self.tasks_run == 0) {
+            eprintln!("worker {}: computing for {seconds} s on purpose (fault injection)", self.rank);
+            std::thread::sleep(Duration::from_secs_f64(seconds));
         }
         self.tasks_run += 1;
         self.order.ran(&task);
@@ -1034,10 +1083,21 @@ where
                 let me = self.rank;
                 ring_all_reduce(&mut PortRing { worker: self, op }, group, me, data, chunk)
             }
+            // Blocked on the peers inside the collective: not busy (see `Port`'s heartbeat).
             #[cfg(feature = "mpi")]
-            Reducer::Mpi(groups) => T::mpi_all_reduce(groups, group, data),
+            Reducer::Mpi(groups) => {
+                self.port.pulse().idle();
+                let done = T::mpi_all_reduce(groups, group, data);
+                self.port.pulse().busy();
+                done
+            }
             #[cfg(feature = "nccl")]
-            Reducer::Nccl(groups) => T::nccl_all_reduce(groups, group, data),
+            Reducer::Nccl(groups) => {
+                self.port.pulse().idle();
+                let done = T::nccl_all_reduce(groups, group, data);
+                self.port.pulse().busy();
+                done
+            }
         }
     }
 

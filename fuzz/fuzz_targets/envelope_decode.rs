@@ -1,0 +1,69 @@
+//! Bytes from another process: frames (tag, bytes) through the MPI transport's reassembly of long
+//! messages, and every whole message, as well as the input itself, through the envelope decoder.
+//! Neither may panic; a decoded envelope is well formed and encodes back to the same bytes; and
+//! decoding never allocates more than a bounded multiple of what it was given (a length field that
+//! claims terabytes reserves nothing).
+#![no_main]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use disagmoe_train::runtime::transport::{Envelope, Reassembly};
+use libfuzzer_sys::fuzz_target;
+
+/// Counts live bytes and their peak.
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+        PEAK.fetch_max(live, Ordering::Relaxed);
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Decodes `bytes`, checking the round trip and the memory it took.
+fn decode(bytes: &[u8]) {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let decoded = Envelope::from_bytes(bytes);
+    let took = PEAK.load(Ordering::Relaxed) - before;
+    // serde reserves at most 1 MiB per open sequence before its elements arrive; envelopes nest
+    // at most 4 deep.
+    let bound = 32 * bytes.len() + (4 << 20);
+    assert!(took <= bound, "decoding {} bytes took {took} bytes (bound {bound})", bytes.len());
+    if let Ok(env) = decoded {
+        env.msg.check().expect("a decoded envelope is well formed");
+        // Its encoding (canonical, whatever varint forms the input used) decodes to itself.
+        let again = env.to_bytes();
+        let back = Envelope::from_bytes(&again).expect("an encoded envelope decodes");
+        assert_eq!(back.to_bytes(), again, "encode/decode round trip");
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    decode(data);
+    // Frames: [sender, tag, len_lo, len_hi, bytes...]
+    let mut r = Reassembly::default();
+    let mut rest = data;
+    while rest.len() >= 4 {
+        let (src, tag) = (i32::from(rest[0] % 4), i32::from(rest[1] % 5));
+        let len = usize::from(u16::from_le_bytes([rest[2], rest[3]])).min(rest.len() - 4);
+        let frame = rest[4..4 + len].to_vec();
+        rest = &rest[4 + len..];
+        match r.take(src, tag, frame) {
+            Ok(Some(whole)) => decode(&whole),
+            Ok(None) => {}
+            Err(e) => assert!(!e.is_empty()),
+        }
+    }
+});
