@@ -86,6 +86,10 @@ pub struct TrainArgs {
     /// No progress bar or log lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Print the one-line JSON summary even on a terminal (it is always the last line of stdout
+    /// when stdout is not a terminal; on a terminal a short summary for people replaces it).
+    #[arg(long)]
+    pub json: bool,
     /// Directory of training checkpoints (default: the --resume directory).
     #[arg(long, value_name = "DIR")]
     pub checkpoint_dir: Option<PathBuf>,
@@ -304,9 +308,22 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     }
     let cfg = if cfg.parallel.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
     let summary = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &stop)?;
-    // Under mpirun every rank knows the summary; one prints it.
+    // Under mpirun every rank knows the summary; one prints it: JSON for scripts (stdout is not a
+    // terminal, or --json), a few lines for people otherwise (and on a terminal's stderr). Under
+    // MPI always JSON: mpirun gives its ranks a pseudo-terminal even when its own output is a pipe.
     if disagmoe_train::is_primary(&cfg) {
-        println!("{}", serde_json::to_string(&summary)?);
+        use std::io::IsTerminal;
+        let own_terminal = std::io::stdout().is_terminal() && cfg.parallel.transport == TransportKind::Local;
+        let json = args.json || !own_terminal;
+        if json {
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+        let people = summary.for_people(cfg.out.as_deref());
+        if !json {
+            println!("{people}");
+        } else if !args.quiet && std::io::stderr().is_terminal() {
+            eprintln!("{people}");
+        }
     }
     Ok(summary)
 }
@@ -527,21 +544,12 @@ pub fn example_main(name: &'static str, about: &'static str, preset: &str) {
     }
 }
 
-/// What the `train_*` examples do: train `preset` unless the arguments name a model, print the
-/// JSON summary, and a one-line human summary on stderr.
+/// What the `train_*` examples do: train `preset` unless the arguments name a model, and end as
+/// `disagmoe train` does (the JSON summary as the last line of stdout for scripts, a short summary
+/// for people on a terminal).
 pub fn run_example(mut args: TrainArgs, preset: &str) -> anyhow::Result<TrainSummary> {
     if args.model_config.is_none() && args.model_dir.is_none() && args.model_preset.is_none() {
         args.model_preset = Some(preset.to_owned());
     }
-    let summary = run_train(&args)?;
-    eprintln!(
-        "loss {:.3} -> {:.3} ({:.0}% of the first) in {} steps, {:.0} tokens/s on {}",
-        summary.first_loss,
-        summary.last_loss,
-        100.0 * summary.last_loss / summary.first_loss,
-        summary.steps,
-        summary.tokens_per_s,
-        summary.backend
-    );
-    Ok(summary)
+    run_train(&args)
 }

@@ -22,3 +22,5 @@ pub mod auto;
 pub mod cli;
 /// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
 pub mod cli_plan;
+/// `plot`: SVG curves and expert-load heat maps of runs from their `metrics.jsonl`.
+pub mod plot;

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use disagmoe::cli::{init_logging, report, run_compare, run_forward, run_train, CompareArgs, ForwardArgs, TrainArgs};
 use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
+use disagmoe::plot::{run_plot, PlotArgs};
 
 /// DisagMoE: disaggregated attention/expert training for Mixture-of-Experts models.
 #[derive(Debug, Parser)]
@@ -27,6 +28,9 @@ enum Command {
     Simulate(SimulateArgs),
     /// Regenerate docs/paper-reproduction.md by simulation.
     ReproducePaper(ReproduceArgs),
+    /// Plot runs from their metrics.jsonl as SVG files: loss, throughput, learning rate and a
+    /// heat map of each layer's expert load over the steps; prints a JSON report.
+    Plot(PlotArgs),
 }
 
 fn main() {
@@ -42,6 +46,9 @@ fn main() {
         Command::Plan(args) => run_plan(args),
         Command::Simulate(args) => run_simulate(args),
         Command::ReproducePaper(args) => run_reproduce(args),
+        Command::Plot(args) => {
+            run_plot(args).map(|r| println!("{}", serde_json::to_string(&r).expect("report serialises")))
+        }
     };
     if let Err(e) = result {
         std::process::exit(report(&e));

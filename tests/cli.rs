@@ -258,3 +258,35 @@ fn every_preset_learns_within_60_steps() {
     let out = bin().args(["train", "--quiet", "--model-preset", "huge"]).output().unwrap();
     fails_with(&out, "allowed: [\"tiny-qwen3-moe\"");
 }
+
+/// On a terminal (a pseudo-terminal from `script`) `train` ends with a few lines for people
+/// instead of the JSON line; `--json` brings the JSON back as the last line. (Without a terminal
+/// the JSON is the last line, as every other test here relies on.)
+#[test]
+fn a_terminal_gets_a_summary_for_people_and_json_on_request() {
+    if Command::new("script").arg("--version").output().is_err() {
+        panic!("`script` (util-linux) is needed to give the command a terminal: apt-get install util-linux");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let command = |extra: &str| {
+        format!(
+            "{} train --steps 3 --batch 4 --seq 32 --model-preset tiny-qwen3-moe --quiet --out {} {extra}",
+            env!("CARGO_BIN_EXE_disagmoe"),
+            out_dir.display()
+        )
+    };
+    let on_terminal = |extra: &str| {
+        let out = Command::new("script").args(["-qec", &command(extra), "/dev/null"]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        String::from_utf8_lossy(&out.stdout).replace('\r', "")
+    };
+    let text = on_terminal("");
+    assert!(text.contains("trained 3 steps") && text.contains("% of the first"), "{text}");
+    assert!(text.contains(&format!("metrics    {}", out_dir.join("metrics.jsonl").display())), "{text}");
+    assert!(!text.lines().any(|l| l.trim_start().starts_with('{')), "no JSON line on a terminal: {text}");
+    let text = on_terminal("--json");
+    let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(v["steps"], 3);
+}

@@ -302,21 +302,28 @@ fn fails_naming_worker_2(out: &Output, took: Duration) {
     assert!(took < Duration::from_secs(30), "ended in {took:?}");
 }
 
+/// A disagg 2+2 run of `COMMON` with the run config `cfg` and the test-only fault plan `faults`;
+/// its output and how long it took.
+fn run_with_faults(cfg: &std::path::Path, faults: &str) -> (Output, Duration) {
+    let t0 = Instant::now();
+    let out = bin()
+        .args(COMMON)
+        .args(DISAGG)
+        .arg("--run-config")
+        .arg(cfg)
+        .env("DISAGMOE_TEST_FAULTS", faults)
+        .output()
+        .unwrap();
+    (out, t0.elapsed())
+}
+
 #[test]
 fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for exit in [false, true] {
         let (cfg, faults) = fault_config(dir.path(), exit);
-        let t0 = Instant::now();
-        let out = bin()
-            .args(COMMON)
-            .args(DISAGG)
-            .arg("--run-config")
-            .arg(&cfg)
-            .env("DISAGMOE_TEST_FAULTS", faults)
-            .output()
-            .unwrap();
-        fails_naming_worker_2(&out, t0.elapsed());
+        let (out, took) = run_with_faults(&cfg, &faults);
+        fails_naming_worker_2(&out, took);
     }
 }
 
@@ -329,17 +336,7 @@ fn a_long_compute_is_not_a_stall_but_a_hang_is_named() {
     let run = |timeout: f64, seconds: f64| {
         let cfg = dir.path().join(format!("timeout-{timeout}.toml"));
         std::fs::write(&cfg, format!("comm_timeout_s = {timeout}\n")).unwrap();
-        let faults = format!(r#"{{"slow_worker": {{"worker": 2, "step": 2, "seconds": {seconds}}}}}"#);
-        let t0 = Instant::now();
-        let out = bin()
-            .args(COMMON)
-            .args(DISAGG)
-            .arg("--run-config")
-            .arg(&cfg)
-            .env("DISAGMOE_TEST_FAULTS", faults)
-            .output()
-            .unwrap();
-        (out, t0.elapsed())
+        run_with_faults(&cfg, &format!(r#"{{"slow_worker": {{"worker": 2, "step": 2, "seconds": {seconds}}}}}"#))
     };
     // Worker 2 (an expert worker) computes for 4 s in step 2, four times the 1 s time-out.
     let (out, took) = run(1.0, 4.0);
@@ -347,11 +344,9 @@ fn a_long_compute_is_not_a_stall_but_a_hang_is_named() {
     assert!(took > Duration::from_secs(4), "the slow task ran: {took:?}");
     // With a 0.3 s time-out, 12 s is more than 30 time-outs (9 s): a hang, named.
     let (out, took) = run(0.3, 12.0);
+    fails_naming_worker_2(&out, took);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the run should fail: {err}");
-    assert!(err.contains("worker 2") && err.contains("hangs"), "the error names the hung worker: {err}");
-    assert!(!err.contains("panicked"), "no panic: {err}");
-    assert!(took < Duration::from_secs(40), "ended in {took:?}");
+    assert!(err.contains("worker 2: busy for") && err.contains("hangs"), "the error says it hangs: {err}");
 }
 
 /// `ep --in-flight 2` (one micro-batch's all-to-all overlapping another's compute) trains the

@@ -143,7 +143,7 @@ impl Progress {
             if interactive { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
         );
         bar.set_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}, eta {eta}] {bar:30} {pos}/{len} {msg}")
                 .expect("valid template")
                 .progress_chars("=> "),
         );
@@ -166,14 +166,60 @@ impl Progress {
             } else {
                 String::new()
             };
+            let eta = self.start.elapsed().as_secs_f64() / done as f64 * self.steps.saturating_sub(m.step) as f64;
             eprintln!(
-                "step {:>5}/{} loss {:.4} lm {:.4} lr {:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s step {:.3}s{comm}",
-                m.step, self.steps, m.loss, m.lm_loss, m.lr, m.grad_norm, m.step_s
+                "step {:>5}/{} loss {:.4} lm {:.4} lr {:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s step {:.3}s eta {}{comm}",
+                m.step, self.steps, m.loss, m.lm_loss, m.lr, m.grad_norm, m.step_s, human_duration(eta)
             );
         }
     }
 
     pub(crate) fn finish(&self) {
         self.bar.finish_and_clear();
+    }
+}
+
+/// `1h 02m`, `3m 05s`, `12s`.
+pub fn human_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match (s / 3600, (s % 3600) / 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m {sec:02}s"),
+        (h, m, _) => format!("{h}h {m:02}m"),
+    }
+}
+
+impl TrainSummary {
+    /// A few lines for a person at a terminal: steps, loss, speed, time, and where the model,
+    /// metrics and checkpoint went (`out`: the run's `--out`).
+    pub fn for_people(&self, out: Option<&std::path::Path>) -> String {
+        let mut lines = vec![format!(
+            "trained {} steps{} on {} ({}{})",
+            self.steps,
+            if self.stopped_early { " (stopped early)" } else { "" },
+            self.backend,
+            self.placement,
+            if self.workers > 1 { format!(", {} workers", self.workers) } else { String::new() }
+        )];
+        let pct = 100.0 * self.last_loss / self.first_loss;
+        lines.push(format!("  loss       {:.4} -> {:.4} ({pct:.0}% of the first)", self.first_loss, self.last_loss));
+        if self.skipped_steps > 0 {
+            lines.push(format!("  skipped    {} steps (non-finite gradients)", self.skipped_steps));
+        }
+        lines.push(format!(
+            "  speed      {:.0} tokens/s, {:.3} s per step, {:.2}M parameters",
+            self.tokens_per_s,
+            self.step_s,
+            self.params as f64 / 1e6
+        ));
+        lines.push(format!("  time       {}", human_duration(self.train_s)));
+        if let Some(out) = out {
+            lines.push(format!("  model      {}", out.join("final").display()));
+            lines.push(format!("  metrics    {}", out.join("metrics.jsonl").display()));
+        }
+        if let Some(ck) = &self.checkpoint {
+            lines.push(format!("  checkpoint {}", ck.display()));
+        }
+        lines.join("\n")
     }
 }
