@@ -18,6 +18,8 @@ use clap::Args;
 use plotters::prelude::*;
 use serde::Serialize;
 
+use disagmoe_train::metrics::ExpertLoad;
+
 /// `disagmoe plot` options.
 #[derive(Debug, Args)]
 pub struct PlotArgs {
@@ -66,7 +68,8 @@ impl RunMetrics {
                 dir.display()
             )
         })?;
-        let mut steps: Vec<StepPoint> = Vec::new();
+        // By step: a resumed run whose file was not cut back repeats steps; the newest record wins.
+        let mut steps = std::collections::BTreeMap::<usize, StepPoint>::new();
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = || format!("{}:{}", path.display(), i + 1);
             let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
@@ -92,15 +95,12 @@ impl RunMetrics {
                 lr: num("lr").unwrap_or(f64::NAN),
                 expert_load,
             };
-            // A resumed run appends the steps after its checkpoint again only if the file was not
-            // cut back; keep the newest record of a step either way.
-            steps.retain(|s| s.step != point.step);
-            steps.push(point);
+            steps.insert(point.step, point);
         }
         if steps.is_empty() {
             bail!("{} has no steps", path.display());
         }
-        steps.sort_by_key(|s| s.step);
+        let steps: Vec<StepPoint> = steps.into_values().collect();
         let name = dir
             .canonicalize()
             .ok()
@@ -429,12 +429,13 @@ pub fn run_plot(args: &PlotArgs) -> anyhow::Result<PlotReport> {
             .expert_load
             .iter()
             .map(|(layer, counts)| {
+                // The statistics the metrics file reports, from the training side's one definition.
+                let load = ExpertLoad::from_counts(*layer, counts);
                 let mean = counts.iter().sum::<usize>() as f64 / counts.len().max(1) as f64;
-                let max = counts.iter().copied().max().unwrap_or(0) as f64;
                 LayerLoad {
                     layer: *layer,
-                    max_mean_ratio: if mean > 0.0 { max / mean } else { 0.0 },
-                    dead_experts: counts.iter().filter(|&&c| c == 0).count(),
+                    max_mean_ratio: load.max_mean_ratio,
+                    dead_experts: load.dead_experts,
                     overloaded_experts: counts
                         .iter()
                         .filter(|&&c| LoadClass::of(c, mean) == LoadClass::Overloaded)

@@ -441,14 +441,14 @@ impl Manifest {
         let manifest: serde_json::Value =
             serde_json::from_str(text).map_err(|e| format!("manifest is not valid JSON: {e}"))?;
         let table = manifest.get("sha256").and_then(|f| f.as_object()).ok_or("manifest has no `sha256` table")?;
+        let plain = |part: &str| {
+            !part.is_empty()
+                && part != "."
+                && part != ".."
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        };
         let mut files = Vec::with_capacity(table.len());
         for (name, sum) in table {
-            let plain = |part: &str| {
-                !part.is_empty()
-                    && part != "."
-                    && part != ".."
-                    && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
-            };
             if name.len() > 4096 || !name.split('/').all(plain) {
                 return Err(format!(
                     "manifest names {name:?}: a file must be a relative path inside the checkpoint \

@@ -431,6 +431,14 @@ impl Pulse {
         self.busy_since_us.store(0, Ordering::Relaxed);
     }
 
+    /// Runs `wait` (something that blocks on the peers) marked as waiting, then busy again.
+    pub fn waiting<T>(&self, wait: impl FnOnce() -> T) -> T {
+        self.idle();
+        let got = wait();
+        self.busy();
+        got
+    }
+
     /// How long the worker has been busy, or `None` while it waits.
     pub fn busy_for_us(&self) -> Option<u64> {
         match self.busy_since_us.load(Ordering::Relaxed) {
@@ -604,10 +612,8 @@ impl Port {
     /// with no message and no peer busy (zero: just look). A message that has arrived but is
     /// still on the emulated wire is waited for past the time-out: it is not a stall.
     pub fn recv(&mut self, timeout: Duration) -> Result<Option<Envelope>> {
-        self.pulse.idle();
-        let got = self.wait(timeout);
-        self.pulse.busy();
-        got
+        let pulse = self.pulse.clone();
+        pulse.waiting(|| self.wait(timeout))
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<Option<Envelope>> {

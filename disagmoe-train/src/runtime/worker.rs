@@ -1085,19 +1085,9 @@ where
             }
             // Blocked on the peers inside the collective: not busy (see `Port`'s heartbeat).
             #[cfg(feature = "mpi")]
-            Reducer::Mpi(groups) => {
-                self.port.pulse().idle();
-                let done = T::mpi_all_reduce(groups, group, data);
-                self.port.pulse().busy();
-                done
-            }
+            Reducer::Mpi(groups) => self.port.pulse().waiting(|| T::mpi_all_reduce(groups, group, data)),
             #[cfg(feature = "nccl")]
-            Reducer::Nccl(groups) => {
-                self.port.pulse().idle();
-                let done = T::nccl_all_reduce(groups, group, data);
-                self.port.pulse().busy();
-                done
-            }
+            Reducer::Nccl(groups) => self.port.pulse().waiting(|| T::nccl_all_reduce(groups, group, data)),
         }
     }
 
