@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/mpirun.rs"]
+mod mpirun;
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
 }
@@ -338,6 +341,7 @@ fn a_distributed_checkpoint_is_a_hugging_face_directory() {
 /// without `mpirun` (see build-support/probe.rs).
 mod mpi {
     use super::*;
+    use mpirun::{children, wait_job};
 
     #[test]
     #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
@@ -396,27 +400,11 @@ mod mpi {
             std::thread::sleep(Duration::from_millis(50));
         }
         assert!(Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap().success());
-        let out = child.wait_with_output().unwrap();
+        let out = wait_job(child, Duration::from_secs(300));
         let s = summary(&out);
         assert_eq!(s["stopped_early"], true);
         let steps = s["steps"].as_u64().unwrap();
         assert_eq!(checkpoints(&ck).last().map(String::as_str), Some(format!("step-{steps:08}").as_str()));
-    }
-
-    /// The processes whose parent is `parent` (the ranks `mpirun` started on this machine).
-    fn children(parent: u32) -> Vec<u32> {
-        let mut out = Vec::new();
-        for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-            // `pid (comm) state ppid ...`: the command may hold spaces, so read after the last ')'.
-            let ppid = stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().nth(1));
-            if ppid.and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
-                out.push(pid);
-            }
-        }
-        out.sort_unstable();
-        out
     }
 
     /// Chaos: a disagg 2+2 job of 60 steps under `mpirun`, checkpointing every 5, loses a random
@@ -481,7 +469,7 @@ mod mpi {
                 if child.try_wait().unwrap().is_none() && ranks.len() == 4 {
                     let victim = rand(4) as usize;
                     let _ = Command::new("kill").args(["-KILL", &ranks[victim].to_string()]).status();
-                    let out = child.wait_with_output().unwrap();
+                    let out = wait_job(child, Duration::from_secs(60));
                     assert!(!out.status.success(), "the job survived the loss of a rank");
                     let step = metric_steps_or_none(&out_dir);
                     eprintln!("kill {}: rank {victim} near step {step:?} ({more} steps in)", kills.len() + 1);
@@ -489,7 +477,7 @@ mod mpi {
                     continue;
                 }
             }
-            let out = child.wait_with_output().unwrap();
+            let out = wait_job(child, Duration::from_secs(600));
             break summary(&out);
         };
         eprintln!("seed {seed}: {} kills in {launches} launches: {kills:?}", kills.len());

@@ -2,8 +2,11 @@
 //! every model family, in-process and under `mpirun`; failing workers end the run quickly with an
 //! error that names them; bad placements are refused clearly.
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "support/mpirun.rs"]
+mod mpirun;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
@@ -423,6 +426,7 @@ fn bad_placements_are_refused_with_the_allowed_values() {
 /// Under `mpirun`: ignored (and said so) when built without the `mpi` feature or on a machine
 /// without `mpirun` (see build-support/probe.rs).
 mod mpi {
+    use super::mpirun::wait_job;
     use super::*;
 
     fn mpirun_np(np: usize) -> Command {
@@ -560,8 +564,11 @@ mod mpi {
                 .args(["--transport", "mpi", "--run-config"])
                 .arg(&cfg)
                 .env("DISAGMOE_TEST_FAULTS", faults)
-                .output()
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
                 .unwrap();
+            let out = wait_job(out, Duration::from_secs(120));
             let err = String::from_utf8_lossy(&out.stderr);
             assert!(!out.status.success(), "the job should fail: {err}");
             assert!(err.contains("worker 2") || err.contains("rank 2"), "names the dead rank: {err}");

@@ -1,0 +1,87 @@
+//! Waiting for `mpirun` jobs in tests, bounded.
+//!
+//! Open MPI 4.1's `mpirun` can deadlock in its own shutdown (`orte_finalize` ->
+//! `PMIx_server_finalize`, a mutex never released) after a rank dies during start-up: every rank
+//! has exited (zombies of `mpirun`) and `mpirun` never returns. A test that kills ranks must not
+//! hang on that, and must not hide a hang of ours either: [`wait_job`] kills an `mpirun` whose
+//! ranks are all gone (the job has failed, as a scheduler would see it) and fails the test, after
+//! killing everything, when ranks are still running past the limit.
+
+use std::io::Read;
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+/// The children of `parent` with their state letter (`R`, `S`, `Z`, ...), by pid.
+pub fn children_with_state(parent: u32) -> Vec<(u32, char)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // `pid (comm) state ppid ...`: the command may hold spaces, so read after the last ')'.
+        let mut rest = stat.rsplit(')').next().unwrap_or("").split_whitespace();
+        let state = rest.next().and_then(|s| s.chars().next());
+        let ppid = rest.next().and_then(|p| p.parse::<u32>().ok());
+        if let (Some(state), Some(ppid)) = (state, ppid) {
+            if ppid == parent {
+                out.push((pid, state));
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+/// The children of `parent`, by pid.
+#[allow(dead_code)] // not every test file that includes this kills ranks
+pub fn children(parent: u32) -> Vec<u32> {
+    children_with_state(parent).into_iter().map(|(pid, _)| pid).collect()
+}
+
+/// Waits up to `limit` for `child` (an `mpirun` with piped stdout and stderr) and returns its
+/// output. Past the limit, an `mpirun` whose ranks have all exited is killed (its status then says
+/// so: killed by a signal); one with ranks still running is a hang: everything is killed and the
+/// test fails, showing the ranks' states and the output so far.
+pub fn wait_job(mut child: Child, limit: Duration) -> Output {
+    let pipe = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut p) = p {
+                let _ = p.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = pipe(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = pipe(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > limit {
+            let ranks = children_with_state(child.id());
+            let running: Vec<_> = ranks.iter().filter(|(_, s)| *s != 'Z' && *s != 'X').collect();
+            if running.is_empty() {
+                eprintln!(
+                    "mpirun did not return {limit:?} after its ranks ended (Open MPI's shutdown deadlock \
+                     after a rank's death): killed"
+                );
+                let _ = child.kill();
+                break child.wait().unwrap();
+            }
+            for (pid, _) in &ranks {
+                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            let (out, err) = (stdout.join().unwrap(), stderr.join().unwrap());
+            panic!(
+                "the job hung: ranks still running after {limit:?}: {running:?}\nstderr: {}\nstdout: {}",
+                String::from_utf8_lossy(&err),
+                String::from_utf8_lossy(&out)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output { status, stdout: stdout.join().unwrap(), stderr: stderr.join().unwrap() }
+}
