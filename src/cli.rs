@@ -56,6 +56,18 @@ pub struct TrainArgs {
     /// Tokens per sequence [default: 128].
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Share of the corpus's windows held out for evaluation (evenly spread), never trained on, 0..=0.5
+    /// [default: 0.02].
+    #[arg(long, value_name = "F")]
+    pub eval_fraction: Option<f64>,
+    /// Evaluate on the held-out windows every K steps and at the last one: eval_loss and
+    /// perplexity in metrics.jsonl, the progress line and the summary (--placement single)
+    /// [default: 0, never].
+    #[arg(long, value_name = "K")]
+    pub eval_every: Option<usize>,
+    /// Batches of held-out windows per evaluation, at most [default: 8].
+    #[arg(long, value_name = "N")]
+    pub eval_batches: Option<usize>,
     /// Peak learning rate [default: 3e-3].
     #[arg(long)]
     pub lr: Option<f64>,
@@ -229,6 +241,7 @@ impl TrainArgs {
         }
         set!(model_preset => model.preset, bias_update_rate => model.bias_update_rate);
         set!(data => data.path, tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
+        set!(eval_fraction => data.eval_fraction, eval_every => data.eval_every, eval_batches => data.eval_batches);
         set!(
             lr => optimizer.lr, min_lr => optimizer.min_lr, warmup_steps => optimizer.warmup_steps,
             weight_decay => optimizer.weight_decay, grad_clip => optimizer.grad_clip,

@@ -20,6 +20,8 @@ pub use disagmoe_train as train;
 /// `--allocation auto`: the planner's choice of workers, refined by measured step times.
 pub mod auto;
 pub mod cli;
+/// `generate`: text from a checkpoint through the KV cache.
+pub mod cli_generate;
 /// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
 pub mod cli_plan;
 /// `plot`: SVG curves and expert-load heat maps of runs from their `metrics.jsonl`.

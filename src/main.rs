@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use disagmoe::cli::{init_logging, report, run_compare, run_forward, run_train, CompareArgs, ForwardArgs, TrainArgs};
+use disagmoe::cli_generate::{run_eval, run_generate, EvalArgs, GenerateArgs};
 use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
 use disagmoe::plot::{run_plot, PlotArgs};
 
@@ -19,6 +20,12 @@ enum Command {
     Forward(ForwardArgs),
     /// Train a model (the embedded default with no model option) and print a JSON summary.
     Train(TrainArgs),
+    /// Continue a prompt with a checkpoint (KV cache; greedy, or sampled with temperature and
+    /// top-p).
+    Generate(GenerateArgs),
+    /// The loss and perplexity of a checkpoint on the held-out windows of a corpus (or all of
+    /// them).
+    Eval(EvalArgs),
     /// Train under ep and disagg side by side (emulated links) and compare step time and exposed
     /// communication.
     Compare(CompareArgs),
@@ -42,6 +49,8 @@ fn main() {
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
         Command::Train(args) => run_train(args).map(|_| ()),
+        Command::Generate(args) => run_generate(args).map(|_| ()),
+        Command::Eval(args) => run_eval(args).map(|_| ()),
         Command::Compare(args) => run_compare(args).map(|_| ()),
         Command::Plan(args) => run_plan(args),
         Command::Simulate(args) => run_simulate(args),

@@ -206,6 +206,29 @@ fn hf_tokenizer_json_is_used_when_given() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let first = stdout_last_json(&out)["first_loss"].as_f64().unwrap();
     assert!((first - (384f64).ln()).abs() < 0.3, "a fresh model starts near ln(384): {first}");
+    // With --out, the final model carries the tokenizer it was trained with, and generate uses it.
+    let out_dir = tmp.path().join("out");
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "1", "--batch", "2", "--seq", "16", "--model-config"])
+        .arg(&cfg)
+        .arg("--tokenizer")
+        .arg(&tok)
+        .arg("--out")
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(out_dir.join("final/tokenizer.json")).unwrap(), std::fs::read(&tok).unwrap());
+    let out = bin()
+        .args(["generate", "--json", "--temperature", "0", "--max-new-tokens", "4", "--prompt", "In the beginning"])
+        .arg("--model-dir")
+        .arg(out_dir.join("final"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let g = stdout_last_json(&out);
+    assert!(g["tokenizer"].as_str().unwrap().contains("tokenizer.json"), "{g}");
+    assert!(g["prompt_tokens"].as_array().unwrap().len() < "In the beginning".len(), "not bytes: {g}");
     // The default model's 256 ids cannot hold this tokenizer's 384.
     let out = bin().args(["train", "--quiet", "--steps", "1", "--tokenizer"]).arg(&tok).output().unwrap();
     fails_with(&out, "outside the model's vocabulary 0..256");
@@ -289,4 +312,102 @@ fn a_terminal_gets_a_summary_for_people_and_json_on_request() {
     let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(v["steps"], 3);
+}
+
+#[test]
+fn generate_continues_a_prompt_greedily_or_seeded_and_refuses_bad_options() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("out");
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "3", "--batch", "2", "--seq", "32", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let model = out_dir.join("final");
+    let generate = |extra: &[&str]| {
+        bin()
+            .args(["generate", "--prompt", "And God said"])
+            .arg("--model-dir")
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let json = |extra: &[&str]| {
+        let out = generate(&[&["--json", "--ignore-eos", "--max-new-tokens", "12"], extra].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        stdout_last_json(&out)
+    };
+    let greedy = json(&["--temperature", "0"]);
+    assert_eq!(greedy["tokens"].as_array().unwrap().len(), 12);
+    assert_eq!(json(&["--temperature", "0"])["tokens"], greedy["tokens"], "greedy is deterministic");
+    // Byte-level: the prompt's ids are its bytes and the text is the new tokens' bytes.
+    let bytes: Vec<u8> = greedy["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8).collect();
+    assert_eq!(greedy["text"].as_str().unwrap(), String::from_utf8_lossy(&bytes));
+    assert_eq!(greedy["prompt_tokens"].as_array().unwrap().len(), "And God said".len());
+    let sampled = json(&["--temperature", "1.0", "--top-p", "0.9", "--seed", "5"]);
+    assert_eq!(json(&["--temperature", "1.0", "--top-p", "0.9", "--seed", "5"])["tokens"], sampled["tokens"], "seeded");
+    // Without --json the text streams after the prompt.
+    let out = generate(&["--temperature", "0", "--ignore-eos", "--max-new-tokens", "12"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.trim_end_matches('\n'), format!("And God said{}", greedy["text"].as_str().unwrap()));
+    // Bad options and models are named.
+    fails_with(&generate(&["--temperature", "-1"]), "temperature -1 is not allowed");
+    fails_with(&generate(&["--top-p", "0"]), "top_p 0 is not allowed");
+    fails_with(
+        &bin().args(["generate", "--prompt", "x", "--model-dir"]).arg(fixture("mha_top1")).output().unwrap(),
+        "--tokenizer",
+    );
+    fails_with(
+        &bin().args(["generate", "--prompt", "x", "--model-dir"]).arg(tmp.path().join("none")).output().unwrap(),
+        "none",
+    );
+    let empty = bin().args(["generate", "--prompt", "", "--model-dir"]).arg(&model).output().unwrap();
+    fails_with(&empty, "--prompt is empty");
+}
+
+#[test]
+fn eval_every_and_disagmoe_eval_report_the_held_out_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("out");
+    // Every held-out window in each evaluation (8 per batch x 1000 batches covers the split), so
+    // that `disagmoe eval` reads the same windows.
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "6", "--batch", "4", "--seq", "32", "--eval-every", "3"])
+        .args(["--eval-batches", "1000", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary = stdout_last_json(&out);
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let evaluated: Vec<u64> =
+        lines.iter().filter(|l| l.get("eval_loss").is_some()).map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(evaluated, [3, 6]);
+    let last = &lines[5];
+    let eval_loss = last["eval_loss"].as_f64().unwrap();
+    assert!((last["eval_perplexity"].as_f64().unwrap() - eval_loss.exp()).abs() < 1e-9 * eval_loss.exp());
+    assert_eq!(summary["eval_loss"].as_f64(), Some(eval_loss));
+    // The saved model on the same held-out windows gives the same loss.
+    let out = bin().args(["eval", "--seq", "32", "--model-dir"]).arg(out_dir.join("final")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = stdout_last_json(&out);
+    assert_eq!(report["split"], "held-out");
+    assert!((report["loss"].as_f64().unwrap() - eval_loss).abs() < 1e-5, "{report} vs {eval_loss}");
+    assert_eq!(report["tokens"].as_u64().unwrap(), report["windows"].as_u64().unwrap() * 31);
+    let whole =
+        bin().args(["eval", "--seq", "32", "--whole", "--model-dir"]).arg(out_dir.join("final")).output().unwrap();
+    let whole = stdout_last_json(&whole);
+    assert!(whole["windows"].as_u64().unwrap() > 40 * report["windows"].as_u64().unwrap(), "{whole}");
+    // Bad settings are named.
+    let train = |extra: &[&str]| bin().args(["train", "--quiet", "--steps", "2"]).args(extra).output().unwrap();
+    fails_with(&train(&["--eval-fraction", "0.7"]), "eval_fraction");
+    fails_with(&train(&["--eval-every", "1", "--eval-fraction", "0"]), "eval_fraction must be above 0");
+    fails_with(
+        &train(&["--eval-every", "1", "--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "1"]),
+        "disagmoe eval --model-dir",
+    );
 }

@@ -12,6 +12,7 @@ use burn::tensor::Tensor;
 
 use crate::error::Result;
 use crate::init::Init;
+use crate::kv_cache::{append, attention_at, LayerCache};
 use crate::nn::{Linear, RmsNorm};
 use crate::rope::apply_rotary;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -129,10 +130,13 @@ impl<B: Backend> GqaAttention<B> {
         }
     }
 
+    /// Queries, keys and values of `x`, projected, normalised and clipped where the family does,
+    /// and rotated (positions of `cos`, `sin`).
+    ///
     /// # Shapes
     /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]`
-    /// - output: `[B, S, M]`
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+    /// - output: q `[B, S, H, D]`, k and v `[B, S, G, D]`
+    fn qkv(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
         let [b, s, _] = x.dims();
         let (h, g, d) = (self.heads, self.kv_heads, self.head_dim);
         // 1. Project; normalise q and k (over the whole projection, or per head below) and clip
@@ -156,21 +160,65 @@ impl<B: Backend> GqaAttention<B> {
             v = v.clamp(-c, c);
         }
         let v = v.reshape([b, s, g, d]); // [B, S, G, D]
-        let scale = (d as f64).powf(-0.5);
-        // 2. Rotary embedding on q and k, in the projections' layout (fused where there is a fused
-        //    one: the CPU operations), then 3. causal (windowed) attention with sinks: the fused
-        //    operation or kernel where `disagmoe_kernels::fused` has one, else its reference.
+                                         // 2. Rotary embedding on q and k, in the projections' layout (fused where there is a fused
+                                         //    one: the CPU operations).
         let rope = |x: Tensor<B, 4>| {
             disagmoe_kernels::fused::rope(x.clone(), cos.clone(), sin.clone())
                 .unwrap_or_else(|| apply_rotary(x, cos.clone().swap_dims(1, 2), sin.clone().swap_dims(1, 2)))
         };
-        let (q, k) = (rope(q), rope(k));
+        (rope(q), rope(k), v)
+    }
+
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]`
+    /// - output: `[B, S, M]`
+    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (q, k, v) = self.qkv(x, cos, sin);
+        let scale = (self.head_dim as f64).powf(-0.5);
+        // 3. Causal (windowed) attention with sinks: the fused operation or kernel where
+        //    `disagmoe_kernels::fused` has one, else its reference; 4. merge heads, project.
         let sinks = self.sinks.as_ref().map(|p| p.val());
         let out =
             disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window)
                 .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window)); // [B, S, H, D]
-                                                                                                                // 4. Merge heads, output projection.
-        self.o_proj.forward(out.reshape([b, s, h * d]))
+        self.o_proj.forward(out.reshape([b, s, self.heads * self.head_dim]))
+    }
+
+    /// [`GqaAttention::forward`] of new tokens at positions `past..past + S`, over them and the
+    /// keys and values `cache` holds; the new ones join the cache (a windowed layer keeps only
+    /// its last `window`).
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]` (the new positions)
+    /// - output: `[B, S, M]`
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (q, k_new, v_new) = self.qkv(x, cos, sin);
+        let (k_old, v_old, start) = match std::mem::take(cache) {
+            LayerCache::Keys { k, v, start } => (Some(k), Some(v), start),
+            _ => (None, None, past),
+        };
+        let (k, v) = (append(k_old, k_new), append(v_old, v_new)); // [B, T, G, D]
+        let scale = (self.head_dim as f64).powf(-0.5);
+        let sinks = self.sinks.as_ref().map(|p| p.val());
+        let out = attention_at(q, k.clone(), v.clone(), sinks, scale, self.window, past, start); // [B, S, H, D]
+                                                                                                 // A later query at `p >= past + S` sees keys after `p - window`: the last `window` suffice.
+        let held = k.dims()[1];
+        let drop = self.window.map_or(0, |w| held.saturating_sub(w));
+        *cache = LayerCache::Keys {
+            k: k.narrow(1, drop, held - drop),
+            v: v.narrow(1, drop, held - drop),
+            start: start + drop,
+        };
+        self.o_proj.forward(out.reshape([b, s, self.heads * self.head_dim]))
     }
 
     /// Loads `{prefix}.{q,k,v,o}_proj` and `{prefix}.{q,k}_norm`.

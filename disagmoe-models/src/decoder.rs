@@ -15,6 +15,7 @@ use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, CausalLmOutput, Los
 use crate::error::{ModelError, Result};
 use crate::families::FamilyConfig;
 use crate::init::Init;
+use crate::kv_cache::{KvCache, LayerCache};
 use crate::moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
@@ -25,6 +26,33 @@ pub trait AttentionLayer<B: Backend> {
     /// # Shapes
     /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` -> `[B, S, M]`
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3>;
+    /// [`AttentionLayer::attend`] of new tokens at positions `past..past + S` over them and every
+    /// earlier token, through what `cache` holds of those (the new tokens join it): incremental
+    /// decoding. The default keeps the layer's inputs and reruns [`AttentionLayer::attend`] over
+    /// all of them (exact, not fast); attention types with keys worth keeping override it.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, past + S, rotary dim]` (every position so far)
+    /// - output: `[B, S, M]`
+    fn attend_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        let s = x.dims()[1];
+        let all = match std::mem::take(cache) {
+            LayerCache::Inputs(seen) => Tensor::cat(vec![seen, x], 1),
+            _ => x,
+        };
+        let t = all.dims()[1];
+        debug_assert_eq!(t, past + s, "the inputs kept are every position so far");
+        let out = self.attend(all.clone(), cos, sin);
+        *cache = LayerCache::Inputs(all);
+        out.narrow(1, t - s, s)
+    }
     /// Loads the layer's weights under `prefix` (e.g. `model.layers.3.self_attn`).
     fn load_attention(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()>;
     /// Saves them under the names it loads.
@@ -34,6 +62,17 @@ pub trait AttentionLayer<B: Backend> {
 impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         self.forward(x, cos, sin)
+    }
+    fn attend_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        let s = x.dims()[1];
+        self.forward_cached(x, cos.narrow(2, past, s), sin.narrow(2, past, s), past, cache)
     }
     fn load_attention(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         self.load(ckpt, prefix, device)
@@ -127,6 +166,21 @@ where
     /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` -> `[B, S, M]`
     pub fn attention_block(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         x.clone() + self.self_attn.attend(self.input_layernorm.forward(x), cos, sin)
+    }
+
+    /// [`DecoderLayer::attention_block`] of new tokens at positions `past..`, through `cache`.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, past + S, rotary dim]` -> `[B, S, M]`
+    pub fn attention_block_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        x.clone() + self.self_attn.attend_cached(self.input_layernorm.forward(x), cos, sin, past, cache)
     }
 
     /// The expert half: `x + ffn(norm(x))`, with router statistics on routed layers.
@@ -294,6 +348,32 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 3. Final norm and head.
         let logits = lm_logits(self.norm.forward(x), self.lm_head.as_ref(), &self.embed_tokens); // [B, S, V]
         CausalLmOutput { logits, router_stats }
+    }
+
+    /// An empty cache for [`CausalLm::forward_cached`].
+    pub fn new_cache(&self) -> KvCache<B> {
+        KvCache::new(self.layers.len())
+    }
+
+    /// The forward pass of new tokens, following the `cache.len` positions `cache` has seen
+    /// (which it then holds too): incremental decoding. Equals the last `S` positions of
+    /// [`CausalLm::forward`] over the whole sequence.
+    ///
+    /// # Shapes
+    /// - ids: `[B, S]` -> logits `[B, S, V]`
+    pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        let [_, s] = ids.dims();
+        let device = ids.device();
+        let past = cache.len;
+        let mut x = self.embed_tokens.forward(ids); // [B, S, M]
+        let (cos, sin) = self.rope.tables::<B>(past + s, &device); // [1, 1, past + S, rotary dim]
+        for (layer, held) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.attention_block_cached(x, cos.clone(), sin.clone(), past, held);
+            x = layer.expert_block(x).0;
+        }
+        cache.len += s;
+        lm_logits(self.norm.forward(x), self.lm_head.as_ref(), &self.embed_tokens)
+        // [B, S, V]
     }
 
     /// Next-token cross-entropy (labels = inputs shifted by one), plus the family's coefficient

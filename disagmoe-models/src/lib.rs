@@ -20,8 +20,10 @@ pub mod causal_lm;
 pub mod decoder;
 pub mod error;
 pub mod families;
+pub mod generate;
 mod hf_json;
 pub mod init;
+pub mod kv_cache;
 pub mod mla;
 pub mod moe;
 pub mod nn;
@@ -40,6 +42,7 @@ pub use families::{
     model_presets, FamilyConfig, FamilyVisitor, ModelConfig, MoeCausalLm, TrainModule, SUPPORTED_MODEL_TYPES,
 };
 pub use init::Init;
+pub use kv_cache::{KvCache, LayerCache};
 pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use rope::RopeScaling;
 pub use weights::{CheckpointReader, TensorSink};

@@ -16,6 +16,7 @@ use burn::tensor::Tensor;
 
 use crate::error::Result;
 use crate::init::Init;
+use crate::kv_cache::{append, attention_at, LayerCache};
 use crate::nn::{Linear, RmsNorm};
 use crate::rope::{apply_rotary, deinterleave};
 use crate::weights::{CheckpointReader, TensorSink};
@@ -128,44 +129,99 @@ impl<B: Backend> MlaAttention<B> {
         apply_rotary(x, cos, sin)
     }
 
+    /// Queries of `x` with their rotary part rotated (positions of `cos`, `sin`).
+    ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]`
-    /// - output: `[B, S, M]`
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]` -> `[B, H, S, Dq]`
+    fn queries(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, s, _] = x.dims();
-        let MlaShape { heads: h, kv_lora_rank: r, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } =
-            self.shape;
+        let MlaShape { heads: h, qk_nope_head_dim: dn, qk_rope_head_dim: dr, .. } = self.shape;
         let dq = dn + dr;
-        // 1. Queries, split into the plain and the rotary part.
         let q = match &self.query {
-            MlaQuery { q_proj: Some(p), .. } => p.forward(x.clone()),
+            MlaQuery { q_proj: Some(p), .. } => p.forward(x),
             MlaQuery { q_a_proj: Some(a), q_a_layernorm: Some(n), q_b_proj: Some(bp), .. } => {
-                bp.forward(n.forward(a.forward(x.clone())))
+                bp.forward(n.forward(a.forward(x)))
             }
             _ => unreachable!("MLA has a plain or a low-rank query path"),
         }; // [B, S, H*Dq]
         let q = q.reshape([b, s, h, dq]).swap_dims(1, 2); // [B, H, S, Dq]
         let q_pass = q.clone().narrow(3, 0, dn); // [B, H, S, Dn]
-        let q_rot = q.narrow(3, dn, dr); // [B, H, S, Dr]
-                                         // 2. The compressed latent and the shared rotary key.
+        let q_rot = self.rotate(q.narrow(3, dn, dr), cos, sin); // [B, H, S, Dr]
+        Tensor::cat(vec![q_pass, q_rot], 3)
+    }
+
+    /// The normalised latent and the rotated shared key of `x`: what a cache keeps.
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]` -> latent `[B, S, Rkv]`, k_rot `[B, S, Dr]`
+    fn latent(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let [b, s, _] = x.dims();
+        let MlaShape { kv_lora_rank: r, qk_rope_head_dim: dr, .. } = self.shape;
         let ckv = self.kv_a_proj_with_mqa.forward(x); // [B, S, Rkv + Dr]
         let kv_latent = self.kv_a_layernorm.forward(ckv.clone().narrow(2, 0, r)); // [B, S, Rkv]
-        let k_rot = ckv.narrow(2, r, dr).reshape([b, 1, s, dr]); // [B, 1, S, Dr]
-                                                                 // 3. RoPE on the rotary parts.
-        let q_rot = self.rotate(q_rot, cos.clone(), sin.clone()); // [B, H, S, Dr]
-        let k_rot = self.rotate(k_rot, cos, sin); // [B, 1, S, Dr]
-                                                  // 4. Expand the latent to per-head keys and values; every head shares k_rot.
-        let kv = self.kv_b_proj.forward(kv_latent).reshape([b, s, h, dn + dv]).swap_dims(1, 2); // [B, H, S, Dn+Dv]
-        let k_nope = kv.clone().narrow(3, 0, dn); // [B, H, S, Dn]
-        let v = kv.narrow(3, dn, dv); // [B, H, S, Dv]
-        let k = Tensor::cat(vec![k_nope, k_rot.expand([b, h, s, dr])], 3); // [B, H, S, Dq]
-        let q = Tensor::cat(vec![q_pass, q_rot], 3); // [B, H, S, Dq]
-                                                     // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
-                                                     //      operation or kernel for this backend, else its reference), merge heads, project.
-        let (qs, ks, vs) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)); // [B, S, H, *]
+        let k_rot = self.rotate(ckv.narrow(2, r, dr).reshape([b, 1, s, dr]), cos, sin); // [B, 1, S, Dr]
+        (kv_latent, k_rot.reshape([b, s, dr]))
+    }
+
+    /// Per-head keys and values expanded from the latent; every head shares `k_rot`.
+    ///
+    /// # Shapes
+    /// - latent: `[B, T, Rkv]`; k_rot: `[B, T, Dr]` -> k `[B, T, H, Dq]`, v `[B, T, H, Dv]`
+    fn keys_values(&self, latent: Tensor<B, 3>, k_rot: Tensor<B, 3>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, t, _] = latent.dims();
+        let MlaShape { heads: h, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } = self.shape;
+        let kv = self.kv_b_proj.forward(latent).reshape([b, t, h, dn + dv]); // [B, T, H, Dn+Dv]
+        let k_nope = kv.clone().narrow(3, 0, dn); // [B, T, H, Dn]
+        let v = kv.narrow(3, dn, dv); // [B, T, H, Dv]
+        let k_rot = k_rot.reshape([b, t, 1, dr]).expand([b, t, h, dr]); // [B, T, H, Dr]
+        (Tensor::cat(vec![k_nope, k_rot], 3), v)
+    }
+
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]`
+    /// - output: `[B, S, M]`
+    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
+        // 1. Queries; 2-3. the compressed latent and the shared rotary key, rotated; 4. per-head
+        //    keys and values expanded from the latent.
+        let q = self.queries(x.clone(), cos.clone(), sin.clone()).swap_dims(1, 2); // [B, S, H, Dq]
+        let (latent, k_rot) = self.latent(x, cos, sin);
+        let (k, v) = self.keys_values(latent, k_rot); // [B, S, H, *]
+                                                      // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
+                                                      //      operation or kernel for this backend, else its reference), merge heads, project.
         let scale = self.shape.softmax_scale;
-        let out = disagmoe_kernels::fused::attention(qs.clone(), ks.clone(), vs.clone(), None, scale, None)
-            .unwrap_or_else(|| disagmoe_kernels::reference::attention(qs, ks, vs, None, scale, None)); // [B, S, H, Dv]
+        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None)
+            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None)); // [B, S, H, Dv]
+        self.o_proj.forward(out.reshape([b, s, h * dv]))
+    }
+
+    /// [`MlaAttention::forward`] of new tokens at positions `past..past + S` over them and every
+    /// earlier token, whose latent and rotated key `cache` holds (the new ones join it).
+    ///
+    /// # Shapes
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]` (the new positions)
+    /// - output: `[B, S, M]`
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
+        let q = self.queries(x.clone(), cos.clone(), sin.clone()).swap_dims(1, 2); // [B, S, H, Dq]
+        let (latent_new, k_rot_new) = self.latent(x, cos, sin);
+        let (latent_old, k_rot_old) = match std::mem::take(cache) {
+            LayerCache::Latent { latent, k_rot } => (Some(latent), Some(k_rot)),
+            _ => (None, None),
+        };
+        let (latent, k_rot) = (append(latent_old, latent_new), append(k_rot_old, k_rot_new)); // [B, T, *]
+        let (k, v) = self.keys_values(latent.clone(), k_rot.clone()); // [B, T, H, *]
+        let out = attention_at(q, k, v, None, self.shape.softmax_scale, None, past, 0); // [B, S, H, Dv]
+        *cache = LayerCache::Latent { latent, k_rot };
         self.o_proj.forward(out.reshape([b, s, h * dv]))
     }
 

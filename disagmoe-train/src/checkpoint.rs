@@ -122,6 +122,10 @@ pub struct RunSettings {
     pub data: String,
     /// `--tokenizer` (a tokenizer.json, or the default).
     pub tokenizer: String,
+    /// `--eval-fraction`: the held-out windows are not trained on (checkpoints from before the
+    /// split held none out).
+    #[serde(default)]
+    pub eval_fraction: f64,
     /// `--steps`.
     pub steps: usize,
     /// `--lr`.
@@ -163,6 +167,7 @@ impl RunSettings {
                 .as_ref()
                 .map_or_else(|| crate::data::BUNDLED_CORPUS_NAME.into(), |p| p.display().to_string()),
             tokenizer: cfg.data.tokenizer.as_ref().map_or_else(|| "default".into(), |p| p.display().to_string()),
+            eval_fraction: cfg.data.eval_fraction,
             steps: cfg.steps,
             lr: o.lr,
             min_lr: o.min_lr,
@@ -187,6 +192,7 @@ impl RunSettings {
             ("batch", "--batch", show(&self.batch), show(&now.batch)),
             ("data", "--data", self.data.clone(), now.data.clone()),
             ("data", "--tokenizer", self.tokenizer.clone(), now.tokenizer.clone()),
+            ("data", "--eval-fraction", show(&self.eval_fraction), show(&now.eval_fraction)),
             ("steps", "--steps", show(&self.steps), show(&now.steps)),
             ("schedule", "--lr", show(&self.lr), show(&now.lr)),
             ("schedule", "--min-lr", show(&self.min_lr), show(&now.min_lr)),
@@ -596,6 +602,7 @@ mod tests {
             batch: 8,
             data: "corpus".into(),
             tokenizer: "default".into(),
+            eval_fraction: 0.02,
             steps,
             lr: 1e-3,
             min_lr: 1e-4,

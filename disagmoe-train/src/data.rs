@@ -22,6 +22,8 @@ pub const BUNDLED_CORPUS_NAME: &str = "bundled:kjv-genesis-leviticus.txt";
 pub trait Tokenizer: Send + Sync {
     /// Token ids of `text`.
     fn encode(&self, text: &str) -> Result<Vec<u32>>;
+    /// The text of token ids (invalid UTF-8 shown as U+FFFD).
+    fn decode(&self, ids: &[u32]) -> Result<String>;
     /// Number of distinct ids the tokenizer can produce.
     fn vocab_size(&self) -> usize;
     /// A short description for logs.
@@ -35,6 +37,18 @@ pub struct ByteTokenizer;
 impl Tokenizer for ByteTokenizer {
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(text.bytes().map(u32::from).collect())
+    }
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        let bytes = ids
+            .iter()
+            .map(|&id| {
+                u8::try_from(id).map_err(|_| TrainError::Tokenizer {
+                    path: "byte-level".into(),
+                    message: format!("id {id} is not a byte: byte-level text has ids 0..256"),
+                })
+            })
+            .collect::<Result<Vec<u8>>>()?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
     fn vocab_size(&self) -> usize {
         256
@@ -68,12 +82,29 @@ impl Tokenizer for HfTokenizer {
             .map_err(|e| TrainError::Tokenizer { path: self.path.clone(), message: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
     }
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TrainError::Tokenizer { path: self.path.clone(), message: e.to_string() })
+    }
     fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
     fn describe(&self) -> String {
         format!("{} ({} ids)", self.path.display(), self.vocab_size())
     }
+}
+
+/// The tokenizer of a run or a checkpoint: `explicit` (a `tokenizer.json`), else the one in
+/// `model_dir`, else bytes.
+pub fn tokenizer_for(explicit: Option<&Path>, model_dir: Option<&Path>) -> Result<Box<dyn Tokenizer>> {
+    Ok(match (explicit, model_dir) {
+        (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
+        (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
+            Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?)
+        }
+        _ => Box::new(ByteTokenizer),
+    })
 }
 
 /// Where a position in the data stream is: which epoch, and how many windows of it were consumed.
@@ -85,7 +116,9 @@ pub struct DataPosition {
     pub cursor: usize,
 }
 
-/// The corpus as fixed-length windows, handed out in seeded shuffled batches.
+/// The corpus as fixed-length windows, handed out in seeded shuffled batches. Some windows, evenly
+/// spread over the corpus, may be held out for evaluation ([`PackedDataset::hold_out`]): training
+/// never reads them.
 pub struct PackedDataset {
     tokens: Vec<u32>,
     seq: usize,
@@ -93,6 +126,12 @@ pub struct PackedDataset {
     order: Vec<usize>,
     position: DataPosition,
     source: String,
+    /// Windows kept for evaluation, in corpus order.
+    held_out: Vec<usize>,
+    /// Windows training visits, in corpus order (`order` indexes it).
+    train: Vec<usize>,
+    /// Training windows a run needs at least (one batch).
+    min_windows: usize,
 }
 
 impl PackedDataset {
@@ -133,28 +172,85 @@ impl PackedDataset {
                 min_windows.max(1) * seq
             )));
         }
-        let mut ds =
-            Self { tokens, seq, seed, order: Vec::new(), position: DataPosition::default(), source: source.into() };
+        let mut ds = Self {
+            tokens,
+            seq,
+            seed,
+            order: Vec::new(),
+            position: DataPosition::default(),
+            source: source.into(),
+            held_out: Vec::new(),
+            train: (0..windows).collect(),
+            min_windows: min_windows.max(1),
+        };
         ds.shuffle();
         Ok(ds)
+    }
+
+    /// Holds out `floor(fraction x windows)` windows for evaluation, evenly spaced over the corpus
+    /// (window `floor((i + 1/2) x windows / held)` for each `i`: the same for every seed, and drawn
+    /// from the whole text, so they follow the training distribution); windows do not overlap, so
+    /// no training window shares a token with them. Training visits only the others. Fails when
+    /// too few training windows would remain.
+    pub fn hold_out(mut self, fraction: f64) -> Result<Self> {
+        if !(0.0..=0.5).contains(&fraction) {
+            return Err(TrainError::option("eval_fraction", format!("must be in 0..=0.5, got {fraction}")));
+        }
+        let all = self.tokens.len() / self.seq;
+        let held = (all as f64 * fraction).floor() as usize;
+        if all - held < self.min_windows {
+            return Err(TrainError::Corpus {
+                path: self.source.clone().into(),
+                message: format!(
+                    "has {all} windows of {} tokens; holding out {held} for evaluation (eval_fraction {fraction}) \
+                     leaves fewer than one batch ({}) to train on: lower --eval-fraction or use more text",
+                    self.seq, self.min_windows
+                ),
+            });
+        }
+        self.held_out = (0..held).map(|i| ((2 * i + 1) * all) / (2 * held)).collect();
+        let held_out: std::collections::HashSet<usize> = self.held_out.iter().copied().collect();
+        self.train = (0..all).filter(|w| !held_out.contains(w)).collect();
+        self.position = DataPosition::default();
+        self.shuffle();
+        Ok(self)
+    }
+
+    /// Number of held-out windows.
+    pub fn eval_windows(&self) -> usize {
+        self.held_out.len()
+    }
+
+    /// The first `n` held-out windows (all of them when fewer), in corpus order.
+    pub fn eval_rows(&self, n: usize) -> Vec<Vec<i64>> {
+        self.held_out.iter().take(n).map(|&w| self.window(w)).collect()
+    }
+
+    /// Windows `range` of the corpus (training and held-out ones alike, numbered from its start).
+    pub fn window_rows(&self, range: std::ops::Range<usize>) -> Vec<Vec<i64>> {
+        range.map(|w| self.window(w)).collect()
+    }
+
+    fn window(&self, w: usize) -> Vec<i64> {
+        self.tokens[w * self.seq..(w + 1) * self.seq].iter().map(|&t| t as i64).collect()
+    }
+
+    /// Windows of the whole corpus, held-out ones included.
+    pub fn all_windows(&self) -> usize {
+        self.tokens.len() / self.seq
     }
 
     /// The data of a run: its corpus (the bundled one by default) with its tokenizer (the given
     /// `tokenizer.json`, else the checkpoint's own when it has one, else bytes), checked against
     /// the model's vocabulary.
     pub fn for_run(cfg: &crate::config::RunConfig, model_vocab: usize) -> Result<Self> {
-        let tokenizer: Box<dyn Tokenizer> = match (&cfg.data.tokenizer, &cfg.model.dir) {
-            (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
-            (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
-                Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?)
-            }
-            _ => Box::new(ByteTokenizer),
-        };
+        let tokenizer = tokenizer_for(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref())?;
         let (seq, seed, batch) = (cfg.data.seq, cfg.seed, cfg.data.batch);
-        match &cfg.data.path {
+        let all = match &cfg.data.path {
             Some(path) => Self::from_file(path, tokenizer.as_ref(), seq, seed, model_vocab, batch),
             None => Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), seq, seed, model_vocab, batch),
-        }
+        }?;
+        all.hold_out(cfg.data.eval_fraction)
     }
 
     /// Reads a UTF-8 text file and packs it (see [`PackedDataset::new`]).
@@ -184,9 +280,9 @@ impl PackedDataset {
         self.order.shuffle(&mut rng);
     }
 
-    /// Number of windows per epoch.
+    /// Number of training windows (one epoch), the held-out ones excluded.
     pub fn windows(&self) -> usize {
-        self.tokens.len() / self.seq
+        self.train.len()
     }
 
     /// Tokens in the corpus.
@@ -219,9 +315,9 @@ impl PackedDataset {
                     self.position = DataPosition { epoch: self.position.epoch + 1, cursor: 0 };
                     self.shuffle();
                 }
-                let w = self.order[self.position.cursor];
+                let w = self.train[self.order[self.position.cursor]];
                 self.position.cursor += 1;
-                self.tokens[w * self.seq..(w + 1) * self.seq].iter().map(|&t| t as i64).collect()
+                self.window(w)
             })
             .collect()
     }
@@ -256,6 +352,33 @@ mod tests {
         assert_eq!(ds.position(), DataPosition { epoch: 0, cursor: 40 });
         ds.next_batch(1);
         assert_eq!(ds.position().epoch, 1);
+    }
+
+    #[test]
+    fn held_out_windows_are_never_trained_on() {
+        // 100 windows of 4 tokens, each different (`00yz`, `01yz`, ...).
+        let text: String = (0..100).map(|w| format!("{w:02}yz")).collect();
+        let bytes = text.as_bytes();
+        let index = |r: &Vec<i64>| {
+            (0..100).find(|w| bytes[w * 4..w * 4 + 4].iter().map(|&b| b as i64).eq(r.iter().copied())).unwrap()
+        };
+        let ds = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 3, 256, 2).unwrap().hold_out(0.1).unwrap();
+        assert_eq!((ds.windows(), ds.eval_windows()), (90, 10));
+        let eval = ds.eval_rows(100);
+        assert_eq!(eval.len(), 10, "all held-out windows, no more");
+        let held: Vec<usize> = eval.iter().map(index).collect();
+        assert_eq!(held, [5, 15, 25, 35, 45, 55, 65, 75, 85, 95], "evenly spread over the corpus");
+        // Three epochs of training batches: every training window, never a held-out one.
+        let mut ds = ds;
+        let rows: Vec<Vec<i64>> = (0..3 * 90 / 6).flat_map(|_| ds.next_batch(6)).collect();
+        let starts: std::collections::BTreeSet<usize> = rows.iter().map(index).collect();
+        assert_eq!(starts, (0..100).filter(|w| !held.contains(w)).collect(), "training visits the others");
+        // The same split for every seed.
+        let other = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 9, 256, 2).unwrap().hold_out(0.1).unwrap();
+        assert_eq!(other.eval_rows(100), eval);
+        // Too little left to train on is refused by name.
+        let e = PackedDataset::new(&text, "t.txt", &ByteTokenizer, 4, 3, 256, 60).unwrap().hold_out(0.5).err().unwrap();
+        assert!(e.to_string().contains("--eval-fraction"), "{e}");
     }
 
     #[test]

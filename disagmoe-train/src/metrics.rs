@@ -71,6 +71,12 @@ pub struct StepMetrics {
     pub bytes_sent: f64,
     /// Expert load of each MoE layer.
     pub expert_load: Vec<ExpertLoad>,
+    /// Mean next-token cross-entropy on the held-out windows, at the steps that evaluated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// `exp(eval_loss)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_perplexity: Option<f64>,
 }
 
 /// Appends JSON lines to a file, flushing after each.

@@ -46,6 +46,22 @@ pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> R
     })
 }
 
+/// Mean next-token cross-entropy of `model` over `rows` (equal-length token rows), without
+/// gradients: what an evaluation reports.
+pub fn evaluate_rows<B: burn::tensor::backend::Backend>(
+    model: &MoeCausalLm<B>,
+    rows: &[Vec<i64>],
+    device: &B::Device,
+) -> Result<f64> {
+    let ids = model.input_ids(rows, device)?;
+    let logits = model.forward(ids.clone()).logits;
+    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(logits, ids);
+    Ok(loss.into_data().convert::<f64>().to_vec::<f64>().map_err(|e| TrainError::Worker {
+        worker: 0,
+        cause: format!("the evaluation loss cannot be read back: {e:?}"),
+    })?[0])
+}
+
 /// Whether a run adds the balance loss: as configured, else as the family decides; never without
 /// MoE layers.
 pub fn with_aux_loss(cfg: &RunConfig, model: &ModelConfig) -> bool {
@@ -204,6 +220,10 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
 
     fn optimizer_steps(&self) -> u64 {
         self.opt.steps_taken()
+    }
+
+    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64> {
+        evaluate_rows(&self.model().valid(), rows, &self.device)
     }
 
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {

@@ -27,6 +27,7 @@ use crate::causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
 use crate::decoder::{AttentionLayer, FamilyModel};
 use crate::error::{ModelError, Result};
 use crate::init::Init;
+use crate::kv_cache::KvCache;
 use crate::moe::{Experts, Router};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -260,6 +261,18 @@ macro_rules! families {
             /// The forward pass: `[B, S]` ids -> `[B, S, V]` logits and router statistics.
             pub fn forward(&self, ids: Tensor<B, 2, Int>) -> CausalLmOutput<B> {
                 match self { $(Self::$variant(m) => m.forward(ids),)* }
+            }
+
+            /// An empty cache for [`MoeCausalLm::forward_cached`].
+            pub fn new_cache(&self) -> KvCache<B> {
+                match self { $(Self::$variant(m) => m.new_cache(),)* }
+            }
+
+            /// The forward pass of new tokens after the positions `cache` has seen (incremental
+            /// decoding): `[B, S]` ids -> `[B, S, V]` logits, equal to the last `S` positions of
+            /// [`MoeCausalLm::forward`] over the whole sequence.
+            pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+                match self { $(Self::$variant(m) => m.forward_cached(ids, cache),)* }
             }
 
             /// The training loss of a forward pass.

@@ -18,11 +18,28 @@ pub struct DataOptions {
     pub batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
+    /// Share of the corpus's windows held out for evaluation (evenly spread), never trained on.
+    pub eval_fraction: f64,
+    /// Evaluate the held-out windows every this many steps and at the last step (0: never).
+    pub eval_every: usize,
+    /// Batches of held-out windows one evaluation reads at most (fewer when the split is smaller).
+    pub eval_batches: usize,
 }
+
+/// Default [`DataOptions::eval_fraction`]: 2% of the windows.
+pub const DEFAULT_EVAL_FRACTION: f64 = 0.02;
 
 impl Default for DataOptions {
     fn default() -> Self {
-        Self { path: None, tokenizer: None, batch: 8, seq: 128 }
+        Self {
+            path: None,
+            tokenizer: None,
+            batch: 8,
+            seq: 128,
+            eval_fraction: DEFAULT_EVAL_FRACTION,
+            eval_every: 0,
+            eval_batches: 8,
+        }
     }
 }
 
@@ -34,6 +51,18 @@ impl DataOptions {
         }
         if self.seq < 2 {
             return Err(TrainError::option("seq", format!("must be at least 2 tokens, got {}", self.seq)));
+        }
+        if !(0.0..=0.5).contains(&self.eval_fraction) {
+            return Err(TrainError::option(
+                "eval_fraction",
+                format!("must be in 0..=0.5 (a share of the corpus held out), got {}", self.eval_fraction),
+            ));
+        }
+        if self.eval_every > 0 && self.eval_fraction == 0.0 {
+            return Err(TrainError::option("eval_every", "needs held-out data: eval_fraction must be above 0"));
+        }
+        if self.eval_batches == 0 {
+            return Err(TrainError::option("eval_batches", "must be at least 1"));
         }
         Ok(())
     }

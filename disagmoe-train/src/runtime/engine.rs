@@ -454,6 +454,14 @@ impl StepEngine for Distributed {
         self.optimizer_steps
     }
 
+    fn evaluate(&mut self, _rows: &[Vec<i64>]) -> Result<f64> {
+        // Refused before start by `RunConfig::validate`; kept as an error should a caller skip it.
+        Err(TrainError::option(
+            "eval_every",
+            "evaluation during training runs under --placement single; use `disagmoe eval --model-dir OUT/final`",
+        ))
+    }
+
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {
         let replies = self.round(|| Command::Checkpoint { dir: dir.into(), state: Box::new(state.clone()), keep })?;
         let Some((_, Reply::Checkpoint(Ok(path)))) = replies.into_iter().next() else {

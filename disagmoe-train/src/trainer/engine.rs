@@ -88,6 +88,10 @@ pub trait StepEngine {
     /// Updates the optimizer has applied so far.
     fn optimizer_steps(&self) -> u64;
 
+    /// Mean next-token cross-entropy of the current model over `rows` (held-out windows), with no
+    /// gradient and no change to the model.
+    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64>;
+
     /// Writes a training checkpoint of the current weights and optimizer state with `state` into
     /// `dir`, keeping the newest `keep`; returns its path.
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf>;

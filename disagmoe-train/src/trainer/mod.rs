@@ -106,6 +106,19 @@ pub fn run(
     if let (Some(d), Some(s)) = (&mut data, &resumed) {
         d.seek(s.data);
     }
+    if let (Some(d), true) = (&data, cfg.data.eval_every > 0) {
+        if d.eval_windows() == 0 {
+            return Err(TrainError::Corpus {
+                path: d.source().into(),
+                message: format!(
+                    "holds out no window of {} tokens at eval_fraction {} ({} windows): raise --eval-fraction or use more text",
+                    cfg.data.seq,
+                    cfg.data.eval_fraction,
+                    d.windows()
+                ),
+            });
+        }
+    }
     let mut metrics = match (&cfg.out, info.primary) {
         (Some(dir), true) => {
             let path = dir.join("metrics.jsonl");
@@ -140,12 +153,20 @@ pub fn run(
         timing: StepTiming::default(),
     };
     let (start, mut done, mut last_checkpoint) = (Instant::now(), first_step - 1, None);
+    let mut eval_loss = None;
     for step in first_step..=last_step {
         let t0 = Instant::now();
         let batch = data.as_mut().map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
         let lr = lr_schedule.at(step);
         let report = engine.step(step, &batch, lr, stop)?;
-        let record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
+        let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
+        let eval_due = cfg.data.eval_every > 0 && (step % cfg.data.eval_every == 0 || step == last_step);
+        if let (true, Some(d)) = (eval_due, &data) {
+            let loss = evaluate(engine, d, cfg)?;
+            record.eval_loss = Some(loss);
+            record.eval_perplexity = Some(loss.exp());
+            eval_loss = Some(loss);
+        }
         seen.record(&record);
         if let Some(w) = &mut metrics {
             w.write(&record)?;
@@ -166,6 +187,9 @@ pub fn run(
     let train_s = start.elapsed().as_secs_f64();
     let final_dir = cfg.out.as_ref().map(|d| d.join("final"));
     let FinalReport { param_checksum, peak_rss_mb_per_rank } = engine.finish(final_dir.as_deref())?;
+    if let (Some(dir), true) = (&final_dir, info.primary) {
+        copy_tokenizer(cfg, dir)?;
+    }
     if info.primary && cfg.progress && info.workers > 1 {
         // What each worker held and how much memory its process needed at most.
         for (rank, name) in info.worker_names.iter().enumerate() {
@@ -206,7 +230,37 @@ pub fn run(
         threads_per_worker: cfg.parallel.threads_per_worker(),
         in_flight: cfg.parallel.distributed().then_some(info.in_flight),
         losses: seen.losses,
+        eval_loss,
     })
+}
+
+/// The mean held-out loss (the same windows every time): up to `eval_batches` batches of the held-out windows, in batches of the
+/// training batch size.
+fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig) -> Result<f64> {
+    let rows = data.eval_rows(cfg.data.eval_batches * cfg.data.batch); // not empty: checked at start
+    let mut sum = 0.0;
+    for chunk in rows.chunks(cfg.data.batch) {
+        sum += engine.evaluate(chunk)? * chunk.len() as f64;
+    }
+    Ok(sum / rows.len() as f64)
+}
+
+/// Puts the run's `tokenizer.json` (`--tokenizer`, else the starting checkpoint's) next to the
+/// final model, so that `generate` and transformers read the model with the tokenizer it learned.
+fn copy_tokenizer(cfg: &RunConfig, final_dir: &Path) -> Result<()> {
+    let source = cfg
+        .data
+        .tokenizer
+        .clone()
+        .or_else(|| cfg.model.dir.as_ref().map(|d| d.join("tokenizer.json")).filter(|p| p.exists()));
+    let Some(source) = source else { return Ok(()) };
+    let target = final_dir.join("tokenizer.json");
+    let text = std::fs::read(&source).map_err(|source_err| TrainError::Io {
+        action: "cannot read the tokenizer",
+        path: source.clone(),
+        source: source_err,
+    })?;
+    Ok(disagmoe_models::weights::write_atomically(&target, |tmp| std::fs::write(tmp, &text))?)
 }
 
 /// Writes a checkpoint of the run after `step`.

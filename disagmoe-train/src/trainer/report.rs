@@ -20,6 +20,9 @@ pub struct TrainSummary {
     pub last_loss: f64,
     /// Loss of every step.
     pub losses: Vec<f64>,
+    /// Held-out loss of the last evaluation (`--eval-every`), when there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
     /// Tokens per second after warm-up: over the steps after the first when two or more ran (the
     /// first step pays one-time costs: first touch of every buffer, optimizer moments, thread
     /// pool start), else over the one step. The usual throughput figure; [`tokens_per_s_all`]
@@ -121,6 +124,8 @@ pub(crate) fn step_metrics(
             .zip(&info.sparse_layers)
             .map(|(c, &l)| ExpertLoad::from_counts(l, c))
             .collect(),
+        eval_loss: None,
+        eval_perplexity: None,
     }
 }
 
@@ -157,7 +162,7 @@ impl Progress {
         let rate = (done * tokens_per_step) as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
         self.bar.set_message(format!("loss {:.4} | lr {:.2e} | {rate:.0} tok/s", m.loss, m.lr));
         self.bar.inc(1);
-        let due = m.step % self.log_every == 0 || m.step == 1 || m.step == self.steps;
+        let due = m.step % self.log_every == 0 || m.step == 1 || m.step == self.steps || m.eval_loss.is_some();
         if self.enabled && !self.interactive && due {
             let worst = m.expert_load.iter().map(|l| l.max_mean_ratio).fold(0.0, f64::max);
             let dead: usize = m.expert_load.iter().map(|l| l.dead_experts).sum();
@@ -167,10 +172,15 @@ impl Progress {
                 String::new()
             };
             let eta = self.start.elapsed().as_secs_f64() / done as f64 * self.steps.saturating_sub(m.step) as f64;
+            let eval = m.eval_loss.map_or_else(String::new, |l| format!(" eval {l:.4} (ppl {:.2})", l.exp()));
             eprintln!(
-                "step {:>5}/{} loss {:.4} lm {:.4} lr {:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s step {:.3}s eta {}{comm}",
+                "step {:>5}/{} loss {:.4} lm {:.4}{eval} lr {:.2e} grad_norm {:.3} load max/mean {worst:.2} dead {dead} {rate:.0} tok/s step {:.3}s eta {}{comm}",
                 m.step, self.steps, m.loss, m.lm_loss, m.lr, m.grad_norm, m.step_s, human_duration(eta)
             );
+        } else if self.enabled && self.interactive {
+            if let Some(l) = m.eval_loss {
+                self.bar.println(format!("step {:>5}: eval loss {l:.4} (perplexity {:.2})", m.step, l.exp()));
+            }
         }
     }
 
@@ -203,6 +213,9 @@ impl TrainSummary {
         )];
         let pct = 100.0 * self.last_loss / self.first_loss;
         lines.push(format!("  loss       {:.4} -> {:.4} ({pct:.0}% of the first)", self.first_loss, self.last_loss));
+        if let Some(l) = self.eval_loss {
+            lines.push(format!("  eval loss  {l:.4} (perplexity {:.2}, held-out windows)", l.exp()));
+        }
         if self.skipped_steps > 0 {
             lines.push(format!("  skipped    {} steps (non-finite gradients)", self.skipped_steps));
         }

@@ -12,6 +12,7 @@ use crate::decoder::{AttentionLayer, FamilyModel};
 use crate::error::Result;
 use crate::families::{FamilyConfig, ModelDims};
 use crate::init::Init;
+use crate::kv_cache::LayerCache;
 use crate::mla::{MlaAttention, MlaShape};
 use crate::moe::{ExpertNames, SwiGluExperts};
 use crate::rope::Rope;
@@ -24,6 +25,17 @@ pub type DeepseekV3ForCausalLM<B> = FamilyModel<B, DeepseekV3Config>;
 impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         self.forward(x, cos, sin)
+    }
+    fn attend_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        past: usize,
+        cache: &mut LayerCache<B>,
+    ) -> Tensor<B, 3> {
+        let s = x.dims()[1];
+        self.forward_cached(x, cos.narrow(2, past, s), sin.narrow(2, past, s), past, cache)
     }
     fn load_attention(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         self.load(ckpt, prefix, device)
