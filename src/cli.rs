@@ -61,8 +61,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "F")]
     pub eval_fraction: Option<f64>,
     /// Evaluate on the held-out windows every K steps and at the last one: eval_loss and
-    /// perplexity in metrics.jsonl, the progress line and the summary (--placement single)
-    /// [default: 0, never].
+    /// perplexity in metrics.jsonl, the progress line and the summary [default: 0, never].
     #[arg(long, value_name = "K")]
     pub eval_every: Option<usize>,
     /// Batches of held-out windows per evaluation, at most [default: 8].

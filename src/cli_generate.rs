@@ -184,7 +184,8 @@ pub struct EvalArgs {
     /// Tokens per window (as in training).
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
-    /// Windows per forward pass.
+    /// Windows per forward pass; the held-out split is read in full batches, as `train
+    /// --eval-every` with the same --batch reads it.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
     /// The held-out share of the corpus, as `train --eval-fraction` set it (the same windows).
@@ -231,16 +232,19 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
         (data.window_rows(0..data.all_windows()), "whole")
     } else {
         let data = data.hold_out(args.eval_fraction)?;
-        if data.eval_windows() == 0 {
+        let full = data.eval_windows() / args.batch * args.batch;
+        if full == 0 {
             bail!(
-                "{} holds out no window of {} tokens at --eval-fraction {} ({} windows): raise it, or pass --whole",
+                "{} holds out {} windows of {} tokens at --eval-fraction {}, fewer than one batch of {}: raise it, \
+                 lower --batch, or pass --whole",
                 data.source(),
+                data.eval_windows(),
                 args.seq,
                 args.eval_fraction,
-                data.all_windows()
+                args.batch
             );
         }
-        (data.eval_rows(data.eval_windows()), "held-out")
+        (data.eval_rows(full), "held-out")
     };
     let corpus = args.data.as_ref().map_or_else(|| BUNDLED_CORPUS_NAME.to_string(), |p| p.display().to_string());
     let mut sum = 0.0;

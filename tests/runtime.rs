@@ -158,6 +158,45 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
     }
 }
 
+/// `eval_loss` of each evaluated step of a run's metrics.
+fn eval_losses(out: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| Some((m["step"].as_u64()?, m.get("eval_loss")?.as_f64()?)))
+        .collect()
+}
+
+/// Checks that `got`'s evaluations are `want`'s (same steps, losses within 1e-5).
+fn assert_same_evals(what: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), want.iter().map(|e| e.0).collect::<Vec<_>>(), "{what}");
+    for ((step, a), (_, b)) in got.iter().zip(want) {
+        assert!(rel(*a, *b) < 1e-5, "{what}: eval loss at step {step}: {a} vs single {b}");
+    }
+}
+
+#[test]
+fn evaluation_under_every_placement_equals_single_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let eval: &[&str] = &["--eval-every", "2", "--eval-batches", "2"];
+    for preset in ["tiny-qwen3-moe", "tiny-deepseek-v3"] {
+        let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
+        let plain = train(preset, &["--placement", "single"]);
+        let single =
+            train(preset, &[eval, &["--placement", "single", "--out", out("single").to_str().unwrap()]].concat());
+        // Evaluating leaves the training as it was.
+        assert_same_run(&format!("{preset} single with evaluations"), &single, &plain);
+        let want = eval_losses(&out("single"));
+        assert_eq!(want.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4, 5]);
+        for (name, args) in [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[3]] {
+            let run = train(preset, &[eval, args, &["--out", out(name).to_str().unwrap()]].concat());
+            assert_same_run(&format!("{preset} {name} with evaluations"), &run, &plain);
+            assert_same_evals(&format!("{preset} {name}"), &eval_losses(&out(name)), &want);
+        }
+    }
+}
+
 #[test]
 fn every_rank_holds_only_its_share_of_the_model() {
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {
@@ -485,9 +524,11 @@ mod mpi {
     )]
     fn mpi_runs_reproduce_single() {
         let dir = tempfile::tempdir().unwrap();
+        // Evaluations too (every process takes part; ranks without data read the held-out split).
+        let eval: &[&str] = &["--eval-every", "2", "--eval-batches", "1"];
         for preset in PRESETS {
             let want = dir.path().join(format!("{preset}-single"));
-            let single = train(preset, &["--placement", "single", "--out", want.to_str().unwrap()]);
+            let single = train(preset, &[eval, &["--placement", "single", "--out", want.to_str().unwrap()]].concat());
             for (name, placement) in PLACEMENTS {
                 let mut cmd = mpirun_np(workers(placement));
                 let out_dir = dir.path().join(format!("{preset}-{name}"));
@@ -496,10 +537,12 @@ mod mpi {
                     .args(COMMON)
                     .args(["--model-preset", preset, "--transport", "mpi", "--out", out_dir.to_str().unwrap()])
                     .args(placement)
+                    .args(eval)
                     .output()
                     .unwrap();
                 let what = format!("{preset} {name} under mpirun");
                 assert_same_run(&what, &summary(&out), &single);
+                assert_same_evals(&what, &eval_losses(&out_dir), &eval_losses(&want));
                 assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
                 assert_eq!(std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap().lines().count(), 5);
             }

@@ -232,16 +232,6 @@ impl RunConfig {
         self.optimizer.validate(self.steps)?;
         self.checkpoint.validate(self.steps)?;
         self.parallel.validate(self.data.batch)?;
-        if self.data.eval_every > 0 && self.parallel.distributed() {
-            return Err(TrainError::option(
-                "eval_every",
-                format!(
-                    "evaluation during training runs under --placement single; a {} run's model is evaluated \
-                     afterwards with `disagmoe eval --model-dir OUT/final` (the same held-out split)",
-                    self.parallel.placement.name()
-                ),
-            ));
-        }
         Ok(())
     }
 

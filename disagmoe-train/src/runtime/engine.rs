@@ -46,6 +46,8 @@ enum Command {
         batch: Arc<Vec<Vec<i64>>>,
         lr: f64,
         stop: bool,
+        /// Apply the update (a training step), or leave the model as it is (an evaluation).
+        update: bool,
     },
     /// Write a training checkpoint (every worker its part, rank 0 commits).
     Checkpoint {
@@ -88,6 +90,8 @@ pub struct Distributed {
     replies: Receiver<(usize, Reply)>,
     handles: Vec<JoinHandle<()>>,
     optimizer_steps: u64,
+    /// Evaluation passes so far (they tag their messages).
+    eval_passes: usize,
     peak_rss_mb_per_rank: Vec<f64>,
     #[cfg(feature = "mpi")]
     process: Option<super::mpi::Process>,
@@ -252,6 +256,7 @@ impl Distributed {
             replies,
             handles,
             optimizer_steps: shared.resume.as_ref().map_or(0, |(_, steps)| *steps),
+            eval_passes: 0,
             peak_rss_mb_per_rank: Vec::new(),
             #[cfg(feature = "mpi")]
             process,
@@ -351,8 +356,8 @@ fn serve<B, A, R, X>(
                 let failed = r.is_err();
                 (Reply::Start(r), failed)
             }
-            Command::Step { step, batch, lr, stop } => {
-                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr, stop));
+            Command::Step { step, batch, lr, stop, update } => {
+                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr, stop, update));
                 let failed = r.is_err();
                 (Reply::Step(r), failed)
             }
@@ -425,7 +430,7 @@ impl StepEngine for Distributed {
         // Read as the step starts: the workers add it up at the step's end, so every worker (and
         // every process) stops after the same step.
         let stop = stop.load(Ordering::SeqCst);
-        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr, stop })?;
+        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr, stop, update: true })?;
         let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
             unreachable!("every worker replied to the step")
         };
@@ -454,12 +459,17 @@ impl StepEngine for Distributed {
         self.optimizer_steps
     }
 
-    fn evaluate(&mut self, _rows: &[Vec<i64>]) -> Result<f64> {
-        // Refused before start by `RunConfig::validate`; kept as an error should a caller skip it.
-        Err(TrainError::option(
-            "eval_every",
-            "evaluation during training runs under --placement single; use `disagmoe eval --model-dir OUT/final`",
-        ))
+    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64> {
+        // A pass of the step's schedule without the update, tagged apart from the steps.
+        self.eval_passes += 1;
+        let step = super::worker::EVAL_PASS_BASE + self.eval_passes;
+        let batch = Arc::new(rows.to_vec());
+        let replies =
+            self.round(|| Command::Step { step, batch: batch.clone(), lr: 0.0, stop: false, update: false })?;
+        let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
+            unreachable!("every worker replied to the evaluation")
+        };
+        Ok(out.lm_loss)
     }
 
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {

@@ -51,6 +51,10 @@ use crate::config::{CheckpointKill, CheckpointMoment};
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW, Moment};
 
+/// Message tags of evaluation passes start here (training steps count from 1), so that an
+/// evaluation's messages never mix with a step's.
+pub const EVAL_PASS_BASE: usize = 1 << 48;
+
 /// Settings every worker shares.
 #[derive(Debug, Clone)]
 pub struct StepSettings {
@@ -589,7 +593,18 @@ where
     /// Runs one training step on `batch` (the step's whole batch; each worker uses its micro-batches;
     /// workers without the embedding may pass an empty slice), all-reduces, updates with learning
     /// rate `lr`, and returns the step's global outcome.
-    pub fn run_step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: bool) -> Result<StepOutcome> {
+    /// Runs one pass over `batch`: forward and backward of every micro-batch, the global sums, and
+    /// (when `update`) the gradient reduction and the optimizer step. A pass without `update` is an
+    /// evaluation: the model is left as it was and the outcome's losses are the batch's. `step`
+    /// tags the pass's messages: training steps from 1, evaluations from [`EVAL_PASS_BASE`].
+    pub fn run_step(
+        &mut self,
+        step: usize,
+        batch: &[Vec<i64>],
+        lr: f64,
+        stop: bool,
+        update: bool,
+    ) -> Result<StepOutcome> {
         self.step = step;
         self.tasks_run = 0;
         let start = [self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us, self.bytes_sent];
@@ -645,7 +660,7 @@ where
                 }
             }
         }
-        self.end_of_step(lr, start, stop)
+        self.end_of_step(lr, start, stop, update)
     }
 
     fn accept(&mut self, env: Envelope) -> Result<()> {
@@ -1108,7 +1123,7 @@ where
         Ok(env)
     }
 
-    fn end_of_step(&mut self, lr: f64, start: [u64; 5], stop: bool) -> Result<StepOutcome> {
+    fn end_of_step(&mut self, lr: f64, start: [u64; 5], stop: bool, update: bool) -> Result<StepOutcome> {
         let t0 = now_us();
         let mut grads = {
             let part = self.part.as_ref().expect("part");
@@ -1130,8 +1145,9 @@ where
         let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
         routed.sort_unstable();
         let e = self.layout.experts;
-        // 1. Copies of the attention side add their gradients and their routers' expert counts.
-        if replicas.len() > 1 {
+        // 1. Copies of the attention side add their gradients and their routers' expert counts
+        //    (not for an evaluation: nothing is updated).
+        if replicas.len() > 1 && update {
             // f32 gradients with a presence flag per parameter, then the routers' counts.
             let part = self.part.as_ref().expect("part");
             let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
@@ -1226,7 +1242,7 @@ where
                 .collect(),
             stop: g.stop > 0.0,
         };
-        if out.skipped && self.settings.abort_on_nonfinite {
+        if out.skipped && self.settings.abort_on_nonfinite && update {
             return Err(TrainError::NonFinite {
                 step: self.step,
                 what: if g.losses.total.is_finite() { "gradient" } else { "loss" },
@@ -1234,7 +1250,7 @@ where
             });
         }
         // 3. The update, the same decision on every worker.
-        if !out.skipped {
+        if !out.skipped && update {
             let scale = if self.settings.grad_clip > 0.0 && norm > self.settings.grad_clip {
                 self.settings.grad_clip / (norm + 1e-6)
             } else {

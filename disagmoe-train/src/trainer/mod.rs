@@ -102,19 +102,28 @@ pub fn run(
     stop: &AtomicBool,
 ) -> Result<TrainSummary> {
     let info = engine.info();
-    let mut data = if info.needs_data { Some(PackedDataset::for_run(cfg, info.vocab_size)?) } else { None };
+    // Every process of a run evaluates together (its workers take part in each pass), so with
+    // evaluation on each one reads the corpus to know the held-out windows.
+    let mut data = if info.needs_data || cfg.data.eval_every > 0 {
+        Some(PackedDataset::for_run(cfg, info.vocab_size)?)
+    } else {
+        None
+    };
     if let (Some(d), Some(s)) = (&mut data, &resumed) {
         d.seek(s.data);
     }
     if let (Some(d), true) = (&data, cfg.data.eval_every > 0) {
-        if d.eval_windows() == 0 {
+        if d.eval_windows() < cfg.data.batch {
             return Err(TrainError::Corpus {
                 path: d.source().into(),
                 message: format!(
-                    "holds out no window of {} tokens at eval_fraction {} ({} windows): raise --eval-fraction or use more text",
+                    "holds out {} windows of {} tokens at eval_fraction {} ({} for training), fewer than one batch \
+                     ({}) to evaluate: raise --eval-fraction or use more text",
+                    d.eval_windows(),
                     cfg.data.seq,
                     cfg.data.eval_fraction,
-                    d.windows()
+                    d.windows(),
+                    cfg.data.batch
                 ),
             });
         }
@@ -156,13 +165,13 @@ pub fn run(
     let mut eval_loss = None;
     for step in first_step..=last_step {
         let t0 = Instant::now();
-        let batch = data.as_mut().map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
+        let batch = data.as_mut().filter(|_| info.needs_data).map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
         let lr = lr_schedule.at(step);
         let report = engine.step(step, &batch, lr, stop)?;
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
         let eval_due = cfg.data.eval_every > 0 && (step % cfg.data.eval_every == 0 || step == last_step);
         if let (true, Some(d)) = (eval_due, &data) {
-            let loss = evaluate(engine, d, cfg)?;
+            let loss = evaluate(engine, d, cfg, info.needs_data)?;
             record.eval_loss = Some(loss);
             record.eval_perplexity = Some(loss.exp());
             eval_loss = Some(loss);
@@ -234,15 +243,17 @@ pub fn run(
     })
 }
 
-/// The mean held-out loss (the same windows every time): up to `eval_batches` batches of the held-out windows, in batches of the
-/// training batch size.
-fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig) -> Result<f64> {
-    let rows = data.eval_rows(cfg.data.eval_batches * cfg.data.batch); // not empty: checked at start
+/// The mean held-out loss, over the same windows every time: the first `eval_batches` full
+/// batches of held-out windows (at least one: checked at start), as training reads batches.
+/// Every process calls it together; one without embedding workers passes no rows.
+fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig, with_rows: bool) -> Result<f64> {
+    let batches = cfg.data.eval_batches.min(data.eval_windows() / cfg.data.batch);
+    let rows = data.eval_rows(batches * cfg.data.batch);
     let mut sum = 0.0;
     for chunk in rows.chunks(cfg.data.batch) {
-        sum += engine.evaluate(chunk)? * chunk.len() as f64;
+        sum += engine.evaluate(if with_rows { chunk } else { &[] })?;
     }
-    Ok(sum / rows.len() as f64)
+    Ok(sum / batches as f64)
 }
 
 /// Puts the run's `tokenizer.json` (`--tokenizer`, else the starting checkpoint's) next to the
