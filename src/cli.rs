@@ -125,6 +125,18 @@ pub struct TrainArgs {
     /// [default: 0.001].
     #[arg(long, value_name = "RATE")]
     pub bias_update_rate: Option<f64>,
+    /// ST-MoE router z-loss coefficient: each MoE layer adds this times mean logsumexp(logits)^2
+    /// to the loss, 0..=1 [default: 0, off; ST-MoE uses 1e-3].
+    #[arg(long, value_name = "C")]
+    pub router_z_loss_coef: Option<f64>,
+    /// Round-robin expert assignment (every expert the same number of tokens) instead of the
+    /// router's choice, for throughput benchmarks.
+    #[arg(long)]
+    pub force_balanced_routing: bool,
+    /// Capacity factor: each expert takes at most ceil(C x tokens x k / experts) routed copies
+    /// of a micro-batch, the rest are dropped (counted in the metrics) [default: dropless].
+    #[arg(long, value_name = "C")]
+    pub capacity_factor: Option<f64>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
@@ -239,6 +251,13 @@ impl TrainArgs {
             cfg.model.dir = self.model_dir.clone();
         }
         set!(model_preset => model.preset, bias_update_rate => model.bias_update_rate);
+        set!(router_z_loss_coef => model.router_z_loss_coef);
+        if let Some(c) = self.capacity_factor {
+            cfg.model.capacity_factor = Some(c);
+        }
+        if self.force_balanced_routing {
+            cfg.model.force_balanced_routing = true;
+        }
         set!(data => data.path, tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
         set!(eval_fraction => data.eval_fraction, eval_every => data.eval_every, eval_batches => data.eval_batches);
         set!(

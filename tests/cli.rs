@@ -408,4 +408,7 @@ fn eval_every_and_disagmoe_eval_report_the_held_out_loss() {
     fails_with(&train(&["--eval-fraction", "0.7"]), "eval_fraction");
     fails_with(&train(&["--eval-every", "1", "--eval-fraction", "0"]), "eval_fraction must be above 0");
     fails_with(&train(&["--eval-every", "1", "--eval-fraction", "0.0001"]), "fewer than one batch");
+    // The router options too.
+    fails_with(&train(&["--capacity-factor", "0"]), "`capacity_factor`: must be a number > 0");
+    fails_with(&train(&["--router-z-loss-coef", "2"]), "`router_z_loss_coef`: must be in 0..=1");
 }

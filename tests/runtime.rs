@@ -197,6 +197,69 @@ fn evaluation_under_every_placement_equals_single_and_changes_nothing() {
     }
 }
 
+/// Every line of a run's metrics.
+fn metrics(out: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn router_z_loss_and_forced_balance_act_alike_under_every_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    // (No balance loss: the loss is then the LM loss plus the z-loss term alone.)
+    let opts: &[&str] = &["--router-z-loss-coef", "0.01", "--force-balanced-routing", "--aux-loss", "off"];
+    for preset in ["tiny-qwen3-moe", "tiny-deepseek-v3"] {
+        let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
+        let single =
+            train(preset, &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap()]].concat());
+        let want = metrics(&out("single"));
+        for m in &want {
+            // loss = lm + 0.01 x z, the z-loss reported; every expert of every layer the same count.
+            let (loss, lm, z) =
+                (m["loss"].as_f64().unwrap(), m["lm_loss"].as_f64().unwrap(), m["z_loss"].as_f64().unwrap());
+            assert!(z > 0.0 && (loss - lm - 0.01 * z).abs() < 1e-5 * loss, "{preset}: {m}");
+            for layer in m["expert_load"].as_array().unwrap() {
+                let counts: Vec<u64> =
+                    layer["tokens_per_expert"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+                assert!(counts.iter().all(|&c| c == counts[0]), "{preset}: forced balance gives {counts:?}");
+            }
+        }
+        for (name, args) in [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[3]] {
+            let run = train(preset, &[opts, args, &["--out", out(name).to_str().unwrap()]].concat());
+            assert_same_run(&format!("{preset} {name} with z-loss and forced balance"), &run, &single);
+            for (got, want) in metrics(&out(name)).iter().zip(&want) {
+                let (a, b) = (got["z_loss"].as_f64().unwrap(), want["z_loss"].as_f64().unwrap());
+                assert!(rel(a, b) < 1e-5, "{preset} {name}: z-loss {a} vs single {b}");
+                assert_eq!(got["expert_load"], want["expert_load"], "{preset} {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_capacity_factor_drops_alike_under_every_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts: &[&str] = &["--capacity-factor", "0.8"];
+    for preset in ["tiny-qwen3-moe", "tiny-deepseek-v3"] {
+        let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
+        let single =
+            train(preset, &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap()]].concat());
+        let want = metrics(&out("single"));
+        let dropped: u64 = want
+            .iter()
+            .flat_map(|m| m["expert_load"].as_array().unwrap().iter().map(|l| l["dropped"].as_u64().unwrap()))
+            .sum();
+        assert!(dropped > 0, "{preset}: a factor below 1 drops copies");
+        for (name, args) in [PLACEMENTS[0], PLACEMENTS[1], PLACEMENTS[3]] {
+            let run = train(preset, &[opts, args, &["--out", out(name).to_str().unwrap()]].concat());
+            assert_same_run(&format!("{preset} {name} with capacity factor 0.8"), &run, &single);
+            for (got, want) in metrics(&out(name)).iter().zip(&want) {
+                assert_eq!(got["expert_load"], want["expert_load"], "{preset} {name}: load and drops");
+            }
+        }
+    }
+}
+
 #[test]
 fn every_rank_holds_only_its_share_of_the_model() {
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {

@@ -31,6 +31,8 @@ pub struct LossParts<B: Backend> {
     pub lm_loss: Tensor<B, 1>,
     /// Balance loss (before its coefficient), when the model has MoE layers and it is on.
     pub aux_loss: Option<Tensor<B, 1>>,
+    /// Router z-loss summed over the MoE layers (before its coefficient), when on.
+    pub z_loss: Option<Tensor<B, 1>>,
     /// `lm_loss + coefficient * aux_loss`, `[1]`.
     pub total: Tensor<B, 1>,
 }
@@ -90,19 +92,25 @@ pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B,
 }
 
 /// Cross-entropy plus the coefficient times the balance loss (when `aux` is given and there are
-/// MoE layers), as transformers' `*ForCausalLM.forward` adds them.
+/// MoE layers), as transformers' `*ForCausalLM.forward` adds them, plus `z_loss_coef` times the
+/// layers' router z-losses when the layers computed them.
 pub fn causal_lm_loss<B: Backend>(
     out: &CausalLmOutput<B>,
     ids: Tensor<B, 2, Int>,
     aux: Option<AuxLoss>,
+    z_loss_coef: f64,
 ) -> LossParts<B> {
     let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
     let aux_loss = aux.and_then(|a| a.kind.loss(&out.router_stats));
-    let total = match (&aux_loss, aux) {
+    let mut total = match (&aux_loss, aux) {
         (Some(loss), Some(a)) => lm_loss.clone() + loss.clone().mul_scalar(a.coef),
         _ => lm_loss.clone(),
     };
-    LossParts { lm_loss, aux_loss, total }
+    let z_loss = out.router_stats.iter().filter_map(|s| s.z_loss.clone()).reduce(|a, b| a + b);
+    if let Some(z) = &z_loss {
+        total = total + z.clone().mul_scalar(z_loss_coef);
+    }
+    LossParts { lm_loss, aux_loss, z_loss, total }
 }
 
 /// Writes a Hugging Face checkpoint directory: the weights (sharded past `max_shard_bytes`) and

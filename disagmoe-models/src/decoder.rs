@@ -16,7 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::families::FamilyConfig;
 use crate::init::Init;
 use crate::kv_cache::{KvCache, LayerCache};
-use crate::moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluMlp};
+use crate::moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -238,6 +238,9 @@ pub struct CausalLm<B: Backend, C, A: Module<B>, R: Module<B>, X: Module<B>> {
     config: C,
     #[module(skip)]
     rope: Rope,
+    /// Router z-loss and forced balance of every MoE layer.
+    #[module(skip)]
+    routing: RoutingOptions,
 }
 
 /// The embedding, final norm and head of a family's model, from `init` (rooted at the model).
@@ -309,12 +312,20 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         let (embed_tokens, norm, lm_head) = init_ends(&config, init);
         let layers = (0..d.num_hidden_layers).map(|l| init_layer(&config, l, init)).collect();
         let rope = config.rope();
-        Self { embed_tokens, layers, norm, lm_head, config, rope }
+        Self { embed_tokens, layers, norm, lm_head, config, rope, routing: RoutingOptions::default() }
     }
 
     /// The model's configuration.
     pub fn config(&self) -> &C {
         &self.config
+    }
+
+    /// Sets the router options (z-loss, forced balance) of every MoE layer.
+    pub fn set_routing(&mut self, routing: RoutingOptions) {
+        self.routing = routing;
+        for moe in self.layers.iter_mut().filter_map(|l| l.mlp.moe_mut()) {
+            moe.routing = routing;
+        }
     }
 
     /// The rotary embedding of its attention layers.
@@ -379,7 +390,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     /// Next-token cross-entropy (labels = inputs shifted by one), plus the family's coefficient
     /// times its balance loss when `with_aux` and the family has one.
     pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
-        causal_lm_loss(out, ids, self.config.aux_loss().filter(|_| with_aux))
+        causal_lm_loss(out, ids, self.config.aux_loss().filter(|_| with_aux), self.routing.z_loss_coef)
     }
 
     /// Aux-loss-free balancing: each routed layer's router moves its correction bias from its

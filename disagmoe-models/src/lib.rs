@@ -43,6 +43,6 @@ pub use families::{
 };
 pub use init::Init;
 pub use kv_cache::{KvCache, LayerCache};
-pub use moe::{Experts, Router, RouterStats, SparseMoeBlock, SwiGluExperts, TopKRouter};
+pub use moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use rope::RopeScaling;
 pub use weights::{CheckpointReader, TensorSink};

@@ -298,6 +298,79 @@ pub struct RouterOutput<B: Backend> {
     pub weights: Tensor<B, 2>,
     /// `T * k` chosen expert ids, token-major (`ids[t * k + j]`), best first.
     pub ids: Vec<usize>,
+    /// `[T, E]` the router's logits (before softmax or sigmoid), what the router z-loss reads.
+    pub logits: Tensor<B, 2>,
+}
+
+/// Router options from the literature that act on any [`Router`]'s decision, so every family has
+/// them: ST-MoE's router z-loss and forced balanced routing for throughput benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RoutingOptions {
+    /// Router z-loss coefficient (ST-MoE): each MoE layer adds `coef x mean_t logsumexp(logits_t)^2`
+    /// to the loss (0: off).
+    pub z_loss_coef: f64,
+    /// Round-robin assignment instead of the router's choice: slot `t k + j` (token `t`, choice
+    /// `j`) goes to expert `(t k + j) mod E`, keeping the router's gate weights, so every expert
+    /// gets the same count (within one) — as the throughput tables of other trainers are measured.
+    pub force_balanced: bool,
+    /// Capacity factor `c`: each expert takes at most `ceil(c x T x k / E)` of a micro-batch's
+    /// `T x k` routed copies, in token order; the copies past it are dropped (the token keeps its
+    /// residual and its other experts). `None`: dropless.
+    pub capacity_factor: Option<f64>,
+}
+
+/// The expert id of a routed copy dropped for capacity: no expert computes it (every dispatch
+/// skips ids outside its experts).
+pub const DROPPED: usize = usize::MAX;
+
+impl RoutingOptions {
+    /// The decision a layer acts on: the router's, or the round-robin one when forced.
+    pub fn apply<B: Backend>(&self, mut route: RouterOutput<B>) -> RouterOutput<B> {
+        if self.force_balanced {
+            let e = route.logits.dims()[1];
+            route.ids = (0..route.ids.len()).map(|slot| slot % e).collect();
+        }
+        route
+    }
+
+    /// The routed copies each expert computes: `ids` with the copies past an expert's capacity
+    /// replaced by [`DROPPED`], and how many were dropped. Dropless: `ids` unchanged.
+    pub fn keep_within_capacity(&self, ids: &[usize], experts: usize, top_k: usize) -> (Vec<usize>, usize) {
+        let Some(factor) = self.capacity_factor else { return (ids.to_vec(), 0) };
+        let tokens = ids.len() / top_k.max(1);
+        let capacity = (factor * (tokens * top_k) as f64 / experts.max(1) as f64).ceil() as usize;
+        let mut taken = vec![0usize; experts];
+        let mut dropped = 0;
+        let kept = ids
+            .iter()
+            .map(|&e| {
+                if e < experts && taken[e] < capacity {
+                    taken[e] += 1;
+                    e
+                } else {
+                    dropped += 1;
+                    DROPPED
+                }
+            })
+            .collect();
+        (kept, dropped)
+    }
+
+    /// The z-loss of a decision, when on.
+    pub fn z_loss<B: Backend>(&self, route: &RouterOutput<B>) -> Option<Tensor<B, 1>> {
+        (self.z_loss_coef > 0.0).then(|| router_z_loss(route.logits.clone()))
+    }
+}
+
+/// ST-MoE's router z-loss of one layer: `mean_t logsumexp(logits_t)^2` (before its coefficient).
+///
+/// # Shapes
+/// - logits: `[T, E]` -> `[1]`
+pub fn router_z_loss<B: Backend>(logits: Tensor<B, 2>) -> Tensor<B, 1> {
+    // logsumexp shifted by the (constant) row maximum: the same value and gradient, no overflow.
+    let max = logits.clone().max_dim(1).detach(); // [T, 1]
+    let lse = (logits - max.clone()).exp().sum_dim(1).log() + max; // [T, 1]
+    lse.powf_scalar(2.0).mean()
 }
 
 impl<B: Backend> TopKRouter<B> {
@@ -315,13 +388,13 @@ impl<B: Backend> TopKRouter<B> {
 impl<B: Backend> Router<B> for TopKRouter<B> {
     fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
         let logits = x.matmul(self.weight.val().transpose()); // [T, E]
-        let probs = softmax(logits, 1); // [T, E]
+        let probs = softmax(logits.clone(), 1); // [T, E]
         let ids = top_k_ids(&probs, self.top_k);
         let mut weights = gather_chosen(probs.clone(), &ids, self.top_k); // [T, k]
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
         }
-        RouterOutput { probs, weights, ids }
+        RouterOutput { probs, weights, ids, logits }
     }
 
     fn top_k(&self) -> usize {
@@ -453,8 +526,13 @@ pub struct RouterStats<B: Backend> {
     /// `[B, E]`: per sequence, the sum over its tokens of the router's scores (softmax
     /// probabilities; DeepSeek-V3's sigmoid scores), differentiable.
     pub prob_sum: Tensor<B, 2>,
-    /// Routed copies per expert, all sequences together.
+    /// Routed copies per expert, all sequences together (the router's decision, before any
+    /// capacity drop).
     pub counts: Vec<usize>,
+    /// Routed copies dropped for capacity.
+    pub dropped: usize,
+    /// The router z-loss of the layer (before its coefficient), when on.
+    pub z_loss: Option<Tensor<B, 1>>,
     /// The routing per sequence on the host, what the balance losses need besides `prob_sum`.
     pub routing: LayerRouting,
 }
@@ -470,7 +548,7 @@ impl<B: Backend> RouterStats<B> {
             .sum_dim(1)
             .reshape([sequences, experts]);
         let routing = LayerRouting::from_ids(&route.ids, sequences, t, experts, top_k);
-        Self { prob_sum, counts: routing.per_expert(), routing }
+        Self { prob_sum, counts: routing.per_expert(), routing, z_loss: None, dropped: 0 }
     }
 }
 
@@ -484,12 +562,15 @@ pub struct SparseMoeBlock<B: Backend, R: Module<B>, X: Module<B>> {
     pub experts: X,
     /// Shared experts every token goes through (`mlp.shared_experts`).
     pub shared_experts: Option<SwiGluMlp<B>>,
+    /// Router z-loss and forced balance.
+    #[module(skip)]
+    pub routing: RoutingOptions,
 }
 
 impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeBlock<B, R, X> {
     /// A block without shared experts.
     pub fn new(gate: R, experts: X) -> Self {
-        Self { gate, experts, shared_experts: None }
+        Self { gate, experts, shared_experts: None, routing: RoutingOptions::default() }
     }
 
     /// # Shapes
@@ -498,9 +579,14 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]); // [T, M]
                                           // 1. route
-        let routed = self.gate.route(flat.clone());
-        // 2. dispatch
-        let dispatch = Dispatch::new(&routed.ids, self.experts.num_experts(), self.gate.top_k());
+        let routed = self.routing.apply(self.gate.route(flat.clone()));
+        let (e, k) = (self.experts.num_experts(), self.gate.top_k());
+        let mut stats = RouterStats::new(&routed, b, e, k);
+        stats.z_loss = self.routing.z_loss(&routed);
+        // 2. dispatch (the copies within capacity)
+        let (kept, dropped) = self.routing.keep_within_capacity(&routed.ids, e, k);
+        stats.dropped = dropped;
+        let dispatch = Dispatch::new(&kept, e, k);
         let xs = dispatch.permute(flat.clone()); // [N, M]
                                                  // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
@@ -509,7 +595,6 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         if let Some(shared) = &self.shared_experts {
             out = out + shared.forward(flat);
         }
-        let stats = RouterStats::new(&routed, b, dispatch.counts.len(), self.gate.top_k());
         (out.reshape([b, s, m]), stats)
     }
 
@@ -521,20 +606,22 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
     pub fn forward_per_token(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]);
-        let routed = self.gate.route(flat.clone());
+        let routed = self.routing.apply(self.gate.route(flat.clone()));
         let (k, e) = (self.gate.top_k(), self.experts.num_experts());
+        let (kept, _) = self.routing.keep_within_capacity(&routed.ids, e, k);
         let rows: Vec<Tensor<B, 2>> = (0..b * s)
             .map(|t| {
                 let xt = flat.clone().narrow(0, t, 1); // [1, M]
                 (0..k)
+                    .filter(|&j| kept[t * k + j] != DROPPED)
                     .map(|j| {
                         let mut counts = vec![0; e];
-                        counts[routed.ids[t * k + j]] = 1;
+                        counts[kept[t * k + j]] = 1;
                         let w = routed.weights.clone().narrow(0, t, 1).narrow(1, j, 1); // [1, 1]
                         self.experts.forward_grouped(xt.clone(), &counts) * w
                     })
                     .reduce(|a, c| a + c)
-                    .expect("k >= 1")
+                    .unwrap_or_else(|| xt.zeros_like())
             })
             .collect();
         let mut out = Tensor::cat(rows, 0);

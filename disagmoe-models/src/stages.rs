@@ -349,7 +349,7 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForwar
     /// The router (routed layers) and everything else as an expert stage.
     pub fn split(self) -> (Option<R>, ExpertStage<B, X>) {
         match self {
-            FeedForward::Sparse(SparseMoeBlock { gate, experts, shared_experts }) => {
+            FeedForward::Sparse(SparseMoeBlock { gate, experts, shared_experts, .. }) => {
                 (Some(gate), ExpertStage { experts: Some(experts), shared_experts, dense: None, first_expert: 0 })
             }
             FeedForward::Dense(mlp) => {

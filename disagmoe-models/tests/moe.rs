@@ -6,7 +6,8 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use disagmoe_models::moe::{
-    map_groups, top_k_rows, Dispatch, ExpertNames, Experts, SparseMoeBlock, SwiGluExperts, TopKRouter,
+    map_groups, router_z_loss, top_k_rows, Dispatch, ExpertNames, Experts, RoutingOptions, SparseMoeBlock,
+    SwiGluExperts, TopKRouter, DROPPED,
 };
 use disagmoe_models::weights::{CheckpointReader, TensorSink};
 use disagmoe_models::Init;
@@ -165,5 +166,75 @@ fn config_errors_name_the_field_and_the_allowed_values() {
         let text = base.replace(from, to);
         let err = Qwen3MoeConfig::from_json_str(&text).unwrap_err().to_string();
         assert!(err.contains(needle), "{to}: {err}");
+    }
+}
+
+#[test]
+fn router_z_loss_is_the_mean_squared_logsumexp_with_its_gradient() {
+    let rows: [[f64; 3]; 3] = [[1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [-50.0, 40.0, 39.5]];
+    let flat: Vec<f32> = rows.iter().flatten().map(|&x| x as f32).collect();
+    let logits = Tensor::<B, 1>::from_floats(flat.as_slice(), &Default::default()).reshape([3, 3]).require_grad();
+    let z = router_z_loss(logits.clone());
+    // Closed form in f64: lse_t = ln sum_e exp(l_te); z = mean_t lse_t^2; dz/dl_te = 2 lse_t softmax_te / T.
+    let lse: Vec<f64> = rows.iter().map(|r| r.iter().map(|x| x.exp()).sum::<f64>().ln()).collect();
+    let want = lse.iter().map(|l| l * l).sum::<f64>() / 3.0;
+    let got = values(z.clone())[0] as f64;
+    assert!((got - want).abs() < 1e-5 * want, "z-loss {got} vs {want}");
+    let grads = z.backward();
+    let g = values(logits.grad(&grads).unwrap());
+    for (t, r) in rows.iter().enumerate() {
+        for (e, x) in r.iter().enumerate() {
+            let want = 2.0 * lse[t] * (x - lse[t]).exp() / 3.0;
+            assert!((g[t * 3 + e] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "grad [{t}, {e}]");
+        }
+    }
+}
+
+#[test]
+fn forced_balanced_routing_gives_every_expert_the_same_count_and_z_loss_joins_the_stats() {
+    for (experts, k, tokens) in [(8, 2, 16), (6, 3, 10), (4, 1, 8)] {
+        let mut moe = block(experts, k, true);
+        moe.routing = RoutingOptions { z_loss_coef: 0.01, force_balanced: true, capacity_factor: None };
+        let x = Tensor::<B, 3>::random([2, tokens / 2, 16], Distribution::Normal(0.0, 1.0), &Default::default());
+        let (fast, stats) = moe.forward(x.clone());
+        assert_eq!(stats.counts, vec![tokens * k / experts; experts], "E={experts} k={k}");
+        // The forced assignment is the one both paths compute with.
+        assert!(close(&values(fast), &values(moe.forward_per_token(x.clone())), 1e-5));
+        let [b, s, m] = x.dims();
+        let logits = x.reshape([b * s, m]).matmul(moe.gate.weight.val().transpose());
+        let z = values(stats.z_loss.expect("z-loss on"))[0];
+        assert!((z - values(router_z_loss(logits))[0]).abs() < 1e-6 * z.abs());
+    }
+}
+
+#[test]
+fn capacity_drops_the_copies_past_each_expert_s_share_in_token_order() {
+    // 4 tokens x top-2 over 4 experts, factor 1.0: capacity ceil(8 / 4) = 2 copies per expert.
+    let opts = RoutingOptions { capacity_factor: Some(1.0), ..Default::default() };
+    let ids = [0, 1, 0, 2, 0, 1, 0, 3];
+    let (kept, dropped) = opts.keep_within_capacity(&ids, 4, 2);
+    assert_eq!(kept, [0, 1, 0, 2, DROPPED, 1, DROPPED, 3]);
+    assert_eq!(dropped, 2);
+    // Factor 1.5: capacity 3, one copy of expert 0 dropped; dropless keeps everything.
+    let wider = RoutingOptions { capacity_factor: Some(1.5), ..Default::default() };
+    assert_eq!(wider.keep_within_capacity(&ids, 4, 2), (vec![0, 1, 0, 2, 0, 1, DROPPED, 3], 1));
+    assert_eq!(RoutingOptions::default().keep_within_capacity(&ids, 4, 2), (ids.to_vec(), 0));
+    // In a block: the dropped copies are not computed (a token with all of them dropped gets no
+    // routed output), the grouped and the per-token paths agree, gradients included, and the
+    // statistics count what was dropped.
+    for (experts, k, factor) in [(4, 2, 0.5), (8, 2, 0.25), (5, 3, 0.6)] {
+        let mut moe = block(experts, k, true);
+        moe.routing = RoutingOptions { capacity_factor: Some(factor), ..Default::default() };
+        let x = Tensor::<B, 3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &Default::default()).require_grad();
+        let (fast, stats) = moe.forward(x.clone());
+        let slow = moe.forward_per_token(x.clone());
+        assert!(close(&values(fast.clone()), &values(slow.clone()), 1e-5), "E={experts} k={k} c={factor}");
+        let capacity = (factor * (12 * k) as f64 / experts as f64).ceil() as usize;
+        let over: usize = stats.counts.iter().map(|&c| c.saturating_sub(capacity)).sum();
+        assert_eq!(stats.dropped, over, "E={experts} k={k} c={factor}: counts {:?}", stats.counts);
+        assert!(stats.dropped > 0, "the case drops something");
+        let (gf, gs) = (fast.sum().backward(), slow.sum().backward());
+        let (a, b) = (values(x.grad(&gf).unwrap()), values(x.grad(&gs).unwrap()));
+        assert!(close(&a, &b, 1e-4), "input gradients, E={experts} k={k} c={factor}");
     }
 }

@@ -18,6 +18,8 @@ pub struct ExpertLoad {
     pub max_mean_ratio: f64,
     /// Experts that got no token.
     pub dead_experts: usize,
+    /// Routed copies dropped for capacity (`--capacity-factor`; 0 when dropless).
+    pub dropped: usize,
 }
 
 impl ExpertLoad {
@@ -31,6 +33,7 @@ impl ExpertLoad {
             tokens_per_expert: counts.to_vec(),
             max_mean_ratio: if mean > 0.0 { max / mean } else { 0.0 },
             dead_experts: counts.iter().filter(|&&c| c == 0).count(),
+            dropped: 0,
         }
     }
 }
@@ -46,6 +49,9 @@ pub struct StepMetrics {
     pub lm_loss: f64,
     /// Load-balancing loss before its coefficient, when on.
     pub aux_loss: Option<f64>,
+    /// Router z-loss summed over the MoE layers, before its coefficient, when on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub z_loss: Option<f64>,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm before clipping.

@@ -73,10 +73,11 @@ impl<B: AutodiffBackend> SingleDevice<B> {
     /// checkpoint `resume` when resuming.
     pub fn new(cfg: &RunConfig, device: &B::Device, resume: Option<&Path>) -> Result<Self> {
         let mut opt = AdamW::<B>::new(cfg.optimizer.adamw());
-        let model = match resume {
+        let mut model = match resume {
             Some(path) => load_checkpoint::<B>(path, &mut opt, device)?.0,
             None => build_model::<B>(cfg, device)?,
         };
+        model.set_routing(cfg.model.routing());
         let mconf = model.config();
         let names = model.state_dict_names();
         let poison = match &cfg.faults.inject_nonfinite {
@@ -136,7 +137,9 @@ struct StepSums {
     total: f64,
     lm: f64,
     aux: Option<f64>,
+    z: Option<f64>,
     counts: Vec<Vec<usize>>,
+    dropped: Vec<usize>,
 }
 
 impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
@@ -157,15 +160,25 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             let out = model.forward(ids.clone());
             let loss = model.loss(&out, ids, self.with_aux);
             let parts: Vec<Tensor<B, 1>> =
-                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone()]
+                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone()]
                     .into_iter()
                     .flatten()
                     .collect();
             let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
             sums.total += scalars[0] / mbs as f64;
             sums.lm += scalars[1] / mbs as f64;
-            if let Some(a) = scalars.get(2) {
+            let mut rest = scalars[2..].iter();
+            if loss.aux_loss.is_some() {
+                let a = rest.next().expect("the aux loss");
                 sums.aux = Some(sums.aux.unwrap_or(0.0) + a / mbs as f64);
+            }
+            if loss.z_loss.is_some() {
+                let z = rest.next().expect("the z-loss");
+                sums.z = Some(sums.z.unwrap_or(0.0) + z / mbs as f64);
+            }
+            sums.dropped.resize(out.router_stats.len(), 0);
+            for (d, s) in sums.dropped.iter_mut().zip(&out.router_stats) {
+                *d += s.dropped;
             }
             sums.counts.resize(out.router_stats.len(), Vec::new());
             for (c, s) in sums.counts.iter_mut().zip(&out.router_stats) {
@@ -210,9 +223,11 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             loss: sums.total,
             lm_loss: sums.lm,
             aux_loss: sums.aux,
+            z_loss: sums.z,
             grad_norm: norms.total,
             skipped: !finite,
             expert_counts: sums.counts,
+            dropped: sums.dropped,
             timing: StepTiming { compute_s: t0.elapsed().as_secs_f64(), ..Default::default() },
             stop: stop.load(Ordering::SeqCst),
         })

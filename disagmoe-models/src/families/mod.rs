@@ -263,6 +263,11 @@ macro_rules! families {
                 match self { $(Self::$variant(m) => m.forward(ids),)* }
             }
 
+            /// Sets the router options (z-loss, forced balance) of every MoE layer.
+            pub fn set_routing(&mut self, routing: crate::moe::RoutingOptions) {
+                match self { $(Self::$variant(m) => m.set_routing(routing),)* }
+            }
+
             /// An empty cache for [`MoeCausalLm::forward_cached`].
             pub fn new_cache(&self) -> KvCache<B> {
                 match self { $(Self::$variant(m) => m.new_cache(),)* }

@@ -31,9 +31,28 @@ pub struct ModelOptions {
     /// Aux-loss-free balancing: after each update, routers with a correction bias (DeepSeek-V3)
     /// move it by this much towards balance (0 turns it off). Default 0.001.
     pub bias_update_rate: Option<f64>,
+    /// ST-MoE's router z-loss: each MoE layer adds this times `mean_t logsumexp(logits_t)^2` to
+    /// the loss (0, the default, turns it off).
+    pub router_z_loss_coef: f64,
+    /// Round-robin expert assignment (every expert the same count) instead of the router's
+    /// choice: for throughput benchmarks, as other trainers' tables are measured.
+    pub force_balanced_routing: bool,
+    /// Capacity factor: each expert takes at most `ceil(c x T x k / E)` of a micro-batch's routed
+    /// copies, in token order, and the rest are dropped (counted per layer in the metrics).
+    /// Default: none, dropless.
+    pub capacity_factor: Option<f64>,
 }
 
 impl ModelOptions {
+    /// The router options every MoE layer applies.
+    pub fn routing(&self) -> disagmoe_models::RoutingOptions {
+        disagmoe_models::RoutingOptions {
+            z_loss_coef: self.router_z_loss_coef,
+            force_balanced: self.force_balanced_routing,
+            capacity_factor: self.capacity_factor,
+        }
+    }
+
     /// The aux-loss-free bias step, the default filled in.
     pub fn bias_update_rate(&self) -> f64 {
         self.bias_update_rate.unwrap_or(0.001)
@@ -50,6 +69,21 @@ impl ModelOptions {
         let rate = self.bias_update_rate();
         if !(rate.is_finite() && rate >= 0.0) {
             return Err(TrainError::option("bias_update_rate", format!("must be a finite number >= 0, got {rate}")));
+        }
+        let z = self.router_z_loss_coef;
+        if !(z.is_finite() && (0.0..=1.0).contains(&z)) {
+            return Err(TrainError::option(
+                "router_z_loss_coef",
+                format!("must be in 0..=1 (ST-MoE uses 1e-3), got {z}"),
+            ));
+        }
+        if let Some(c) = self.capacity_factor {
+            if !(c.is_finite() && c > 0.0 && c <= 1e6) {
+                return Err(TrainError::option(
+                    "capacity_factor",
+                    format!("must be a number > 0 (1.0: room for an even share; 1.25 is common), got {c}"),
+                ));
+            }
         }
         Ok(())
     }

@@ -441,9 +441,11 @@ impl StepEngine for Distributed {
             loss: out.loss,
             lm_loss: out.lm_loss,
             aux_loss: out.aux_loss,
+            z_loss: out.z_loss,
             grad_norm: out.grad_norm,
             skipped: out.skipped,
             expert_counts: out.expert_counts,
+            dropped: out.dropped,
             timing: StepTiming {
                 exposed_comm_s: out.exposed_comm_s,
                 in_flight_wait_s: out.in_flight_wait_s,

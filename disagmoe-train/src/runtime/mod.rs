@@ -118,6 +118,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         slow_at: None,
         own_process: cfg.parallel.transport != TransportKind::Local,
         in_flight,
+        routing: cfg.model.routing(),
     }
 }
 

@@ -32,7 +32,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use disagmoe_models::causal_lm::next_token_cross_entropy;
 use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::moe::{Experts, Router, RouterStats};
+use disagmoe_models::moe::{Experts, Router, RouterStats, RoutingOptions};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 use disagmoe_models::{AuxLoss, TrainModule};
 
@@ -75,6 +75,8 @@ pub struct StepSettings {
     /// Micro-batches an embedding worker keeps in flight (started, backward not finished):
     /// `ep` runs 1F1B with one; AF-Pipe starts a new one whenever one finishes.
     pub in_flight: usize,
+    /// Router z-loss and forced balance, applied to every routed layer's decision.
+    pub routing: RoutingOptions,
     /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
     /// process exits under MPI, the thread ends silently in-process).
     pub fail_at: Option<(usize, usize, bool)>,
@@ -93,6 +95,8 @@ pub struct StepOutcome {
     pub lm_loss: f64,
     /// Mean aux loss (before the coefficient), when on.
     pub aux_loss: Option<f64>,
+    /// Mean router z-loss (summed over layers, before the coefficient), when on.
+    pub z_loss: Option<f64>,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// The update was skipped (non-finite).
@@ -111,6 +115,8 @@ pub struct StepOutcome {
     pub bytes_sent: f64,
     /// Routed copies per expert of every MoE layer, in layer order.
     pub expert_counts: Vec<Vec<usize>>,
+    /// Routed copies dropped for capacity per MoE layer.
+    pub dropped: Vec<usize>,
     /// Some worker was asked to stop: every worker ends the run after this step.
     pub stop: bool,
 }
@@ -198,6 +204,8 @@ struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     sent: Vec<SentDispatch<B>>,
     /// `[B, E]` score sums per sequence of a routed layer, when the balance loss is on.
     prob_sum: Option<Tensor<B, 2>>,
+    /// The layer's router z-loss (before its coefficient), when on.
+    z: Option<Tensor<B, 1>>,
 }
 
 struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
@@ -218,6 +226,8 @@ struct StepLosses {
     lm: f64,
     /// Balance loss before its coefficient.
     aux: f64,
+    /// Router z-loss before its coefficient (summed over layers).
+    z: f64,
 }
 
 /// What every worker adds up at the end of a step, in one all-reduce.
@@ -238,12 +248,13 @@ struct GlobalSums {
     /// Workers asked to stop (a signal reached their process).
     stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
-    /// group), layer-major.
+    /// group), layer-major, then the copies each MoE layer dropped for capacity (counted where
+    /// they were routed).
     expert_counts: Vec<f64>,
 }
 
 impl GlobalSums {
-    const FIXED: usize = 10;
+    const FIXED: usize = 11;
 
     fn to_vec(&self) -> Vec<f64> {
         let l = self.losses;
@@ -258,6 +269,7 @@ impl GlobalSums {
             self.link_s,
             self.stop,
             self.bytes_sent,
+            l.z,
         ];
         v.extend(&self.expert_counts);
         v
@@ -266,7 +278,7 @@ impl GlobalSums {
     fn from_vec(v: &[f64]) -> Self {
         Self {
             grad_sq: v[0],
-            losses: StepLosses { total: v[1], lm: v[2], aux: v[3] },
+            losses: StepLosses { total: v[1], lm: v[2], aux: v[3], z: v[10] },
             waits_s: v[4],
             wire_s: v[5],
             compute_s: v[6],
@@ -317,6 +329,8 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     /// LM and balance loss of each micro-batch whose head ran here.
     mb_losses: Vec<(usize, f64, f64)>,
     counts: HashMap<usize, Vec<usize>>,
+    /// Routed copies this worker dropped for capacity this step, by layer.
+    dropped: HashMap<usize, usize>,
     losses: StepLosses,
     wait_comm_us: u64,
     wait_bubble_us: u64,
@@ -548,6 +562,7 @@ where
             head_grads: GradientsAccumulator::new(),
             mb_losses: Vec::new(),
             counts: HashMap::new(),
+            dropped: HashMap::new(),
             losses: StepLosses::default(),
             wait_comm_us: 0,
             wait_bubble_us: 0,
@@ -844,7 +859,17 @@ where
             (h, aux, from, None)
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device });
-        let out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
+        let mut out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
+        let routing = self.settings.routing;
+        out.route = out.route.map(|r| routing.apply(r));
+        // The router z-loss: its value joins the step's loss here, its gradient this layer's
+        // backward.
+        let z = out.route.as_ref().and_then(|r| routing.z_loss(r));
+        if let Some(z) = &z {
+            let value = z.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+            self.losses.z += value;
+            self.losses.total += routing.z_loss_coef * value;
+        }
         let top_k = stage.top_k();
         let holders = self.layout.ffn_holders(layer);
         let [t, m] = out.normed.dims();
@@ -870,11 +895,15 @@ where
                 for (a, c) in acc.iter_mut().zip(&stats.counts) {
                     *a += c;
                 }
+                // The copies within capacity (all of them when dropless); the dropped ones go to
+                // no holder.
+                let (kept, dropped) = routing.keep_within_capacity(&route.ids, e, k);
+                *self.dropped.entry(layer).or_default() += dropped;
                 // M2N: each token once to each holder of one of its experts.
                 let ranges: Vec<_> =
                     holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
-                for share in m2n_shares(&route.ids, k, t, &ranges, self.holds_all_tokens(layer)) {
-                    let ids = share.ids(&route.ids, k);
+                for share in m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer)) {
+                    let ids = share.ids(&kept, k);
                     let Share { holder, tokens } = share;
                     if tokens.is_empty() {
                         sent.push(SentDispatch { holder, y: None, w: None });
@@ -908,7 +937,8 @@ where
         let next = self.next_attn_worker(mb, layer);
         self.send(next, Msg::Residual { mb, layer, x: host(&out.residual), aux })?;
         let h = if layer == 0 { None } else { Some(h) };
-        self.attn_saved.insert((mb, layer), AttnSaved { stage, ends, h, from, residual: out.residual, sent, prob_sum });
+        self.attn_saved
+            .insert((mb, layer), AttnSaved { stage, ends, h, from, residual: out.residual, sent, prob_sum, z });
         Ok(())
     }
 
@@ -1057,6 +1087,10 @@ where
             let [b, e] = ps.dims();
             let c = Tensor::<B, 2>::from_data(TensorData::new(c.values.clone(), [b, e]), &self.device);
             objective = objective + (ps.clone() * c).sum();
+        }
+        if let Some(z) = &saved.z {
+            let mbs = self.layout.micro_batches as f64;
+            objective = objective + z.clone().mul_scalar(self.settings.routing.z_loss_coef / mbs);
         }
         let mut grads = objective.backward();
         let gh = saved.h.as_ref().map(|h| {
@@ -1208,6 +1242,8 @@ where
                 }
             }
         }
+        // Each (micro-batch, layer) is routed by one attention worker: it counts the copies dropped.
+        expert_counts.extend(sparse.iter().map(|l| self.dropped.get(l).copied().unwrap_or(0) as f64));
         let mine = GlobalSums {
             grad_sq: sq,
             losses: self.losses,
@@ -1228,6 +1264,7 @@ where
             loss: g.losses.total / mbs,
             lm_loss: g.losses.lm / mbs,
             aux_loss: self.settings.aux.is_some().then_some(g.losses.aux / mbs),
+            z_loss: (self.settings.routing.z_loss_coef > 0.0).then_some(g.losses.z / mbs),
             grad_norm: norm,
             skipped: !(g.losses.total.is_finite() && norm.is_finite()),
             exposed_comm_s: g.waits_s,
@@ -1235,11 +1272,11 @@ where
             compute_s: g.compute_s,
             link_s: g.link_s,
             bytes_sent: g.bytes_sent,
-            expert_counts: g
-                .expert_counts
+            expert_counts: g.expert_counts[..sparse.len() * e]
                 .chunks(e.max(1))
                 .map(|c| c.iter().map(|&x| x.round() as usize).collect())
                 .collect(),
+            dropped: g.expert_counts[sparse.len() * e..].iter().map(|&x| x.round() as usize).collect(),
             stop: g.stop > 0.0,
         };
         if out.skipped && self.settings.abort_on_nonfinite && update {
@@ -1270,6 +1307,7 @@ where
             self.part = Some(part);
         }
         self.counts.clear();
+        self.dropped.clear();
         self.losses = StepLosses::default();
         self.tracer.span(|| "all-reduce + optimizer".into(), "optimizer", COMPUTE, t0, now_us());
         Ok(out)

@@ -61,12 +61,16 @@ pub struct StepReport {
     pub lm_loss: f64,
     /// Mean balance loss (before its coefficient), when on.
     pub aux_loss: Option<f64>,
+    /// Mean router z-loss (summed over the MoE layers, before its coefficient), when on.
+    pub z_loss: Option<f64>,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// The update was skipped (non-finite loss or gradient).
     pub skipped: bool,
     /// Routed copies per expert of each MoE layer (the order of [`EngineInfo::sparse_layers`]).
     pub expert_counts: Vec<Vec<usize>>,
+    /// Routed copies dropped for capacity, per MoE layer (same order; empty when dropless).
+    pub dropped: Vec<usize>,
     /// Where the time went (distributed runs).
     pub timing: StepTiming,
     /// The run is to stop after this step (a signal reached this process or, in a distributed run,

@@ -107,6 +107,7 @@ pub(crate) fn step_metrics(
         loss: report.loss,
         lm_loss: report.lm_loss,
         aux_loss: report.aux_loss,
+        z_loss: report.z_loss,
         lr,
         grad_norm: report.grad_norm,
         skipped: report.skipped,
@@ -122,7 +123,11 @@ pub(crate) fn step_metrics(
             .expert_counts
             .iter()
             .zip(&info.sparse_layers)
-            .map(|(c, &l)| ExpertLoad::from_counts(l, c))
+            .enumerate()
+            .map(|(i, (c, &l))| ExpertLoad {
+                dropped: report.dropped.get(i).copied().unwrap_or(0),
+                ..ExpertLoad::from_counts(l, c)
+            })
             .collect(),
         eval_loss: None,
         eval_perplexity: None,

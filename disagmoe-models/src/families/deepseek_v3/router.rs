@@ -180,8 +180,8 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
         // 1. scores
         let logits = x.matmul(self.weight.val().transpose()); // [T, E]
         let scores = match self.config.scoring {
-            ScoringFunc::Sigmoid => sigmoid(logits),
-            ScoringFunc::Softmax => softmax(logits, 1),
+            ScoringFunc::Sigmoid => sigmoid(logits.clone()),
+            ScoringFunc::Softmax => softmax(logits.clone(), 1),
         }; // [T, E]
            // 2-4. selection on the host
         let ids = self.select(&host(scores.clone()), &self.bias_values(), t);
@@ -191,7 +191,7 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
             weights = weights.clone() / weights.sum_dim(1).add_scalar(1e-20);
         }
         let weights = weights.mul_scalar(self.config.routed_scaling_factor);
-        RouterOutput { probs: scores, weights, ids }
+        RouterOutput { probs: scores, weights, ids, logits }
     }
 
     fn top_k(&self) -> usize {

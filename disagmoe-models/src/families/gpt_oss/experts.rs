@@ -40,7 +40,7 @@ impl<B: Backend> Router<B> for GptOssRouter<B> {
         let logits = x.matmul(self.weight.val().transpose()) + self.bias.val().unsqueeze::<2>(); // [T, E]
         let ids = top_k_ids(&logits, self.top_k);
         let weights = softmax(gather_chosen(logits.clone(), &ids, self.top_k), 1); // [T, k]
-        RouterOutput { probs: softmax(logits, 1), weights, ids }
+        RouterOutput { probs: softmax(logits.clone(), 1), weights, ids, logits }
     }
     fn top_k(&self) -> usize {
         self.top_k
