@@ -4,7 +4,7 @@
 //!   per run;
 //! - `tokens_per_s.svg`, `lr.svg`: throughput and learning rate against step;
 //! - `expert_load-<run>.svg`: per run, a heat map of each MoE layer's experts over the steps, each
-//!   cell coloured by the expert's routed copies over the layer's mean ([`LoadClass`]): dead experts
+//!   cell coloured by the expert's routed copies over the layer's mean (`LoadClass`): dead experts
 //!   (no token) and overloaded ones (twice the mean or more) stand out at a glance.
 //!
 //! Several run directories overlay in the line plots (compare an ablation with its baseline). The
@@ -295,7 +295,7 @@ fn line_plot(
 /// At most this many columns in a heat map: longer runs show every k-th step.
 const MAX_COLUMNS: usize = 400;
 
-/// The steps a heat map shows (all of them up to [`MAX_COLUMNS`], else evenly spaced ones, the
+/// The steps a heat map shows (all of them up to `MAX_COLUMNS`, else evenly spaced ones, the
 /// last included).
 pub fn heat_map_steps(run: &RunMetrics) -> Vec<&StepPoint> {
     let n = run.steps.len();

@@ -13,6 +13,32 @@
 //! Everything is computed in f32; checkpoints may be f32, bf16 or f16. Every freshly initialised
 //! tensor is drawn from the run seed and its checkpoint name ([`init`]), so any part of a model can be
 //! built alone.
+//!
+//! # A model in a few lines
+//!
+//! ```
+//! use disagmoe_models::generate::{generate, Sampling};
+//! use disagmoe_models::{ModelConfig, RoutingOptions};
+//!
+//! type B = burn::backend::Flex;
+//! let device = Default::default();
+//! // Any supported config.json (here an embedded preset), a seeded model of that shape.
+//! let mut model = ModelConfig::preset("tiny-qwen3-moe")?.init::<B>(7, &device);
+//! // The router options of the literature act on every MoE layer of any family.
+//! model.set_routing(RoutingOptions { z_loss_coef: 1e-3, capacity_factor: Some(1.25), ..Default::default() });
+//! let ids = model.input_ids(&[vec![72, 101, 108, 108, 111, 33]], &device)?;
+//! let out = model.forward(ids.clone()); // logits [1, 6, 256] and per-layer router statistics
+//! let loss = model.loss(&out, ids, true); // LM + balance loss + z-loss
+//! assert!(loss.total.into_scalar() > 0.0);
+//! // Continue a prompt through the KV cache, greedily.
+//! let tokens = generate(&model, &[72, 101], 5, &[], Sampling::greedy(), &device, |_| {})?;
+//! assert_eq!(tokens.len(), 5);
+//! # Ok::<(), disagmoe_models::ModelError>(())
+//! ```
+//!
+//! A new expert type implements [`Experts`] (see its example, and `examples/custom_expert.rs`
+//! in the repository: GeGLU experts defined outside the crates, trained under `--placement
+//! disagg`); a new routing rule implements [`Router`].
 
 pub mod attention;
 pub mod balance;

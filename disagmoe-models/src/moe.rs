@@ -31,6 +31,52 @@ use crate::weights::{CheckpointReader, TensorSink};
 /// A set of `E` experts computed group by group.
 ///
 /// Implement this to add an expert type; [`SparseMoeBlock`] does the routing, dispatch and combine.
+///
+/// # Example
+///
+/// A toy expert type (each expert scales its rows by its own learned factor), plugged into a
+/// sparse MoE block beside the framework's router; `examples/custom_expert.rs` trains a real one
+/// (GeGLU) under `--placement disagg`.
+///
+/// ```
+/// use burn::module::{Module, Param};
+/// use burn::tensor::{backend::Backend, Distribution, Tensor};
+/// use disagmoe_models::moe::{map_groups, Experts, SparseMoeBlock, TopKRouter};
+/// use disagmoe_models::{CheckpointReader, Init, Result, TensorSink};
+///
+/// #[derive(Module, Debug)]
+/// struct ScaleExperts<B: Backend> {
+///     scale: Param<Tensor<B, 1>>, // [E]
+/// }
+///
+/// impl<B: Backend> Experts<B> for ScaleExperts<B> {
+///     fn num_experts(&self) -> usize {
+///         self.scale.dims()[0]
+///     }
+///     fn forward_grouped(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
+///         // Rows arrive sorted by expert: `counts[e]` rows for expert `e`.
+///         map_groups(xs, counts, |e, x| x * self.scale.val().narrow(0, e, 1).unsqueeze::<2>())
+///     }
+///     fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
+///         let e = self.num_experts();
+///         self.scale = Param::from_tensor(ckpt.tensor(&format!("{prefix}.scale"), [e], device)?);
+///         Ok(())
+///     }
+///     fn save(&self, sink: &mut TensorSink, prefix: &str) {
+///         sink.put_param(format!("{prefix}.scale"), &self.scale);
+///     }
+/// }
+///
+/// type B = burn::backend::Flex;
+/// let device = Default::default();
+/// let router = TopKRouter::new(16, 4, 2, true, &Init::<B>::new(1, 0.5, &device));
+/// let experts = ScaleExperts { scale: Param::from_tensor(Tensor::<B, 1>::ones([4], &device)) };
+/// let block = SparseMoeBlock::new(router, experts);
+/// let x = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+/// let (y, stats) = block.forward(x);
+/// assert_eq!(y.dims(), [2, 5, 16]);
+/// assert_eq!(stats.counts.iter().sum::<usize>(), 2 * 5 * 2); // every token to its top-2
+/// ```
 pub trait Experts<B: Backend> {
     /// Number of experts `E`.
     fn num_experts(&self) -> usize;

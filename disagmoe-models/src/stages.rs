@@ -4,7 +4,7 @@
 //! Layer `l` becomes an [`AttentionStage`] (input norm, attention, post-attention norm, router) and
 //! an [`ExpertStage`] (routed experts, shared experts, or the dense MLP of a dense layer); the
 //! embedding, final norm and head are the [`Ends`]. Composed back in order they compute exactly what
-//! [`CausalLm::forward`] computes:
+//! [`CausalLm::forward`](crate::decoder::CausalLm::forward) computes:
 //!
 //! ```text
 //! h_0 = embed(ids)

@@ -5,6 +5,7 @@
 use std::sync::atomic::AtomicBool;
 
 use burn::tensor::backend::AutodiffBackend;
+use disagmoe_models::{FamilyConfig, TrainModule};
 
 use crate::config::RunConfig;
 use crate::error::Result;
@@ -30,6 +31,36 @@ pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop
         return pool.install(|| run::<B>(cfg, device, stop));
     }
     run::<B>(cfg, device, stop)
+}
+
+/// [`train_until`] of a model family given by its configuration type: a family defined outside the
+/// crates (a new expert, router or attention type behind the traits of `disagmoe_models`) trains
+/// with the same loop, data, checkpoints and metrics. `config` replaces the run's model option;
+/// the placement must be `disagg` or `ep` (the runtime builds each worker's part from `C`), and
+/// `--resume` and `--model-dir` read tensors under the names `C`'s types save.
+pub fn train_family<B, C>(cfg: &RunConfig, config: C, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary>
+where
+    B: AutodiffBackend,
+    C: FamilyConfig,
+    C::Attention<B>: TrainModule<B>,
+    C::Router<B>: TrainModule<B>,
+    C::Experts<B>: TrainModule<B>,
+{
+    cfg.validate()?;
+    if !cfg.parallel.distributed() {
+        return Err(crate::error::TrainError::option(
+            "placement",
+            format!(
+                "a family defined outside the crates ({}) trains under disagg or ep (the runtime is generic \
+                 over the family); allowed: disagg, ep",
+                C::MODEL_TYPE
+            ),
+        ));
+    }
+    crate::backend::keep_freed_memory();
+    let resumed = resume_point(cfg)?;
+    let mut engine = crate::runtime::start_family::<B, C>(cfg, &config, device, resumed.as_ref())?;
+    crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
 }
 
 fn run<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {

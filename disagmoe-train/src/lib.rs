@@ -27,7 +27,7 @@ pub use config::{
     AllocationMode, FaultInjection, FaultPlan, NonFinitePolicy, Placement, RunConfig, TransportKind, WorkerFault,
 };
 pub use error::{Result, TrainError};
-pub use launch::{train, train_until};
+pub use launch::{train, train_family, train_until};
 pub use runtime::is_primary;
 pub use single::build_model;
 pub use trainer::{StepEngine, TrainSummary};

@@ -7,7 +7,7 @@
 //! name, the forward pass, the loss, and taking the model apart for the runtime
 //! ([`crate::stages`]).
 //!
-//! **Adding a family** is a new folder plus one line in the [`families!`] list at the bottom of
+//! **Adding a family** is a new folder plus one line in the `families!` list at the bottom of
 //! this file. From that list follow: [`ModelConfig`] (parsing any `config.json` by `model_type`),
 //! [`MoeCausalLm`] (a model of any family, with its methods), [`SUPPORTED_MODEL_TYPES`],
 //! [`model_presets`] (the embedded tiny configurations), [`ModelConfig::model_shape`] (what the

@@ -40,7 +40,6 @@ use self::worker::StepSettings;
 use crate::checkpoint::TrainState;
 use crate::config::{NonFinitePolicy, Placement, RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
-use crate::single::with_aux_loss;
 use crate::trainer::StepEngine;
 
 /// The resolved layout of a run config (`disagg` or `ep`) for a model of `layers` layers of
@@ -170,7 +169,6 @@ pub fn start<B: AutodiffBackend>(
     device: &B::Device,
     resume: Option<&(PathBuf, TrainState)>,
 ) -> Result<Box<dyn StepEngine>> {
-    check_distributed(cfg)?;
     let model = match resume {
         Some((path, _)) => {
             if crate::checkpoint::is_legacy(path) {
@@ -183,14 +181,13 @@ pub fn start<B: AutodiffBackend>(
         }
         None => cfg.model.resolve()?,
     };
-    model.visit(Starter::<B> { cfg, device, model: &model, resume })
+    model.visit(Starter::<B> { cfg, device, resume })
 }
 
 /// [`start`] with the family's concrete types.
 struct Starter<'a, B: AutodiffBackend> {
     cfg: &'a RunConfig,
     device: &'a B::Device,
-    model: &'a ModelConfig,
     resume: Option<&'a (PathBuf, TrainState)>,
 }
 
@@ -203,7 +200,29 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         C::Router<B>: TrainModule<B>,
         C::Experts<B>: TrainModule<B>,
     {
-        let Self { cfg, device, model, resume } = self;
+        let Self { cfg, device, resume } = self;
+        start_family::<B, C>(cfg, config, device, resume)
+    }
+}
+
+/// [`start`] for a model family given by its configuration type `C`: one of the crate's, or a
+/// family defined outside the crates (new attention, router or expert types; see
+/// `examples/custom_expert.rs`). Each worker builds (or reads) only its part.
+pub fn start_family<B, C>(
+    cfg: &RunConfig,
+    config: &C,
+    device: &B::Device,
+    resume: Option<&(PathBuf, TrainState)>,
+) -> Result<Box<dyn StepEngine>>
+where
+    B: AutodiffBackend,
+    C: FamilyConfig,
+    C::Attention<B>: TrainModule<B>,
+    C::Router<B>: TrainModule<B>,
+    C::Experts<B>: TrainModule<B>,
+{
+    check_distributed(cfg)?;
+    {
         let layers = config.dims().num_hidden_layers;
         let mut layout = layout_of(cfg, layers, config.routed_experts())?;
         layout.shared_experts =
@@ -217,16 +236,18 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         };
         let d = config.dims();
         let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size)?;
+        let sparse = (0..layers).any(|l| config.is_sparse_layer(l));
+        let with_aux = cfg.model.aux_loss.unwrap_or(config.aux_loss_by_default()) && sparse;
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
-            settings: step_settings(cfg, with_aux_loss(cfg, model), config.aux_loss(), window),
+            settings: step_settings(cfg, with_aux, config.aux_loss(), window),
             layout,
             rope,
             source,
-            hf_config: model.to_hf_json(),
+            hf_config: config.to_hf_json(),
             resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
         });
-        let facts = engine::RunFacts { model_type: model.model_type(), vocab_size: model.vocab_size() };
+        let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size };
         engine::Distributed::start(shared, config.clone(), facts, device)
     }
 }

@@ -143,7 +143,7 @@ pub fn permute_rows<F: Float>(
     }
 }
 
-/// Backward of [`permute_rows`]: `dx[t, c] = sum_j dy[dest[t k + j], c]` (a gather, no atomics).
+/// Backward of [`permute_rows()`]: `dx[t, c] = sum_j dy[dest[t k + j], c]` (a gather, no atomics).
 #[cube(launch)]
 pub fn unpermute_sum<F: Float>(
     dy: &Tensor<F>,
@@ -193,7 +193,7 @@ pub fn combine_rows<F: Float>(
     }
 }
 
-/// Backward of [`combine_rows`] for the expert rows: `dys[p, c] = w[src[p]] dout[src[p] / k, c]`.
+/// Backward of [`combine_rows()`] for the expert rows: `dys[p, c] = w[src[p]] dout[src[p] / k, c]`.
 #[cube(launch)]
 pub fn combine_grad_rows<F: Float>(
     dout: &Tensor<F>,
@@ -215,7 +215,7 @@ pub fn combine_grad_rows<F: Float>(
     }
 }
 
-/// Backward of [`combine_rows`] for the gate weights: `dw[s] = <dout[s / k], ys[dest[s]]>`. One
+/// Backward of [`combine_rows()`] for the gate weights: `dw[s] = <dout[s / k], ys[dest[s]]>`. One
 /// cube of `units` units per slot, partial sums in shared memory added by the first unit.
 #[cube(launch)]
 pub fn combine_grad_weights<F: Float>(
@@ -385,7 +385,7 @@ pub fn grouped_mm<F: Float>(
     }
 }
 
-/// The weight gradient of [`grouped_mm`]: `out_e(n, k) = sum_{r of e} g[r, n] a[r, k]`, written at
+/// The weight gradient of [`grouped_mm()`]: `out_e(n, k) = sum_{r of e} g[r, n] a[r, k]`, written at
 /// `out[o_off + e o_se + n o_sn + k o_sk]` (the weight's own layout). Tiles of 64 x 64 outputs per
 /// expert, rows reduced 16 at a time through shared memory; an expert with no rows gets zeros.
 #[cube(launch)]
@@ -535,7 +535,7 @@ pub fn expert_act<F: Float>(
     }
 }
 
-/// Backward of [`expert_act`]: `(dhg, dhu)` from `da`. Clamping passes the gradient where the
+/// Backward of [`expert_act()`]: `(dhg, dhu)` from `da`. Clamping passes the gradient where the
 /// input is inside the range, bounds included (Burn's and torch's convention).
 #[cube(launch)]
 pub fn expert_act_grad<F: Float>(
@@ -741,7 +741,7 @@ pub fn flash_delta<F: Float>(
 /// Flash-attention backward for the queries (recomputing the probabilities from `lse`):
 /// `dq_i = scale sum_j p_ij (do_i . v_j - delta_i) k_j`; with sinks also each row's share of the
 /// sink gradient, `dsink[b, h, i] = -exp(sink_h - lse_i) delta_i` (summed by the caller).
-/// Same grid and tiling as [`flash_fwd`].
+/// Same grid and tiling as [`flash_fwd()`].
 #[cube(launch)]
 pub fn flash_bwd_q<F: Float>(
     q: &Tensor<F>,

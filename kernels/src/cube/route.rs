@@ -33,7 +33,7 @@ pub struct Routing<B: Backend> {
 ///
 /// Three passes: per-(expert, block of 256 slots) counts; one cube turns them into each block's
 /// first position (prefix sums over blocks, then over experts); each (expert, block) places its
-/// slots in order. `None` off CubeCL backends or for more than [`MAX_ROUTED_EXPERTS`] experts.
+/// slots in order. `None` off CubeCL backends or for more than `MAX_ROUTED_EXPERTS` experts.
 /// Ids outside `0..experts` are not placed (the caller's router guarantees the range).
 ///
 /// # Shapes
