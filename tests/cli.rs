@@ -399,10 +399,18 @@ fn eval_every_and_disagmoe_eval_report_the_held_out_loss() {
     assert_eq!(report["split"], "held-out");
     assert!((report["loss"].as_f64().unwrap() - eval_loss).abs() < 1e-5, "{report} vs {eval_loss}");
     assert_eq!(report["tokens"].as_u64().unwrap(), report["windows"].as_u64().unwrap() * 31);
-    let whole =
-        bin().args(["eval", "--seq", "32", "--whole", "--model-dir"]).arg(out_dir.join("final")).output().unwrap();
+    // --whole: every window of another text (1000 bytes: 31 windows of 32).
+    let text = tmp.path().join("test.txt");
+    std::fs::write(&text, "In the beginning. ".repeat(56).chars().take(1000).collect::<String>()).unwrap();
+    let whole = bin()
+        .args(["eval", "--seq", "32", "--whole", "--data"])
+        .arg(&text)
+        .arg("--model-dir")
+        .arg(out_dir.join("final"))
+        .output()
+        .unwrap();
     let whole = stdout_last_json(&whole);
-    assert!(whole["windows"].as_u64().unwrap() > 40 * report["windows"].as_u64().unwrap(), "{whole}");
+    assert_eq!((whole["windows"].as_u64(), whole["split"].as_str()), (Some(31), Some("whole")), "{whole}");
     // Bad settings are named.
     let train = |extra: &[&str]| bin().args(["train", "--quiet", "--steps", "2"]).args(extra).output().unwrap();
     fails_with(&train(&["--eval-fraction", "0.7"]), "eval_fraction");
