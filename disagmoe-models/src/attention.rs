@@ -190,7 +190,7 @@ impl<B: Backend> GqaAttention<B> {
     /// its last `window`).
     ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]` (the new positions)
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, past + S, D]` (every position so far)
     /// - output: `[B, S, M]`
     pub fn forward_cached(
         &self,
@@ -201,7 +201,7 @@ impl<B: Backend> GqaAttention<B> {
         cache: &mut LayerCache<B>,
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
-        let (q, k_new, v_new) = self.qkv(x, cos, sin);
+        let (q, k_new, v_new) = self.qkv(x, cos.narrow(2, past, s), sin.narrow(2, past, s));
         let (k_old, v_old, start) = match std::mem::take(cache) {
             LayerCache::Keys { k, v, start } => (Some(k), Some(v), start),
             _ => (None, None, past),

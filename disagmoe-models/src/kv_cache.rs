@@ -12,9 +12,8 @@
 //! Cached decoding equals the full forward pass over the whole sequence (tested per family in
 //! `tests/generate.rs`).
 
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::Tensor;
 
 /// What one attention layer keeps.
 #[derive(Debug, Clone, Default)]
@@ -73,57 +72,14 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// Attention of new queries over cached and new keys: the one reference definition
+/// ([`disagmoe_kernels::reference::attention_at`]).
+pub use disagmoe_kernels::reference::attention_at;
+
 /// Appends `new` to `old` along the positions (dim 1).
 pub(crate) fn append<const D: usize, B: Backend>(old: Option<Tensor<B, D>>, new: Tensor<B, D>) -> Tensor<B, D> {
     match old {
         Some(old) => Tensor::cat(vec![old, new], 1),
         None => new,
     }
-}
-
-/// Causal attention of queries at positions `q_start..` over keys at positions `k_start..`
-/// (grouped-query: `H % G == 0`), optionally windowed (a query at `p` sees keys `p - window < k <=
-/// p`) and with per-head sink logits that join every softmax and are dropped after it.
-///
-/// # Shapes
-/// - q: `[B, S, H, D]`; k: `[B, T, G, D]`; v: `[B, T, G, Dv]`; sinks: `[H]`
-/// - output: `[B, S, H, Dv]`
-#[allow(clippy::too_many_arguments)]
-pub fn attention_at<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    sinks: Option<Tensor<B, 1>>,
-    scale: f64,
-    window: Option<usize>,
-    q_start: usize,
-    k_start: usize,
-) -> Tensor<B, 4> {
-    let [b, s, h, _] = q.dims();
-    let [_, t, g, _] = k.dims();
-    let device = q.device();
-    let rep = |x: Tensor<B, 4>| {
-        let d = x.dims()[3];
-        let x = x.swap_dims(1, 2); // [B, G, T, D]
-        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
-    };
-    let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v)); // [B, H, S, D], [B, H, T, D], [B, H, T, Dv]
-    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T]
-    let w = window.unwrap_or(usize::MAX);
-    let mask: Vec<bool> = (0..s * t)
-        .map(|ij| {
-            let (qp, kp) = (q_start + ij / t, k_start + ij % t);
-            kp > qp || qp - kp >= w
-        })
-        .collect();
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, t]), &device);
-    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, t]), -1.0e9);
-    let probs = match sinks {
-        Some(sinks) => {
-            let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
-            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, t)
-        }
-        None => softmax(scores, 3),
-    };
-    probs.matmul(v).swap_dims(1, 2)
 }

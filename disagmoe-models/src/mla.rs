@@ -200,7 +200,7 @@ impl<B: Backend> MlaAttention<B> {
     /// earlier token, whose latent and rotated key `cache` holds (the new ones join it).
     ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]` (the new positions)
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, past + S, Dr]` (every position so far)
     /// - output: `[B, S, M]`
     pub fn forward_cached(
         &self,
@@ -211,6 +211,7 @@ impl<B: Backend> MlaAttention<B> {
         cache: &mut LayerCache<B>,
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
+        let (cos, sin) = (cos.narrow(2, past, s), sin.narrow(2, past, s));
         let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
         let q = self.queries(x.clone(), cos.clone(), sin.clone()).swap_dims(1, 2); // [B, S, H, Dq]
         let (latent_new, k_rot_new) = self.latent(x, cos, sin);

@@ -20,24 +20,49 @@ pub fn attention<B: Backend>(
     scale: f64,
     window: Option<usize>,
 ) -> Tensor<B, 4> {
+    attention_at(q, k, v, sinks, scale, window, 0, 0)
+}
+
+/// [`attention`] of queries at positions `q_start..` over keys at positions `k_start..` (a query
+/// at `p` sees keys `p - window < j <= p`): incremental decoding, where the keys are the cached
+/// ones plus the new.
+///
+/// # Shapes
+/// - q: `[B, S, H, D]`, k: `[B, T, G, D]`, v: `[B, T, G, E]`, sinks: `[H]` -> `[B, S, H, E]`
+#[allow(clippy::too_many_arguments)]
+pub fn attention_at<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    window: Option<usize>,
+    q_start: usize,
+    k_start: usize,
+) -> Tensor<B, 4> {
     let [b, s, h, _] = q.dims();
-    let g = k.dims()[2];
+    let [_, t, g, _] = k.dims();
     let device = q.device();
     let rep = |x: Tensor<B, 4>| {
-        let [_, _, _, d] = x.dims();
-        let x = x.swap_dims(1, 2); // [B, G, S, D]
-        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, s, d]).reshape([b, h, s, d])
+        let d = x.dims()[3];
+        let x = x.swap_dims(1, 2); // [B, G, T, D]
+        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
     };
     let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
-    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, S]
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T]
     let w = window.unwrap_or(usize::MAX);
-    let mask: Vec<bool> = (0..s * s).map(|ij| (ij % s) > (ij / s) || (ij / s) - (ij % s) >= w).collect();
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, s]), &device);
-    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, s]), -1.0e9);
+    let mask: Vec<bool> = (0..s * t)
+        .map(|ij| {
+            let (qp, kp) = (q_start + ij / t, k_start + ij % t);
+            kp > qp || qp - kp >= w
+        })
+        .collect();
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, t]), &device);
+    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, t]), -1.0e9);
     let probs = match sinks {
         Some(sinks) => {
             let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
-            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s)
+            softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, t)
         }
         None => softmax(scores, 3),
     };

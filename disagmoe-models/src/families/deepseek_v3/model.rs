@@ -34,8 +34,7 @@ impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
         past: usize,
         cache: &mut LayerCache<B>,
     ) -> Tensor<B, 3> {
-        let s = x.dims()[1];
-        self.forward_cached(x, cos.narrow(2, past, s), sin.narrow(2, past, s), past, cache)
+        self.forward_cached(x, cos, sin, past, cache)
     }
     fn load_attention(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         self.load(ckpt, prefix, device)
