@@ -13,6 +13,12 @@ use std::time::{Duration, Instant};
 #[path = "support/mpirun.rs"]
 mod mpirun;
 
+/// Runs a job to its end, bounded (an `mpirun` stuck in its own shutdown is killed: see
+/// `tests/support/mpirun.rs`).
+fn run_bounded(mut cmd: Command) -> Output {
+    mpirun::wait_job(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap(), Duration::from_secs(600))
+}
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
 }
@@ -114,7 +120,7 @@ enum Launch {
 
 impl Launch {
     fn train(self, preset: &str, steps: usize, placement: &[&str], extra: &[&str]) -> Output {
-        self.command(preset, steps, placement, extra, &[]).output().unwrap()
+        run_bounded(self.command(preset, steps, placement, extra, &[]))
     }
 
     fn command(self, preset: &str, steps: usize, placement: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Command {
@@ -222,16 +228,14 @@ fn killed_while_checkpointing(launch: Launch, tmp: &Path) {
     for (worker, at) in [(1, "writing"), (3, "written"), (0, "indexed"), (0, "committed")] {
         let ck = tmp.join(format!("ck-{worker}-{at}"));
         let faults = format!(r#"{{"kill_in_checkpoint": {{"worker": {worker}, "step": 4, "at": "{at}"}}}}"#);
-        let out = launch
-            .command(
-                preset,
-                6,
-                DISAGG,
-                &["--checkpoint-every", "2", "--checkpoint-dir", path(&ck)],
-                &[("DISAGMOE_TEST_FAULTS", &faults)],
-            )
-            .output()
-            .unwrap();
+        let cmd = launch.command(
+            preset,
+            6,
+            DISAGG,
+            &["--checkpoint-every", "2", "--checkpoint-dir", path(&ck)],
+            &[("DISAGMOE_TEST_FAULTS", &faults)],
+        );
+        let out = run_bounded(cmd);
         assert!(!out.status.success(), "{at}: the run was killed");
         let complete = checkpoints(&ck);
         let want: &[&str] = if at == "committed" { &["step-00000002", "step-00000004"] } else { &["step-00000002"] };
