@@ -251,10 +251,7 @@ impl TrainArgs {
             cfg.model.dir = self.model_dir.clone();
         }
         set!(model_preset => model.preset, bias_update_rate => model.bias_update_rate);
-        set!(router_z_loss_coef => model.router_z_loss_coef);
-        if let Some(c) = self.capacity_factor {
-            cfg.model.capacity_factor = Some(c);
-        }
+        set!(router_z_loss_coef => model.router_z_loss_coef, capacity_factor => model.capacity_factor);
         if self.force_balanced_routing {
             cfg.model.force_balanced_routing = true;
         }

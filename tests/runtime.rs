@@ -158,14 +158,15 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
     }
 }
 
+/// Every line of a run's metrics.
+fn metrics(out: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 /// `eval_loss` of each evaluated step of a run's metrics.
 fn eval_losses(out: &std::path::Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter_map(|m| Some((m["step"].as_u64()?, m.get("eval_loss")?.as_f64()?)))
-        .collect()
+    metrics(out).iter().filter_map(|m| Some((m["step"].as_u64()?, m.get("eval_loss")?.as_f64()?))).collect()
 }
 
 /// Checks that `got`'s evaluations are `want`'s (same steps, losses within 1e-5).
@@ -195,12 +196,6 @@ fn evaluation_under_every_placement_equals_single_and_changes_nothing() {
             assert_same_evals(&format!("{preset} {name}"), &eval_losses(&out(name)), &want);
         }
     }
-}
-
-/// Every line of a run's metrics.
-fn metrics(out: &std::path::Path) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 #[test]

@@ -237,7 +237,7 @@ pub struct CausalLm<B: Backend, C, A: Module<B>, R: Module<B>, X: Module<B>> {
     config: C,
     #[module(skip)]
     rope: Rope,
-    /// Router z-loss and forced balance of every MoE layer.
+    /// Router z-loss, capacity and forced balance of every MoE layer.
     #[module(skip)]
     routing: RoutingOptions,
 }
@@ -319,7 +319,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         &self.config
     }
 
-    /// Sets the router options (z-loss, forced balance) of every MoE layer.
+    /// Sets the router options (z-loss, capacity, forced balance) of every MoE layer.
     pub fn set_routing(&mut self, routing: RoutingOptions) {
         self.routing = routing;
         for moe in self.layers.iter_mut().filter_map(|l| l.mlp.moe_mut()) {

@@ -349,7 +349,8 @@ pub struct RouterOutput<B: Backend> {
 }
 
 /// Router options from the literature that act on any [`Router`]'s decision, so every family has
-/// them: ST-MoE's router z-loss and forced balanced routing for throughput benchmarks.
+/// them: ST-MoE's router z-loss, a capacity factor with token dropping, and forced balanced
+/// routing for throughput benchmarks.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RoutingOptions {
     /// Router z-loss coefficient (ST-MoE): each MoE layer adds `coef x mean_t logsumexp(logits_t)^2`
@@ -369,7 +370,37 @@ pub struct RoutingOptions {
 /// skips ids outside its experts).
 pub const DROPPED: usize = usize::MAX;
 
+/// A layer's routing of one micro-batch under [`RoutingOptions`]: what both the whole model
+/// ([`SparseMoeBlock::forward`]) and the runtime's attention workers act on.
+#[derive(Debug, Clone)]
+pub struct Routed<B: Backend> {
+    /// The decision (the router's, or the forced round robin), gate weights included.
+    pub route: RouterOutput<B>,
+    /// Its statistics, with the z-loss (when on) and the copies dropped for capacity.
+    pub stats: RouterStats<B>,
+    /// The expert of each routed copy that is computed: `route.ids` with the copies past an
+    /// expert's capacity replaced by [`DROPPED`].
+    pub kept: Vec<usize>,
+}
+
 impl RoutingOptions {
+    /// Routes a micro-batch of `sequences` sequences: the router's `decision` with these options
+    /// applied (forced balance, then capacity), and its statistics.
+    pub fn route<B: Backend>(
+        &self,
+        decision: RouterOutput<B>,
+        sequences: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> Routed<B> {
+        let route = self.apply(decision);
+        let mut stats = RouterStats::new(&route, sequences, experts, top_k);
+        stats.z_loss = self.z_loss(&route);
+        let (kept, dropped) = self.keep_within_capacity(&route.ids, experts, top_k);
+        stats.dropped = dropped;
+        Routed { route, stats, kept }
+    }
+
     /// The decision a layer acts on: the router's, or the round-robin one when forced.
     pub fn apply<B: Backend>(&self, mut route: RouterOutput<B>) -> RouterOutput<B> {
         if self.force_balanced {
@@ -608,7 +639,7 @@ pub struct SparseMoeBlock<B: Backend, R: Module<B>, X: Module<B>> {
     pub experts: X,
     /// Shared experts every token goes through (`mlp.shared_experts`).
     pub shared_experts: Option<SwiGluMlp<B>>,
-    /// Router z-loss and forced balance.
+    /// Router z-loss, capacity and forced balance.
     #[module(skip)]
     pub routing: RoutingOptions,
 }
@@ -625,13 +656,9 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]); // [T, M]
                                           // 1. route
-        let routed = self.routing.apply(self.gate.route(flat.clone()));
         let (e, k) = (self.experts.num_experts(), self.gate.top_k());
-        let mut stats = RouterStats::new(&routed, b, e, k);
-        stats.z_loss = self.routing.z_loss(&routed);
+        let Routed { route: routed, stats, kept } = self.routing.route(self.gate.route(flat.clone()), b, e, k);
         // 2. dispatch (the copies within capacity)
-        let (kept, dropped) = self.routing.keep_within_capacity(&routed.ids, e, k);
-        stats.dropped = dropped;
         let dispatch = Dispatch::new(&kept, e, k);
         let xs = dispatch.permute(flat.clone()); // [N, M]
                                                  // 3. compute
@@ -652,9 +679,8 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
     pub fn forward_per_token(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, m] = x.dims();
         let flat = x.reshape([b * s, m]);
-        let routed = self.routing.apply(self.gate.route(flat.clone()));
         let (k, e) = (self.gate.top_k(), self.experts.num_experts());
-        let (kept, _) = self.routing.keep_within_capacity(&routed.ids, e, k);
+        let Routed { route: routed, kept, .. } = self.routing.route(self.gate.route(flat.clone()), b, e, k);
         let rows: Vec<Tensor<B, 2>> = (0..b * s)
             .map(|t| {
                 let xt = flat.clone().narrow(0, t, 1); // [1, M]

@@ -95,15 +95,17 @@ impl Tokenizer for HfTokenizer {
     }
 }
 
-/// The tokenizer of a run or a checkpoint: `explicit` (a `tokenizer.json`), else the one in
-/// `model_dir`, else bytes.
+/// The `tokenizer.json` of a run or a checkpoint: `explicit`, else the one in `model_dir` when it
+/// has one; `None`: byte-level.
+pub fn tokenizer_file(explicit: Option<&Path>, model_dir: Option<&Path>) -> Option<PathBuf> {
+    explicit.map(Path::to_path_buf).or_else(|| model_dir.map(|d| d.join("tokenizer.json")).filter(|p| p.exists()))
+}
+
+/// The tokenizer of a run or a checkpoint: [`tokenizer_file`]'s, else bytes.
 pub fn tokenizer_for(explicit: Option<&Path>, model_dir: Option<&Path>) -> Result<Box<dyn Tokenizer>> {
-    Ok(match (explicit, model_dir) {
-        (Some(path), _) => Box::new(HfTokenizer::from_file(path)?),
-        (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
-            Box::new(HfTokenizer::from_file(dir.join("tokenizer.json"))?)
-        }
-        _ => Box::new(ByteTokenizer),
+    Ok(match tokenizer_file(explicit, model_dir) {
+        Some(path) => Box::new(HfTokenizer::from_file(path)?),
+        None => Box::new(ByteTokenizer),
     })
 }
 

@@ -13,7 +13,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use disagmoe_models::{HfCheckpoint, ModelConfig, MoeCausalLm};
+use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
@@ -62,12 +62,6 @@ pub fn evaluate_rows<B: burn::tensor::backend::Backend>(
     })?[0])
 }
 
-/// Whether a run adds the balance loss: as configured, else as the family decides; never without
-/// MoE layers.
-pub fn with_aux_loss(cfg: &RunConfig, model: &ModelConfig) -> bool {
-    cfg.model.aux_loss.unwrap_or(model.aux_loss_by_default()) && !model.sparse_layers().is_empty()
-}
-
 impl<B: AutodiffBackend> SingleDevice<B> {
     /// The engine of `cfg`: a fresh (or `model.dir`) model, or the model and optimizer state of the
     /// checkpoint `resume` when resuming.
@@ -107,7 +101,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             in_flight: 1,
         };
         Ok(Self {
-            with_aux: with_aux_loss(cfg, &mconf),
+            with_aux: cfg.model.with_aux_loss(mconf.aux_loss_by_default(), !mconf.sparse_layers().is_empty()),
             model: Some(model),
             opt,
             device: device.clone(),

@@ -263,7 +263,7 @@ macro_rules! families {
                 match self { $(Self::$variant(m) => m.forward(ids),)* }
             }
 
-            /// Sets the router options (z-loss, forced balance) of every MoE layer.
+            /// Sets the router options (z-loss, capacity, forced balance) of every MoE layer.
             pub fn set_routing(&mut self, routing: crate::moe::RoutingOptions) {
                 match self { $(Self::$variant(m) => m.set_routing(routing),)* }
             }

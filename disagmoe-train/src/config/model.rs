@@ -44,6 +44,12 @@ pub struct ModelOptions {
 }
 
 impl ModelOptions {
+    /// Whether a run adds the balance loss: as configured, else as the family decides
+    /// (`family_default`); never without MoE layers.
+    pub fn with_aux_loss(&self, family_default: bool, has_moe_layers: bool) -> bool {
+        self.aux_loss.unwrap_or(family_default) && has_moe_layers
+    }
+
     /// The router options every MoE layer applies.
     pub fn routing(&self) -> disagmoe_models::RoutingOptions {
         disagmoe_models::RoutingOptions {

@@ -222,32 +222,30 @@ where
     C::Experts<B>: TrainModule<B>,
 {
     check_distributed(cfg)?;
-    {
-        let layers = config.dims().num_hidden_layers;
-        let mut layout = layout_of(cfg, layers, config.routed_experts())?;
-        layout.shared_experts =
-            (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
-        layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
-        let rope = config.rope().tables::<B>(cfg.data.seq, device);
-        let source = match (resume, &cfg.model.dir) {
-            (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),
-            (None, Some(dir)) => WeightSource::Checkpoint(dir.clone()),
-            (None, None) => WeightSource::Seed(cfg.seed),
-        };
-        let d = config.dims();
-        let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size)?;
-        let sparse = (0..layers).any(|l| config.is_sparse_layer(l));
-        let with_aux = cfg.model.aux_loss.unwrap_or(config.aux_loss_by_default()) && sparse;
-        let shared = Arc::new(Shared {
-            cfg: cfg.clone(),
-            settings: step_settings(cfg, with_aux, config.aux_loss(), window),
-            layout,
-            rope,
-            source,
-            hf_config: config.to_hf_json(),
-            resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
-        });
-        let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size };
-        engine::Distributed::start(shared, config.clone(), facts, device)
-    }
+    let layers = config.dims().num_hidden_layers;
+    let mut layout = layout_of(cfg, layers, config.routed_experts())?;
+    layout.shared_experts =
+        (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
+    layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
+    let rope = config.rope().tables::<B>(cfg.data.seq, device);
+    let source = match (resume, &cfg.model.dir) {
+        (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),
+        (None, Some(dir)) => WeightSource::Checkpoint(dir.clone()),
+        (None, None) => WeightSource::Seed(cfg.seed),
+    };
+    let d = config.dims();
+    let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size)?;
+    let with_aux =
+        cfg.model.with_aux_loss(config.aux_loss_by_default(), (0..layers).any(|l| config.is_sparse_layer(l)));
+    let shared = Arc::new(Shared {
+        cfg: cfg.clone(),
+        settings: step_settings(cfg, with_aux, config.aux_loss(), window),
+        layout,
+        rope,
+        source,
+        hf_config: config.to_hf_json(),
+        resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
+    });
+    let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size };
+    engine::Distributed::start(shared, config.clone(), facts, device)
 }

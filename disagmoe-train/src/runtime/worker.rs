@@ -32,7 +32,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use disagmoe_models::causal_lm::next_token_cross_entropy;
 use disagmoe_models::decoder::AttentionLayer;
-use disagmoe_models::moe::{Experts, Router, RouterStats, RoutingOptions};
+use disagmoe_models::moe::{Experts, Routed, Router, RoutingOptions};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 use disagmoe_models::{AuxLoss, TrainModule};
 
@@ -75,7 +75,7 @@ pub struct StepSettings {
     /// Micro-batches an embedding worker keeps in flight (started, backward not finished):
     /// `ep` runs 1F1B with one; AF-Pipe starts a new one whenever one finishes.
     pub in_flight: usize,
-    /// Router z-loss and forced balance, applied to every routed layer's decision.
+    /// Router z-loss, capacity and forced balance, applied to every routed layer's decision.
     pub routing: RoutingOptions,
     /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
     /// process exits under MPI, the thread ends silently in-process).
@@ -605,12 +605,11 @@ where
         Ok(())
     }
 
-    /// Runs one training step on `batch` (the step's whole batch; each worker uses its micro-batches;
-    /// workers without the embedding may pass an empty slice), all-reduces, updates with learning
-    /// rate `lr`, and returns the step's global outcome.
-    /// Runs one pass over `batch`: forward and backward of every micro-batch, the global sums, and
-    /// (when `update`) the gradient reduction and the optimizer step. A pass without `update` is an
-    /// evaluation: the model is left as it was and the outcome's losses are the batch's. `step`
+    /// Runs one pass over `batch` (the step's whole batch; each worker uses its micro-batches;
+    /// workers without the embedding may pass an empty slice): forward and backward of every
+    /// micro-batch, the global sums, and (when `update`) the gradient reduction and the optimizer
+    /// step with learning rate `lr`; returns the pass's global outcome. A pass without `update` is
+    /// an evaluation: the model is left as it was and the outcome's losses are the batch's. `step`
     /// tags the pass's messages: training steps from 1, evaluations from [`EVAL_PASS_BASE`].
     pub fn run_step(
         &mut self,
@@ -859,29 +858,29 @@ where
             (h, aux, from, None)
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device });
-        let mut out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
-        let routing = self.settings.routing;
-        out.route = out.route.map(|r| routing.apply(r));
-        // The router z-loss: its value joins the step's loss here, its gradient this layer's
-        // backward.
-        let z = out.route.as_ref().and_then(|r| routing.z_loss(r));
-        if let Some(z) = &z {
-            let value = z.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
-            self.losses.z += value;
-            self.losses.total += routing.z_loss_coef * value;
-        }
+        let out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
         let top_k = stage.top_k();
         let holders = self.layout.ffn_holders(layer);
         let [t, m] = out.normed.dims();
         let mut sent = Vec::with_capacity(holders.len());
-        let mut prob_sum = None;
+        let (mut prob_sum, mut z) = (None, None);
         let mut msgs = Vec::with_capacity(holders.len());
-        match (&out.route, top_k) {
-            (Some(route), Some(k)) => {
+        match (out.route, top_k) {
+            (Some(decision), Some(k)) => {
                 let e = self.layout.experts;
-                // Routing statistics per sequence: the load metrics, the aux-loss-free bias update,
-                // and (carried to the head) the balance loss.
-                let stats = RouterStats::new(route, self.settings.mb_rows, e, k);
+                // The decision under the run's router options, with its statistics per sequence:
+                // the load metrics, the aux-loss-free bias update, (carried to the head) the
+                // balance loss, the copies dropped for capacity, and the z-loss (its value joins
+                // the step's loss here, its gradient this layer's backward).
+                let routing = self.settings.routing;
+                let Routed { route, stats, kept } = routing.route(decision, self.settings.mb_rows, e, k);
+                if let Some(loss) = &stats.z_loss {
+                    let value = loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+                    self.losses.z += value;
+                    self.losses.total += routing.z_loss_coef * value;
+                    z = Some(loss.clone());
+                }
+                *self.dropped.entry(layer).or_default() += stats.dropped;
                 if self.settings.aux.is_some() {
                     let host_ps: Vec<f32> = stats.prob_sum.to_data().convert::<f32>().to_vec().expect("f32");
                     aux.layers.push(LayerAux {
@@ -895,11 +894,8 @@ where
                 for (a, c) in acc.iter_mut().zip(&stats.counts) {
                     *a += c;
                 }
-                // The copies within capacity (all of them when dropless); the dropped ones go to
-                // no holder.
-                let (kept, dropped) = routing.keep_within_capacity(&route.ids, e, k);
-                *self.dropped.entry(layer).or_default() += dropped;
-                // M2N: each token once to each holder of one of its experts.
+                // M2N: each token once to each holder of one of its experts it computes (the copies
+                // dropped for capacity go to no holder).
                 let ranges: Vec<_> =
                     holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
                 for share in m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer)) {

@@ -69,7 +69,7 @@ pub struct StepReport {
     pub skipped: bool,
     /// Routed copies per expert of each MoE layer (the order of [`EngineInfo::sparse_layers`]).
     pub expert_counts: Vec<Vec<usize>>,
-    /// Routed copies dropped for capacity, per MoE layer (same order; empty when dropless).
+    /// Routed copies dropped for capacity, per MoE layer (same order; zeros when dropless).
     pub dropped: Vec<usize>,
     /// Where the time went (distributed runs).
     pub timing: StepTiming,

@@ -259,12 +259,9 @@ fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig, 
 /// Puts the run's `tokenizer.json` (`--tokenizer`, else the starting checkpoint's) next to the
 /// final model, so that `generate` and transformers read the model with the tokenizer it learned.
 fn copy_tokenizer(cfg: &RunConfig, final_dir: &Path) -> Result<()> {
-    let source = cfg
-        .data
-        .tokenizer
-        .clone()
-        .or_else(|| cfg.model.dir.as_ref().map(|d| d.join("tokenizer.json")).filter(|p| p.exists()));
-    let Some(source) = source else { return Ok(()) };
+    let Some(source) = crate::data::tokenizer_file(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref()) else {
+        return Ok(());
+    };
     let target = final_dir.join("tokenizer.json");
     let text = std::fs::read(&source).map_err(|source_err| TrainError::Io {
         action: "cannot read the tokenizer",
