@@ -4,6 +4,9 @@
 //! token, sizes that are not multiples of the 64-wide tiles, sequences not a multiple of the
 //! attention tile, GQA ratios 1/2/4, windows shorter than the sequence, sinks on and off, value
 //! head dim != key head dim), in f32 and, where the runtime has it, f16.
+//!
+//! Each path runs its backward before the other's forward: two live graphs sharing input nodes
+//! can lose their leaves when another test thread runs a backward (Burn 0.21's autodiff cleanup).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use burn::backend::Autodiff;
@@ -124,10 +127,10 @@ fn attention_matches_the_reference_with_gradients() {
         let probe = rand([b, s, h, e], seed + 4);
         let what = format!("case {i} {:?}", cases[i]);
         let got = cube::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
         let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window);
+        let gr = (want.clone() * probe).sum().backward();
         assert_close(&format!("{what} output"), &values(got.clone()), &values(want.clone()), 1e-4);
-        let gk = (got * probe.clone()).sum().backward();
-        let gr = (want * probe).sum().backward();
         for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
             assert_close(&format!("{what} {name}"), &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 2e-4);
         }
@@ -161,11 +164,11 @@ fn attention_in_half_precision_accumulates_in_f32() {
     let full = |t: &Tensor<B, 4>| t.clone().cast(FloatDType::F32).detach().require_grad();
     let (q32, k32, v32) = (full(&q), full(&k), full(&v));
     let got = cube::attention(q.clone(), k.clone(), v.clone(), None, 0.25, Some(9)).unwrap();
+    let grads = got.clone().sum().backward();
     assert_eq!(got.dtype(), DType::F16);
     let want = reference::attention(q32.clone(), k32.clone(), v32.clone(), None, 0.25, Some(9));
+    let want_grads = want.clone().sum().backward();
     assert_close("f16 attention", &values(got.clone()), &values(want.clone()), F16_OUTPUT_TOL);
-    let grads = got.sum().backward();
-    let want_grads = want.sum().backward();
     for (name, x, x32) in [("dq", &q, &q32), ("dk", &k, &k32), ("dv", &v, &v32)] {
         let dx = x.grad(&grads).unwrap();
         assert_eq!(dx.dtype(), DType::F16, "{name}");
@@ -243,21 +246,21 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
         let (_, slots) = reference::route(&ids, experts);
         let x = rand([t, m], 30).require_grad();
         let w = rand([t, k], 31).require_grad();
-        let got = cube::permute_rows(x.clone(), &slots, k).unwrap();
-        let want = reference::permute_rows(x.clone(), &slots, k);
-        assert_close("permute output", &values(got.clone()), &values(want.clone()), 0.0);
         let probe = rand([t * k, m], 32);
-        let gk = (got * probe.clone()).sum().backward();
-        let gr = (want * probe).sum().backward();
+        let got = cube::permute_rows(x.clone(), &slots, k).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
+        let want = reference::permute_rows(x.clone(), &slots, k);
+        let gr = (want.clone() * probe).sum().backward();
+        assert_close("permute output", &values(got.clone()), &values(want.clone()), 0.0);
         assert_close("permute dx", &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 1e-5);
 
         let ys = rand([t * k, m], 33).require_grad();
-        let got = cube::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
-        let want = reference::combine_rows(ys.clone(), w.clone(), &slots);
-        assert_close("combine output", &values(got.clone()), &values(want.clone()), 1e-5);
         let probe = rand([t, m], 34);
-        let gk = (got * probe.clone()).sum().backward();
-        let gr = (want * probe).sum().backward();
+        let got = cube::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
+        let want = reference::combine_rows(ys.clone(), w.clone(), &slots);
+        let gr = (want.clone() * probe).sum().backward();
+        assert_close("combine output", &values(got.clone()), &values(want.clone()), 1e-5);
         assert_close("combine dys", &values(ys.grad(&gk).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-5);
         assert_close("combine dw", &values(w.grad(&gk).unwrap()), &values(w.grad(&gr).unwrap()), 1e-4);
         let mut bad = slots.clone();
@@ -301,10 +304,10 @@ fn swiglu_experts_match_the_per_expert_reference_with_gradients() {
             .collect();
         let probe = rand([n, m], 41);
         let got = cube::swiglu_experts(xs.clone(), &counts, &experts).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
         let want = reference::swiglu_experts(xs.clone(), &counts, &experts);
+        let gr = (want.clone() * probe).sum().backward();
         assert_close(&format!("{counts:?} output"), &values(got.clone()), &values(want.clone()), 1e-4);
-        let gk = (got * probe.clone()).sum().backward();
-        let gr = (want * probe).sum().backward();
         assert_close("experts dxs", &values(xs.grad(&gk).unwrap()), &values(xs.grad(&gr).unwrap()), 1e-4);
         for (e, (g, u, d)) in experts.iter().enumerate() {
             for (name, p) in [("gate", g), ("up", u), ("down", d)] {
@@ -334,9 +337,11 @@ fn gpt_oss_experts_match_the_reference_with_gradients() {
         let gub = rand([e, 2 * i], 62).mul_scalar(0.4).require_grad();
         let dp = rand([e, i, m], 63).mul_scalar(0.4).require_grad();
         let dpb = rand([e, m], 64).mul_scalar(0.4).require_grad();
+        let probe = rand([n, m], 65);
         let got =
             cube::gpt_oss_experts(xs.clone(), &counts, gu.clone(), gub.clone(), dp.clone(), dpb.clone(), alpha, limit)
                 .unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
         let want = reference::gpt_oss_experts(
             xs.clone(),
             &counts,
@@ -347,10 +352,8 @@ fn gpt_oss_experts_match_the_reference_with_gradients() {
             alpha,
             limit,
         );
+        let gr = (want.clone() * probe).sum().backward();
         assert_close(&format!("{counts:?} output"), &values(got.clone()), &values(want.clone()), 1e-4);
-        let probe = rand([n, m], 65);
-        let gk = (got * probe.clone()).sum().backward();
-        let gr = (want * probe).sum().backward();
         assert_close("dxs", &values(xs.grad(&gk).unwrap()), &values(xs.grad(&gr).unwrap()), 1e-4);
         assert_close("d gate_up", &grad_or_zeros(&gu, &gk), &grad_or_zeros(&gu, &gr), 1e-4);
         assert_close("d gate_up_bias", &grad_or_zeros(&gub, &gk), &grad_or_zeros(&gub, &gr), 1e-4);

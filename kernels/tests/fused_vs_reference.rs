@@ -3,6 +3,9 @@
 //! grouped-query ratios 1/2/4, windows shorter and longer than the sequence, value dim != key
 //! dim, strided inputs, rows of odd width), plus AdamW against its closed form and the switches
 //! that turn the fused path off.
+//!
+//! Each path runs its backward before the other's forward: two live graphs sharing input nodes
+//! can lose their leaves when another test thread runs a backward (Burn 0.21's autodiff cleanup).
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
@@ -56,11 +59,11 @@ fn attention_matches_the_reference_with_gradients() {
         let scale = 0.37;
         let fused =
             cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window).expect("applies to Autodiff<Flex>");
+        let gf = (fused.clone() * probe.clone()).sum().backward();
         let reference = disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window);
+        let gr = (reference.clone() * probe).sum().backward();
         let what = format!("case {i} {:?}", cases[i]);
         assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
-        let gf = (fused * probe.clone()).sum().backward();
-        let gr = (reference * probe).sum().backward();
         assert_close(&format!("{what} dq"), &values(q.grad(&gf).unwrap()), &values(q.grad(&gr).unwrap()), 5e-5);
         assert_close(
             &format!("{what} dk"),
@@ -95,11 +98,11 @@ fn rms_norm_matches_the_reference_with_gradients() {
         let w = rand([shape[2]], 5).require_grad();
         let probe = rand(shape, 6);
         let fused = cpu::rms_norm(x.clone(), w.clone(), eps).unwrap();
+        let gf = (fused.clone() * probe.clone()).sum().backward();
         let inv = x.clone().square().mean_dim(2).add_scalar(eps).sqrt().recip();
         let reference = x.clone() * inv * w.clone().unsqueeze::<3>();
+        let gr = (reference.clone() * probe).sum().backward();
         assert_close("rms output", &values(fused.clone()), &values(reference.clone()), 1e-5);
-        let gf = (fused * probe.clone()).sum().backward();
-        let gr = (reference * probe).sum().backward();
         assert_close("rms dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 2e-5);
         assert_close("rms dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 2e-5);
     }
@@ -111,10 +114,10 @@ fn swiglu_matches_the_reference_with_gradients() {
     let u = rand([67, 33], 8).require_grad();
     let probe = rand([67, 33], 9);
     let fused = cpu::swiglu(g.clone(), u.clone()).unwrap();
+    let gf = (fused.clone() * probe.clone()).sum().backward();
     let reference = silu(g.clone()) * u.clone();
+    let gr = (reference.clone() * probe).sum().backward();
     assert_close("swiglu output", &values(fused.clone()), &values(reference.clone()), 1e-6);
-    let gf = (fused * probe.clone()).sum().backward();
-    let gr = (reference * probe).sum().backward();
     assert_close("swiglu dg", &values(g.grad(&gf).unwrap()), &values(g.grad(&gr).unwrap()), 1e-5);
     assert_close("swiglu du", &values(u.grad(&gf).unwrap()), &values(u.grad(&gr).unwrap()), 1e-5);
 }
@@ -127,14 +130,14 @@ fn rope_matches_the_reference_with_gradients() {
     let sin = rand([1, 1, s, d], 12);
     let probe = rand([b, s, h, d], 13);
     let fused = cpu::rope(x.clone(), cos.clone(), sin.clone()).unwrap();
+    let gf = (fused.clone() * probe.clone()).sum().backward();
     // Reference in [B, H, S, D]: x * cos + rotate_half(x) * sin.
     let xt = x.clone().swap_dims(1, 2);
     let x1 = xt.clone().narrow(3, 0, d / 2);
     let x2 = xt.clone().narrow(3, d / 2, d / 2);
     let reference = (xt * cos + Tensor::cat(vec![x2.neg(), x1], 3) * sin).swap_dims(1, 2);
+    let gr = (reference.clone() * probe).sum().backward();
     assert_close("rope output", &values(fused.clone()), &values(reference.clone()), 1e-6);
-    let gf = (fused * probe.clone()).sum().backward();
-    let gr = (reference * probe).sum().backward();
     assert_close("rope dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
 }
 
@@ -148,13 +151,13 @@ fn cross_entropy_matches_the_reference_with_gradients() {
         &Default::default(),
     );
     let fused = cpu::next_token_cross_entropy(logits.clone(), &labels).unwrap();
+    let gf = fused.clone().mul_scalar(2.5).backward();
     let n = b * (s - 1);
     let logp = log_softmax(logits.clone().narrow(1, 0, s - 1).reshape([n, v]), 1);
     let reference = logp.gather(1, ids.reshape([n, 1])).mean().neg();
+    let gr = reference.clone().mul_scalar(2.5).backward();
     assert_close("ce loss", &values(fused.clone()), &values(reference.clone()), 1e-6);
     // A scaled loss checks that the incoming gradient is applied.
-    let gf = fused.mul_scalar(2.5).backward();
-    let gr = reference.mul_scalar(2.5).backward();
     assert_close("ce dlogits", &values(logits.grad(&gf).unwrap()), &values(logits.grad(&gr).unwrap()), 1e-6);
     assert!(cpu::next_token_cross_entropy(logits.clone(), &labels[1..]).is_none(), "wrong label count");
     let mut bad = labels.clone();
@@ -169,10 +172,10 @@ fn linear_matches_the_reference_with_gradients() {
         let w = rand([d_out, d_in], 16).require_grad();
         let probe = rand([rows, d_out], 17);
         let fused = cpu::linear(x.clone(), w.clone()).unwrap();
+        let gf = (fused.clone() * probe.clone()).sum().backward();
         let reference = x.clone().matmul(w.clone().transpose());
+        let gr = (reference.clone() * probe).sum().backward();
         assert_close("linear output", &values(fused.clone()), &values(reference.clone()), 1e-5);
-        let gf = (fused * probe.clone()).sum().backward();
-        let gr = (reference * probe).sum().backward();
         assert_close("linear dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-5);
         assert_close("linear dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 1e-5);
     }
@@ -271,16 +274,18 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
         TensorData::new(slots.iter().map(|&s| (s / k) as i64).collect::<Vec<_>>(), [t * k]),
         &Default::default(),
     );
-    let fused = cpu::permute_rows(x.clone(), &slots, k).unwrap();
-    let reference = x.clone().select(0, tokens.clone());
-    assert_close("permute output", &values(fused.clone()), &values(reference.clone()), 0.0);
     let probe = rand([t * k, m], 32);
-    let gf = (fused * probe.clone()).sum().backward();
-    let gr = (reference * probe).sum().backward();
+    let fused = cpu::permute_rows(x.clone(), &slots, k).unwrap();
+    let gf = (fused.clone() * probe.clone()).sum().backward();
+    let reference = x.clone().select(0, tokens.clone());
+    let gr = (reference.clone() * probe).sum().backward();
+    assert_close("permute output", &values(fused.clone()), &values(reference.clone()), 0.0);
     assert_close("permute dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
 
     let ys = rand([t * k, m], 33).require_grad();
+    let probe = rand([t, m], 34);
     let fused = cpu::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+    let gf = (fused.clone() * probe.clone()).sum().backward();
     let slot_idx = Tensor::<B, 1, Int>::from_data(
         TensorData::new(slots.iter().map(|&s| s as i64).collect::<Vec<_>>(), [t * k]),
         &Default::default(),
@@ -292,10 +297,8 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
         ys.clone() * wr,
         burn::tensor::IndexingUpdateOp::Add,
     );
+    let gr = (reference.clone() * probe).sum().backward();
     assert_close("combine output", &values(fused.clone()), &values(reference.clone()), 1e-6);
-    let probe = rand([t, m], 34);
-    let gf = (fused * probe.clone()).sum().backward();
-    let gr = (reference * probe).sum().backward();
     assert_close("combine dys", &values(ys.grad(&gf).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-6);
     assert_close("combine dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 1e-5);
     // Not a permutation: refused.
@@ -323,6 +326,7 @@ fn grouped_experts_match_the_per_expert_reference_with_gradients() {
             .collect();
         let probe = rand([n, m], 41);
         let fused = cpu::swiglu_experts(xs.clone(), &counts, &experts).unwrap();
+        let gf = (fused.clone() * probe.clone()).sum().backward();
         let mut outs = Vec::new();
         let mut start = 0;
         for (e, &c) in counts.iter().enumerate() {
@@ -335,9 +339,8 @@ fn grouped_experts_match_the_per_expert_reference_with_gradients() {
             start += c;
         }
         let reference = Tensor::cat(outs, 0);
+        let gr = (reference.clone() * probe).sum().backward();
         assert_close(&format!("{counts:?} output"), &values(fused.clone()), &values(reference.clone()), 1e-5);
-        let gf = (fused * probe.clone()).sum().backward();
-        let gr = (reference * probe).sum().backward();
         assert_close("experts dxs", &values(xs.grad(&gf).unwrap()), &values(xs.grad(&gr).unwrap()), 2e-5);
         for (e, (g, u, d)) in experts.iter().enumerate() {
             for (name, p) in [("gate", g), ("up", u), ("down", d)] {
