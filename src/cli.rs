@@ -10,6 +10,7 @@ use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use disagmoe_train::runtime;
 use disagmoe_train::{
     AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary,
     TransportKind,
@@ -365,6 +366,13 @@ pub struct CompareArgs {
     /// (--attn-workers + --ffn-workers) unless --workers says otherwise.
     #[command(flatten)]
     pub train: TrainArgs,
+    /// Also predict every run with the simulator (`disagmoe-core`), from a calibration run per
+    /// placement: the same configuration traced without link emulation (ep's serves ep-overlap).
+    #[arg(long)]
+    pub predict: bool,
+    /// Steps of each calibration run (the first is left out of its medians).
+    #[arg(long, default_value_t = 4, value_name = "N", requires = "predict")]
+    pub calibration_steps: usize,
 }
 
 /// One run of a comparison, as `compare` prints it.
@@ -377,8 +385,18 @@ pub struct CompareRow {
     /// Workers, and CPU threads each computed with.
     pub workers: usize,
     pub threads_per_worker: usize,
-    /// Mean step wall time, seconds.
+    /// Mean step wall time after the first step (its warm-up left out when there are two or
+    /// more), seconds.
     pub step_s: f64,
+    /// The simulator's prediction for this run (`--predict`): step time, exposed communication
+    /// (waits while the awaited data was queued for or on the wire: what `in_flight_wait_s`
+    /// measures; `exposed_comm_s` also counts waiting for a peer still computing) and compute.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_step_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_exposed_comm_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_compute_s: Option<f64>,
     /// Per step, summed over workers: waits for data, the part with the data on the wire,
     /// compute, and emulated-link time, seconds.
     pub exposed_comm_s: f64,
@@ -397,6 +415,10 @@ pub struct CompareRow {
 /// micro-batches, links and threads per worker; prints a table on stderr and `{"runs": [...]}` as
 /// one JSON line on stdout.
 pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
+    if args.predict && args.calibration_steps < 2 {
+        let why = format!("must be at least 2 (the first step is left out), got {}", args.calibration_steps);
+        return Err(disagmoe_train::TrainError::option("calibration_steps", why).into());
+    }
     let mut train = args.train.clone();
     train.placement = Some(PlacementArg::Disagg);
     let base = train.run_config()?;
@@ -429,15 +451,41 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     for (name, cfg) in &runs {
         cfg.validate().with_context(|| format!("the {name} run"))?;
     }
+    // Calibrations first (ep's, at one micro-batch in flight, also serves ep-overlap).
+    let calibrated = if args.predict {
+        let steps = args.calibration_steps;
+        let calibrate = |cfg: &RunConfig, name: &str| {
+            disagmoe_train::launch::calibrate::<TrainBackend>(cfg, &device, steps)
+                .with_context(|| format!("the calibration run of {name}"))
+        };
+        Some([calibrate(&runs[0].1, "ep")?, calibrate(&runs[2].1, "disagg")?])
+    } else {
+        None
+    };
     let mut rows = Vec::new();
-    for (name, cfg) in &runs {
+    for (i, (name, cfg)) in runs.iter().enumerate() {
         let s = disagmoe_train::train::<TrainBackend>(cfg, &device).with_context(|| format!("the {name} run"))?;
+        let in_flight = s.in_flight.unwrap_or(1);
+        let predicted = match &calibrated {
+            Some(c) => {
+                let c = &c[usize::from(i == 2)];
+                let link = runtime::link_model(cfg);
+                Some(runtime::predict::predict(&c.layout, &c.calibration, in_flight, link)?)
+            }
+            None => None,
+        };
+        // The steady step: the first step's warm-up left out.
+        let steady =
+            if s.steps >= 2 { (s.step_s * s.steps as f64 - s.first_step_s) / (s.steps - 1) as f64 } else { s.step_s };
         rows.push(CompareRow {
             placement: name.to_string(),
-            in_flight: s.in_flight.unwrap_or(1),
+            in_flight,
             workers: s.workers,
             threads_per_worker: s.threads_per_worker,
-            step_s: s.step_s,
+            step_s: steady,
+            predicted_step_s: predicted.map(|p| p.step_s),
+            predicted_exposed_comm_s: predicted.map(|p| p.exposed_comm_s),
+            predicted_compute_s: predicted.map(|p| p.compute_s),
             exposed_comm_s: s.exposed_comm_s,
             in_flight_wait_s: s.in_flight_wait_s,
             compute_s: s.compute_s,
@@ -476,8 +524,39 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             r.bytes_sent_per_worker / 1e6,
             r.tokens_per_s
         );
+        if let (Some(step), Some(exposed), Some(compute)) =
+            (r.predicted_step_s, r.predicted_exposed_comm_s, r.predicted_compute_s)
+        {
+            eprintln!(
+                "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14} {:>16.3} {:>10.3}   (step {:+.0}%)",
+                "  predicted",
+                "",
+                "",
+                "",
+                step,
+                "",
+                exposed,
+                compute,
+                100.0 * (step - r.step_s) / r.step_s
+            );
+        }
     }
-    let out = serde_json::json!({ "runs": rows });
+    let mut out = serde_json::json!({ "runs": rows });
+    if let Some(c) = &calibrated {
+        // What each prediction rests on: the calibration run's steady step and the part of it the
+        // schedule does not hold.
+        out["calibrations"] = serde_json::json!(["ep", "disagg"]
+            .iter()
+            .zip(c)
+            .map(|(name, c)| serde_json::json!({
+                "placement": name,
+                "in_flight": c.in_flight,
+                "steps": c.calibration.steps,
+                "step_s": c.calibration.step_s,
+                "overhead_s": c.calibration.overhead_s,
+            }))
+            .collect::<Vec<_>>());
+    }
     println!("{out}");
     Ok(out)
 }

@@ -464,12 +464,15 @@ fn ep_with_two_micro_batches_in_flight_trains_the_same_weights() {
     assert!(one["bytes_sent_per_worker"].as_f64().unwrap() > 0.0);
 }
 
-/// `compare` runs ep, ep-overlap and disagg at the same micro-batches and threads per worker.
+/// `compare` runs ep, ep-overlap and disagg at the same micro-batches and threads per worker, and
+/// with `--predict` gives each run the simulator's prediction from a calibration per placement.
+/// (How close the predictions are is measured by `scripts/validate-simulator.sh`, not asserted.)
 #[test]
 fn compare_runs_ep_ep_overlap_and_disagg_alike() {
     let out = bin()
         .args(["compare", "--steps", "2", "--batch", "8", "--seq", "16", "--micro-batches", "8", "--quiet"])
-        .args(["--attn-workers", "1", "--ffn-workers", "1", "--groups", "1", "--link-gbps", "1"])
+        .args(["--attn-workers", "1", "--ffn-workers", "1", "--groups", "1", "--link-gbps", "1", "--predict"])
+        .args(["--calibration-steps", "3"])
         .output()
         .unwrap();
     let s = summary(&out);
@@ -481,7 +484,16 @@ fn compare_runs_ep_ep_overlap_and_disagg_alike() {
     for r in runs {
         assert_eq!(r["summary"]["micro_batches"], 8);
         assert!(r["bytes_sent_per_worker"].as_f64().unwrap() > 0.0 && r["link_s"].as_f64().unwrap() > 0.0, "{r}");
+        let predicted = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        assert!(predicted("predicted_step_s").is_finite() && predicted("predicted_step_s") > 0.0, "{r}");
+        assert!(predicted("predicted_exposed_comm_s") >= 0.0 && predicted("predicted_compute_s") > 0.0, "{r}");
     }
+    let calibrations = s["calibrations"].as_array().unwrap();
+    assert_eq!(calibrations.iter().map(|c| c["placement"].clone()).collect::<Vec<_>>(), ["ep", "disagg"]);
+    assert!(calibrations.iter().all(|c| c["steps"] == 2 && c["step_s"].as_f64().unwrap() > 0.0), "{calibrations:?}");
+    let out = bin().args(["compare", "--predict", "--calibration-steps", "1", "--quiet"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("calibration_steps") && err.contains("at least 2"), "{err}");
 }
 
 #[test]

@@ -14,7 +14,7 @@ fn colour(kind: &OpKind) -> &'static str {
         OpKind::AttentionBackward => "#1f3d73",
         OpKind::ExpertForward => "#dd8452",
         OpKind::ExpertBackward => "#8c4a1c",
-        OpKind::WeightGradient => "#5a5a5a",
+        OpKind::WeightGradient | OpKind::Optimizer => "#5a5a5a",
         OpKind::HeadForward | OpKind::HeadBackward => "#8172b3",
         OpKind::Send { .. } | OpKind::Recv { .. } => "#55a868",
         OpKind::Dispatch { .. } | OpKind::Combine { .. } => "#c44e52",

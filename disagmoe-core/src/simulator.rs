@@ -6,7 +6,8 @@
 //! both of its own worker's, and flows sharing a port split it max-min fairly (progressive
 //! filling), so a port is never idle while a flow through it could move.
 //! Streams run one op at a time; an ordered stream in program order, a dynamic stream
-//! earliest-ready first. Receives complete when their send does.
+//! earliest-ready first. Receives complete when their send does, or `duration_s` (a link's
+//! latency) after it.
 //!
 //! [`simulate`] returns start and end times per op; [`SimReport::from_trace`] turns them into the
 //! step time, bubble time, exposed (non-overlapped) communication and per-resource utilisation.
@@ -302,6 +303,8 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
     let mut compute_events: BinaryHeap<Reverse<(Time, OpId)>> = BinaryHeap::new();
+    // Receives with a latency (`duration_s`): they complete that long after their send.
+    let mut arrivals: BinaryHeap<Reverse<(Time, OpId)>> = BinaryHeap::new();
     let mut network = Network::new(2 * schedule.workers.len());
     let mut dirty: Vec<usize> = Vec::new();
     let mut is_dirty = vec![false; streams.len()];
@@ -314,6 +317,11 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
         while let Some(i) = ready_list.pop() {
             if is_recv(i) {
                 start[i] = now;
+                let latency = schedule.ops[i].duration_s.max(0.0);
+                if latency > 0.0 {
+                    arrivals.push(Reverse((Time(now + latency), i)));
+                    continue;
+                }
                 end[i] = now;
                 completed += 1;
                 for &j in &dependents[i] {
@@ -364,7 +372,8 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
         }
         // 3. Next event: a compute op or a flow finishing.
         let next_compute = compute_events.peek().map(|Reverse((Time(t), _))| *t);
-        let next_flow = network.next_finish().unwrap_or(f64::INFINITY);
+        let next_arrival = arrivals.peek().map_or(f64::INFINITY, |Reverse((Time(t), _))| *t);
+        let next_flow = network.next_finish().unwrap_or(f64::INFINITY).min(next_arrival);
         let t = match next_compute {
             Some(c) => c.min(next_flow),
             None if next_flow.is_finite() => next_flow,
@@ -384,6 +393,20 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
             }
             compute_events.pop();
             finished.push(op);
+        }
+        while let Some(Reverse((Time(at), op))) = arrivals.peek().copied() {
+            if at > now + eps {
+                break;
+            }
+            arrivals.pop();
+            end[op] = now;
+            completed += 1;
+            for &j in &dependents[op] {
+                remaining[j] -= 1;
+                if remaining[j] == 0 {
+                    ready_list.push(j);
+                }
+            }
         }
         // 4. Completions: free the stream (and GPU), release dependents.
         for op in finished {
@@ -561,7 +584,8 @@ impl SimReport {
                         if !seen.insert((wk, c)) {
                             continue;
                         }
-                        if trace.end[c] > ready(c) && !matches!(schedule.ops[c].kind, OpKind::Recv { .. }) {
+                        // A receive waits only when it has a latency (from its send's end).
+                        if trace.end[c] > ready(c) {
                             waited[wk].push((ready(c), trace.end[c]));
                         }
                         stack.extend(schedule.ops[c].deps.iter().copied().filter(|&d| schedule.ops[d].kind.is_comm()));
@@ -947,6 +971,27 @@ mod tests {
         // The receiver waits on both transfers with nothing to compute: all of it is exposed.
         assert!((rep.workers[1].exposed_comm_s - 2.0 * one).abs() < 1e-9, "{:?}", rep.workers[1]);
         assert_eq!(rep.workers[0].exposed_comm_s, 0.0);
+    }
+
+    #[test]
+    fn a_receive_latency_delays_the_consumer_without_holding_the_port() {
+        // Two 1 s sends back to back on W0's port, each received 0.25 s after its last byte.
+        let mut b = two_workers();
+        let send = OpKind::Send { to: 1, transfer: Transfer::M2n, backward: false };
+        let s1 = b.op(0, K::Comm, send, 0, 0, 0, vec![], 1.0, 0.0, 1.0);
+        let s2 = b.op(0, K::Comm, send, 1, 0, 0, vec![], 1.0, 0.0, 1.0);
+        let r1 = b.op(1, K::Recv, OpKind::Recv { from: 0 }, 0, 0, 0, vec![s1], 0.25, 0.0, 1.0);
+        let r2 = b.op(1, K::Recv, OpKind::Recv { from: 0 }, 1, 0, 0, vec![s2], 0.25, 0.0, 1.0);
+        let c1 = b.op(1, K::Compute, OpKind::ExpertForward, 0, 0, 0, vec![r1], 0.5, 0.0, 0.0);
+        let c2 = b.op(1, K::Compute, OpKind::ExpertForward, 1, 0, 0, vec![r2, c1], 0.5, 0.0, 0.0);
+        let sched = b.finish().unwrap();
+        let (trace, rep) = run(&sched).unwrap();
+        assert_eq!((trace.end[s1], trace.end[s2]), (1.0, 2.0), "the port is free again after the bytes");
+        assert_eq!((trace.end[r1], trace.end[r2]), (1.25, 2.25));
+        assert_eq!((trace.start[c1], trace.start[c2], trace.step_s), (1.25, 2.25, 2.75));
+        // W1 idles 1.25 s for the first message, then 0.5 s more for the second (it computes
+        // from 1.25 to 1.75): all of it exposed.
+        assert!((rep.workers[1].exposed_comm_s - 1.75).abs() < 1e-12, "{:?}", rep.workers[1]);
     }
 
     #[test]

@@ -8,7 +8,8 @@ use burn::tensor::backend::AutodiffBackend;
 use disagmoe_models::{FamilyConfig, TrainModule};
 
 use crate::config::RunConfig;
-use crate::error::Result;
+use crate::error::{Result, TrainError};
+use crate::runtime::predict::{Calibrated, Calibration};
 use crate::single::SingleDevice;
 use crate::trainer::{resume_point, StepEngine, TrainSummary};
 
@@ -72,4 +73,43 @@ fn run<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBoo
         Box::new(SingleDevice::<B>::new(cfg, device, resumed.as_ref().map(|(path, _)| path.as_path()))?)
     };
     crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
+}
+
+/// Calibrates the simulator's model of a run ([`crate::runtime::predict`]): runs `cfg` for `steps`
+/// steps traced, without link emulation, writing nothing else (no output directory, checkpoints or
+/// evaluation), and reads the durations and sizes from its trace.
+pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps: usize) -> Result<Calibrated> {
+    if steps < 2 {
+        return Err(TrainError::option("calibration_steps", format!("must be at least 2, got {steps}")));
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "disagmoe-calibration-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    ));
+    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Io {
+        action: "cannot create calibration directory",
+        path: dir.clone(),
+        source,
+    })?;
+    let trace = dir.join("trace.json");
+    let mut c = cfg.clone();
+    c.steps = steps;
+    c.out = None;
+    c.progress = false;
+    c.checkpoint = Default::default();
+    c.data.eval_every = 0;
+    c.parallel.link_gbps = None;
+    c.parallel.trace = Some(trace.clone());
+    let result = (|| {
+        let summary = train::<B>(&c, device)?;
+        let model = c.model.resolve()?;
+        let experts = model.model_shape("calibration").moe.experts;
+        let layout = crate::runtime::layout_of(&c, model.dims().num_hidden_layers, experts)?;
+        let in_flight = summary.in_flight.unwrap_or(1);
+        let calibration = Calibration::from_trace(&trace, layout.workers)?.with_overhead(&layout, in_flight)?;
+        Ok(Calibrated { layout, calibration, in_flight })
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }

@@ -6,7 +6,8 @@
 //! A [`Worker`] is a group of ranks that run the same program in lockstep (an attention group,
 //! an expert group, or a pipeline stage of the EP baselines); the ranks of a group split the
 //! tokens. Each worker has [`Stream`]s: compute streams share the worker's GPUs, the
-//! communication stream owns its port, and receives complete when their send does.
+//! communication stream owns its port, and receives complete when their send does (plus their
+//! `duration_s`, a link's latency, where one is set).
 //! Every op carries its modelled duration (`duration_s`) and volume, which the runtime ignores.
 //!
 //! Builders: [`afpipe::build_afpipe`] and the baselines in [`baselines`] (DualPipe's per-rank
@@ -56,6 +57,9 @@ pub enum StreamKind {
     Compute,
     /// Weight gradients split off the backward (DualPipe); the lowest priority for the GPUs.
     WeightGradCompute,
+    /// Expert forward of a worker that also runs attention forward, ahead of it (the runtime's
+    /// `ep` workers; see `disagmoe-train`'s `runtime::predict`).
+    ExpertForwardCompute,
     /// Sends and collectives.
     Comm,
     /// Sends of gradients, when a worker keeps them apart from activations (AF-Pipe).
@@ -67,7 +71,14 @@ pub enum StreamKind {
 impl StreamKind {
     /// Whether ops of this stream occupy the worker's GPUs.
     pub fn is_compute(self) -> bool {
-        matches!(self, Self::ForwardCompute | Self::BackwardCompute | Self::Compute | Self::WeightGradCompute)
+        matches!(
+            self,
+            Self::ForwardCompute
+                | Self::BackwardCompute
+                | Self::Compute
+                | Self::WeightGradCompute
+                | Self::ExpertForwardCompute
+        )
     }
 }
 
@@ -156,6 +167,8 @@ pub enum OpKind {
     },
     /// Gradient all-reduce over the worker's ranks.
     AllReduce,
+    /// The optimizer step (and what else ends a step on the worker) after the all-reduce.
+    Optimizer,
 }
 
 impl OpKind {
@@ -176,6 +189,7 @@ impl OpKind {
             Self::Dispatch { .. } => "dispatch",
             Self::Combine { .. } => "combine",
             Self::AllReduce => "all_reduce",
+            Self::Optimizer => "optimizer",
         }
     }
 

@@ -19,6 +19,7 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod part;
+pub mod predict;
 pub mod shards;
 pub mod trace;
 pub mod transport;
@@ -130,7 +131,8 @@ pub fn is_primary(cfg: &RunConfig) -> bool {
     }
 }
 
-pub(crate) fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
+/// The emulated link of a run config (`link_gbps`, `link_latency_us`), if any.
+pub fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
     cfg.parallel.link_gbps.map(|gbps| LinkModel { gbps, latency_us: cfg.parallel.link_latency_us })
 }
 

@@ -27,6 +27,9 @@ pub struct TraceEvent {
     pub pid: usize,
     /// Stream.
     pub tid: u32,
+    /// Payload bytes of a send (0 for other events).
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// Collects a worker's events when tracing is on.
@@ -46,6 +49,11 @@ impl Tracer {
 
     /// Records a span from `start` to `end` (microseconds).
     pub fn span(&mut self, name: impl FnOnce() -> String, cat: &str, tid: u32, start: u64, end: u64) {
+        self.span_bytes(name, cat, tid, start, end, 0);
+    }
+
+    /// Records a span that moved `bytes` (a send).
+    pub fn span_bytes(&mut self, name: impl FnOnce() -> String, cat: &str, tid: u32, start: u64, end: u64, bytes: u64) {
         if self.on {
             self.events.push(TraceEvent {
                 name: name(),
@@ -54,6 +62,7 @@ impl Tracer {
                 dur: end.saturating_sub(start),
                 pid: self.pid,
                 tid,
+                bytes,
             });
         }
     }
@@ -72,9 +81,13 @@ pub fn write_chrome_trace(path: &Path, workers: &[String], events: &[TraceEvent]
         }
     }
     for e in events {
-        out.push(serde_json::json!({
+        let mut event = serde_json::json!({
             "name": e.name, "cat": e.cat, "ph": "X", "ts": e.ts - t0, "dur": e.dur, "pid": e.pid, "tid": e.tid
-        }));
+        });
+        if e.bytes > 0 {
+            event["args"] = serde_json::json!({ "bytes": e.bytes });
+        }
+        out.push(event);
     }
     let text = serde_json::to_string(&serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"}))
         .expect("trace events serialise");

@@ -247,6 +247,19 @@ impl Msg {
         }
     }
 
+    /// The micro-batch and layer a token-exchange message belongs to.
+    pub fn at(&self) -> Option<(usize, usize)> {
+        match self {
+            Msg::Dispatch { mb, layer, .. }
+            | Msg::Combine { mb, layer, .. }
+            | Msg::Residual { mb, layer, .. }
+            | Msg::GradCombine { mb, layer, .. }
+            | Msg::GradResidual { mb, layer, .. }
+            | Msg::GradDispatch { mb, layer, .. } => Some((*mb, *layer)),
+            _ => None,
+        }
+    }
+
     /// A short name for traces.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -599,9 +599,14 @@ where
         if exchange && dst != self.rank {
             self.bytes_sent += msg.payload_bytes() as u64;
         }
+        let (at, bytes) = (msg.at(), msg.payload_bytes() as u64);
         let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
         self.link_us += wire;
-        self.tracer.span(|| format!("{kind} -> {dst}"), "send", COMM, sent, delivered);
+        let name = || match at {
+            Some((mb, layer)) => format!("{kind} L{layer} mb{mb} -> {dst}"),
+            None => format!("{kind} -> {dst}"),
+        };
+        self.tracer.span_bytes(name, "send", COMM, sent, delivered, bytes);
         Ok(())
     }
 

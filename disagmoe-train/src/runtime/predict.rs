@@ -1,0 +1,464 @@
+//! Predicting a run of the runtime with the simulator of `disagmoe-core` ("one schedule, two
+//! engines").
+//!
+//! [`schedule`] builds, from a run's [`Layout`], the [`Schedule`] that `run_step` executes:
+//! - per worker, its tasks on three compute streams in the runtime's priority: backward tasks
+//!   (the head's and each layer's, micro-batches in increasing order per layer, as
+//!   `BackwardOrder` allows them), then expert forward, then attention forward, each
+//!   earliest-ready first;
+//! - the in-flight window: micro-batch `i + K` of an embedding worker starts when the layer-0
+//!   backward of its micro-batch `i` ends;
+//! - one send per message that leaves a worker (dispatch, combine, residual and their gradients),
+//!   on the sender's port one at a time at the link's rate, received the link's latency after its
+//!   last byte (the emulated link of `--link-gbps`/`--link-latency-us`); messages to oneself
+//!   never leave;
+//! - the end of the step: every worker's all-reduces after the last backward task of all (their
+//!   bytes on the link, one latency per message of the ring), then its optimizer step.
+//!
+//! Durations and message sizes come from a [`Calibration`]: a short traced run of the same
+//! configuration without link emulation (`--trace`; [`crate::launch::calibrate`] runs one), whose tasks, messages and end-of-step spans
+//! give the medians of the steps after the first. What the schedule does not hold (the
+//! coordinator's per-step round trip, the hand-over of batches) is the calibration's measured
+//! step minus its own simulated step, added to every prediction as `overhead_s`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use disagmoe_core::schedule::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind, Transfer, WorkerRole, NO_LAYER};
+use disagmoe_core::simulator;
+
+use super::layout::Layout;
+use super::transport::LinkModel;
+use crate::config::Placement;
+use crate::error::{Result, TrainError};
+
+/// Per-task durations, message sizes and end-of-step costs of one configuration, measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Calibration {
+    /// Median duration of each compute task, seconds, by (worker, trace name: `fwd attn L0 mb3`,
+    /// `fwd experts L1 mb0`, `head mb2`, `bwd attn L0 mb3`, `bwd experts L1 mb0`).
+    pub tasks: HashMap<(usize, String), f64>,
+    /// Median payload bytes of each message that left its worker, by (sender, trace name:
+    /// `dispatch L0 mb3 -> 1`).
+    pub messages: HashMap<(usize, String), f64>,
+    /// Per worker: median end-of-step span (all-reduces and the optimizer), seconds.
+    pub end_of_step_s: Vec<f64>,
+    /// Per worker: median per step of the all-reduce messages it sent, and of their bytes.
+    pub reduce_messages: Vec<f64>,
+    pub reduce_bytes: Vec<f64>,
+    /// Median wall time from one step's end to the next's, seconds (the steps after the first).
+    pub step_s: f64,
+    /// Steps the medians are taken over.
+    pub steps: usize,
+    /// The calibration's measured step minus its simulated step, seconds (see the module doc).
+    pub overhead_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+fn bad_trace(path: &Path, what: impl std::fmt::Display) -> TrainError {
+    TrainError::option("trace", format!("{} is not a runtime trace this can calibrate from: {what}", path.display()))
+}
+
+impl Calibration {
+    /// Reads a Chrome trace written by a run of `workers` workers with `--trace` (and without
+    /// `--link-gbps`); the first step is left out when there are more.
+    pub fn from_trace(path: &Path, workers: usize) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+            action: "cannot read trace",
+            path: path.into(),
+            source,
+        })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad_trace(path, e))?;
+        let events = json["traceEvents"].as_array().ok_or_else(|| bad_trace(path, "no traceEvents"))?;
+        // Per worker: (ts, end, name, cat, bytes) of every complete event.
+        let mut per_worker: Vec<Vec<(u64, u64, String, String, u64)>> = vec![Vec::new(); workers];
+        for e in events.iter().filter(|e| e["ph"] == "X") {
+            let pid = e["pid"].as_u64().ok_or_else(|| bad_trace(path, "an event without pid"))? as usize;
+            let list = per_worker
+                .get_mut(pid)
+                .ok_or_else(|| bad_trace(path, format!("an event of worker {pid} in a run of {workers}")))?;
+            let (ts, dur) = (e["ts"].as_u64().unwrap_or(0), e["dur"].as_u64().unwrap_or(0));
+            let name = e["name"].as_str().unwrap_or_default().to_string();
+            let cat = e["cat"].as_str().unwrap_or_default().to_string();
+            list.push((ts, ts + dur, name, cat, e["args"]["bytes"].as_u64().unwrap_or(0)));
+        }
+        // Step boundaries: the end of each worker's end-of-step span.
+        let ends: Vec<Vec<u64>> = per_worker
+            .iter()
+            .map(|evs| evs.iter().filter(|e| e.3 == "optimizer").map(|e| e.1).collect::<Vec<_>>())
+            .collect();
+        let steps = ends.iter().map(Vec::len).min().unwrap_or(0);
+        if steps == 0 {
+            return Err(bad_trace(path, "a worker finished no step"));
+        }
+        let first = usize::from(steps > 1);
+        let mut tasks: HashMap<(usize, String), Vec<f64>> = HashMap::new();
+        let mut messages: HashMap<(usize, String), Vec<f64>> = HashMap::new();
+        let (mut end_of_step, mut reduce_messages, mut reduce_bytes) = (Vec::new(), Vec::new(), Vec::new());
+        for (w, evs) in per_worker.iter().enumerate() {
+            let mut sorted = ends[w].clone();
+            sorted.sort_unstable();
+            let step_of = |ts: u64| sorted.partition_point(|&end| end < ts);
+            let (mut eos, mut msgs, mut bytes) = (vec![], vec![0.0; steps], vec![0.0; steps]);
+            for (ts, end, name, cat, b) in evs {
+                let s = step_of(*ts);
+                if s < first || s >= steps {
+                    continue;
+                }
+                let secs = (end - ts) as f64 * 1e-6;
+                match cat.as_str() {
+                    "forward" | "backward" => tasks.entry((w, name.clone())).or_default().push(secs),
+                    "optimizer" => eos.push(secs),
+                    "send" if name.starts_with("reduce") => {
+                        msgs[s] += 1.0;
+                        bytes[s] += *b as f64;
+                    }
+                    "send" => messages.entry((w, name.clone())).or_default().push(*b as f64),
+                    _ => {}
+                }
+            }
+            end_of_step.push(median(eos));
+            reduce_messages.push(median(msgs[first..].to_vec()));
+            reduce_bytes.push(median(bytes[first..].to_vec()));
+        }
+        // A step ends when its last worker's does.
+        let step_end = |s: usize| ends.iter().map(|e| e[s]).max().unwrap_or(0);
+        let intervals: Vec<f64> = (1..steps).map(|s| (step_end(s) - step_end(s - 1)) as f64 * 1e-6).collect();
+        Ok(Self {
+            tasks: tasks.into_iter().map(|(k, v)| (k, median(v))).collect(),
+            messages: messages.into_iter().map(|(k, v)| (k, median(v))).collect(),
+            end_of_step_s: end_of_step,
+            reduce_messages,
+            reduce_bytes,
+            step_s: median(intervals),
+            steps: steps - first,
+            overhead_s: 0.0,
+        })
+    }
+
+    /// Sets [`Calibration::overhead_s`] from the calibration run's own `layout` and in-flight
+    /// window (simulated without a link).
+    pub fn with_overhead(mut self, layout: &Layout, in_flight: usize) -> Result<Self> {
+        if self.steps == 0 || self.step_s == 0.0 {
+            return Err(TrainError::option("steps", "calibrating needs a run of at least 2 steps"));
+        }
+        let simulated = predict(layout, &self, in_flight, None)?.step_s;
+        self.overhead_s = self.step_s - simulated;
+        Ok(self)
+    }
+}
+
+/// What the simulator predicts for a run.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Prediction {
+    /// Step wall time, seconds (the simulated step plus the calibration's overhead).
+    pub step_s: f64,
+    /// Time workers sat waiting on communication, summed over workers, seconds per step.
+    pub exposed_comm_s: f64,
+    /// Task compute, summed over workers, seconds per step.
+    pub compute_s: f64,
+}
+
+/// Predicts a run of `layout` with `in_flight` micro-batches per embedding worker over `link`
+/// (`None`: messages arrive at once).
+pub fn predict(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<LinkModel>) -> Result<Prediction> {
+    let sched = schedule(layout, cal, in_flight, link)?;
+    let (_, report) = simulator::run(&sched).map_err(|e| TrainError::option("placement", e.to_string()))?;
+    let compute_s = sched
+        .ops
+        .iter()
+        .filter(|o| {
+            matches!(
+                o.kind,
+                OpKind::AttentionForward
+                    | OpKind::AttentionBackward
+                    | OpKind::ExpertForward
+                    | OpKind::ExpertBackward
+                    | OpKind::HeadBackward
+            )
+        })
+        .map(|o| o.duration_s)
+        .sum();
+    Ok(Prediction {
+        step_s: report.step_s + cal.overhead_s,
+        exposed_comm_s: report.workers.iter().map(|w| w.exposed_comm_s).sum(),
+        compute_s,
+    })
+}
+
+/// Adds ops to a [`ScheduleBuilder`] from calibrated durations and sizes.
+struct Build<'a> {
+    b: ScheduleBuilder,
+    cal: &'a Calibration,
+    /// Bytes per second of every port (`None`: no link), and the latency in seconds.
+    rate: Option<f64>,
+    latency_s: f64,
+}
+
+impl Build<'_> {
+    fn task(
+        &mut self,
+        w: usize,
+        stream: StreamKind,
+        kind: OpKind,
+        mb: usize,
+        layer: u32,
+        name: String,
+    ) -> Result<OpId> {
+        let secs = *self.cal.tasks.get(&(w, name.clone())).ok_or_else(|| {
+            TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
+        })?;
+        Ok(self.b.op(w, stream, kind, mb, layer, 0, Vec::new(), secs, 0.0, 0.0))
+    }
+
+    fn after(&mut self, op: OpId, deps: impl IntoIterator<Item = OpId>) {
+        self.b.schedule.ops[op].deps.extend(deps);
+    }
+
+    /// The message `kind` of (`mb`, `layer`) from `from` (produced by `src`) to `to`: the op its
+    /// consumer waits on (`src` itself for a message to oneself).
+    #[allow(clippy::too_many_arguments)]
+    fn message(&mut self, kind: &str, mb: usize, layer: usize, from: usize, to: usize, src: OpId) -> Result<OpId> {
+        if from == to {
+            return Ok(src);
+        }
+        let name = format!("{kind} L{layer} mb{mb} -> {to}");
+        let bytes = *self.cal.messages.get(&(from, name.clone())).ok_or_else(|| {
+            TrainError::option("placement", format!("the calibration run has no message `{name}` from worker {from}"))
+        })?;
+        let backward = kind.starts_with("grad");
+        let transfer = if kind.ends_with("dispatch") { Transfer::M2n } else { Transfer::N2m };
+        let secs = self.rate.map_or(0.0, |r| bytes / r);
+        let kind = OpKind::Send { to, transfer, backward };
+        let send = self.b.op(from, StreamKind::Comm, kind, mb, layer as u32, 0, vec![src], secs, 0.0, bytes);
+        let recv = OpKind::Recv { from };
+        Ok(self.b.op(to, StreamKind::Recv, recv, mb, layer as u32, 0, vec![send], self.latency_s, 0.0, bytes))
+    }
+}
+
+/// The schedule the runtime executes for `layout` (see the module doc).
+pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<LinkModel>) -> Result<Schedule> {
+    let (workers, layers, mbs) = (layout.workers, layout.layers, layout.micro_batches);
+    if cal.end_of_step_s.len() != workers {
+        return Err(TrainError::option(
+            "workers",
+            format!("the calibration has {} workers, the run {workers}", cal.end_of_step_s.len()),
+        ));
+    }
+    let rate = link.map(|l| l.gbps * 1e9 / 8.0);
+    let latency_s = link.map_or(0.0, |l| l.latency_us * 1e-6);
+    let mut x = Build { b: ScheduleBuilder::new(&format!("runtime {:?}", layout.placement)), cal, rate, latency_s };
+    let streams = [
+        (StreamKind::BackwardCompute, false),
+        (StreamKind::ExpertForwardCompute, false),
+        (StreamKind::ForwardCompute, false),
+        (StreamKind::Comm, false),
+        (StreamKind::Recv, false),
+    ];
+    for w in 0..workers {
+        let role = match layout.placement {
+            Placement::Disagg if w < layout.attn_workers => WorkerRole::Attention { group: w / layout.attn_per_group },
+            Placement::Disagg => WorkerRole::Ffn { group: (w - layout.attn_workers) / layout.ffn_per_group },
+            _ => WorkerRole::Stage { stage: w },
+        };
+        x.b.worker(layout.worker_name(w), role, 1, 1, rate.unwrap_or(0.0), &streams);
+    }
+    let (fwd, xfwd, bwd) = (StreamKind::ForwardCompute, StreamKind::ExpertForwardCompute, StreamKind::BackwardCompute);
+    // The last backward task per (worker, kind, layer) so far: `BackwardOrder` runs them in
+    // micro-batch order. Layer-0 backward per micro-batch: the in-flight window.
+    let mut last_bwd: HashMap<(usize, u8, usize), OpId> = HashMap::new();
+    let mut layer0_bwd: HashMap<usize, OpId> = HashMap::new();
+    let mut all_bwd = Vec::new();
+    let owned: Vec<Vec<usize>> = (0..workers).map(|w| layout.own_micro_batches(w)).collect();
+    for m in 0..mbs {
+        let head_w = layout.head_worker(m);
+        // Forward: attention, dispatch to every holder, expert forward, combine and residual to
+        // the next layer's attention worker (the head's after the last layer).
+        let pos = owned[head_w].iter().position(|&o| o == m).unwrap_or(0);
+        let mut inputs: Vec<OpId> =
+            if pos >= in_flight { vec![layer0_bwd[&owned[head_w][pos - in_flight]]] } else { Vec::new() };
+        for l in 0..layers {
+            let a = layout.attn_worker(m, l);
+            let af = x.task(a, fwd, OpKind::AttentionForward, m, l as u32, format!("fwd attn L{l} mb{m}"))?;
+            x.after(af, inputs);
+            let next = if l + 1 < layers { layout.attn_worker(m, l + 1) } else { head_w };
+            let mut next_inputs = Vec::new();
+            for h in layout.ffn_holders(l) {
+                let d = x.message("dispatch", m, l, a, h, af)?;
+                let ff = x.task(h, xfwd, OpKind::ExpertForward, m, l as u32, format!("fwd experts L{l} mb{m}"))?;
+                x.after(ff, [d]);
+                next_inputs.push(x.message("combine", m, l, h, next, ff)?);
+            }
+            next_inputs.push(x.message("residual", m, l, a, next, af)?);
+            inputs = next_inputs;
+        }
+        let head = x.task(head_w, bwd, OpKind::HeadBackward, m, NO_LAYER, format!("head mb{m}"))?;
+        x.after(head, inputs);
+        let mut ordered = |x: &mut Build, op: OpId, key: (usize, u8, usize)| {
+            if let Some(prev) = last_bwd.insert(key, op) {
+                x.after(op, [prev]);
+            }
+        };
+        ordered(&mut x, head, (head_w, 0, 0));
+        all_bwd.push(head);
+        // Backward: the gradient of each layer's output goes to its attention worker (residual)
+        // and to its holders (their rows); their input gradients back to the attention worker.
+        let (mut src, mut src_w) = (head, head_w);
+        for l in (0..layers).rev() {
+            let a = layout.attn_worker(m, l);
+            let mut deps = vec![x.message("grad-residual", m, l, src_w, a, src)?];
+            for h in layout.ffn_holders(l) {
+                let gc = x.message("grad-combine", m, l, src_w, h, src)?;
+                let fb = x.task(h, bwd, OpKind::ExpertBackward, m, l as u32, format!("bwd experts L{l} mb{m}"))?;
+                x.after(fb, [gc]);
+                ordered(&mut x, fb, (h, 2, l));
+                all_bwd.push(fb);
+                deps.push(x.message("grad-dispatch", m, l, h, a, fb)?);
+            }
+            let ab = x.task(a, bwd, OpKind::AttentionBackward, m, l as u32, format!("bwd attn L{l} mb{m}"))?;
+            x.after(ab, deps);
+            ordered(&mut x, ab, (a, 1, l));
+            all_bwd.push(ab);
+            (src, src_w) = (ab, a);
+        }
+        layer0_bwd.insert(m, src);
+    }
+    // End of step: the all-reduces start when every worker's backward is done (they include the
+    // global sums every worker takes part in), then each worker's optimizer step.
+    for w in 0..workers {
+        let secs = x.rate.map_or(0.0, |r| cal.reduce_bytes[w] / r + cal.reduce_messages[w] * x.latency_s);
+        let ar = x.b.op(w, StreamKind::Comm, OpKind::AllReduce, 0, NO_LAYER, 0, all_bwd.clone(), secs, 0.0, 0.0);
+        x.b.op(w, bwd, OpKind::Optimizer, 0, NO_LAYER, 0, vec![ar], cal.end_of_step_s[w], 0.0, 0.0);
+    }
+    x.b.finish().map_err(|e| TrainError::option("placement", e.to_string()))
+}
+
+/// A calibrated configuration: what [`predict`] needs besides the link and the window.
+#[derive(Debug, Clone)]
+pub struct Calibrated {
+    /// The run's layout.
+    pub layout: Layout,
+    /// Measured durations and sizes.
+    pub calibration: Calibration,
+    /// The calibration run's in-flight window.
+    pub in_flight: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One layer, two micro-batches, one attention and one expert worker; attention forward 1 s,
+    /// expert forward 3 s, head 0.5 s, expert backward 4 s, attention backward 2 s, end of step
+    /// 0.25 s; every message 1000 bytes.
+    fn one_layer() -> (Layout, Calibration) {
+        let layout = Layout::disagg(1, 2, 2, 1, 1, 1).unwrap();
+        let mut cal = Calibration { end_of_step_s: vec![0.25; 2], reduce_messages: vec![0.0; 2], ..Default::default() };
+        cal.reduce_bytes = vec![0.0; 2];
+        for m in 0..2 {
+            for (w, name, s) in [
+                (0, format!("fwd attn L0 mb{m}"), 1.0),
+                (1, format!("fwd experts L0 mb{m}"), 3.0),
+                (0, format!("head mb{m}"), 0.5),
+                (1, format!("bwd experts L0 mb{m}"), 4.0),
+                (0, format!("bwd attn L0 mb{m}"), 2.0),
+            ] {
+                cal.tasks.insert((w, name), s);
+            }
+            for (w, kind, to) in
+                [(0, "dispatch", 1), (1, "combine", 0), (0, "grad-combine", 1), (1, "grad-dispatch", 0)]
+            {
+                cal.messages.insert((w, format!("{kind} L0 mb{m} -> {to}")), 1000.0);
+            }
+        }
+        (layout, cal)
+    }
+
+    #[test]
+    fn the_in_flight_window_and_the_backward_priority_shape_the_step() {
+        let (layout, cal) = one_layer();
+        // One in flight: the two micro-batches run one after the other, 10.5 s each, then the
+        // optimizer.
+        let one = predict(&layout, &cal, 1, None).unwrap();
+        assert_eq!(one.step_s, 21.25);
+        assert_eq!(one.compute_s, 2.0 * 10.5);
+        // Two in flight: the second micro-batch's attention runs under the first's experts; the
+        // expert worker takes the second forward (ready at 2 s) before the first backward (ready
+        // at 4.5 s), then backward in micro-batch order: 1, 2 | 2, 5 | 4, 4.5 | 7, 7.5 | 7, 11 |
+        // 11, 13 | 11, 15 | 15, 17 and the optimizer to 17.25.
+        assert_eq!(predict(&layout, &cal, 2, None).unwrap().step_s, 17.25);
+    }
+
+    #[test]
+    fn a_link_adds_bytes_over_the_rate_and_the_latency_per_message_on_the_path() {
+        let (layout, cal) = one_layer();
+        // 1000 bytes at 16 kbit/s: 0.5 s on the wire, 0.1 s latency: four messages on the
+        // critical path of each micro-batch, 0.6 s each.
+        let link = LinkModel { gbps: 16e-6, latency_us: 1e5 };
+        let p = predict(&layout, &cal, 1, Some(link)).unwrap();
+        assert!((p.step_s - (21.25 + 2.0 * 4.0 * 0.6)).abs() < 1e-9, "{p:?}");
+        // Each worker waits 0.6 s on each of its two incoming messages per micro-batch.
+        assert!((p.exposed_comm_s - 2.0 * 2.0 * 2.0 * 0.6).abs() < 1e-9, "{p:?}");
+        // The calibration's overhead is added as measured.
+        let cal = Calibration { overhead_s: 0.125, ..cal };
+        assert!((predict(&layout, &cal, 1, Some(link)).unwrap().step_s - (p.step_s + 0.125)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_calibration_that_does_not_fit_the_run_is_refused_by_name() {
+        let (_, cal) = one_layer();
+        let two_layers = Layout::disagg(2, 2, 2, 1, 1, 1).unwrap();
+        let e = predict(&two_layers, &cal, 1, None).unwrap_err().to_string();
+        assert!(e.contains("no task `fwd attn L1 mb0` on worker 0"), "{e}");
+        let ep = Layout::ep(1, 2, 2, 2).unwrap();
+        let e = predict(&ep, &cal, 1, None).unwrap_err().to_string();
+        assert!(e.contains("no task"), "{e}");
+    }
+
+    #[test]
+    fn a_trace_calibrates_from_the_steps_after_the_first() {
+        // Two workers, three steps; step 0 is slower and left out.
+        let mut events = Vec::new();
+        let mut ev = |name: &str, cat: &str, pid: usize, ts: u64, dur: u64, bytes: u64| {
+            let mut e =
+                serde_json::json!({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": 0});
+            if bytes > 0 {
+                e["args"] = serde_json::json!({"bytes": bytes});
+            }
+            events.push(e);
+        };
+        for (step, t0, fwd) in [(0u64, 0u64, 900u64), (1, 10_000, 100), (2, 20_000, 300)] {
+            ev("fwd attn L0 mb0", "forward", 0, t0, fwd, 0);
+            ev("dispatch L0 mb0 -> 1", "send", 0, t0 + fwd, 5, 1000 + step);
+            ev("fwd experts L0 mb0", "forward", 1, t0 + 1000, 200, 0);
+            ev("reduce -> 1", "send", 0, t0 + 2000, 1, 64);
+            ev("reduce -> 1", "send", 0, t0 + 2001, 1, 64);
+            ev("all-reduce + optimizer", "optimizer", 0, t0 + 2000, 500, 0);
+            ev("all-reduce + optimizer", "optimizer", 1, t0 + 2000, 700 + step, 0);
+            ev("wait (dispatch)", "wait", 1, t0, 1000, 0);
+        }
+        let dir = std::env::temp_dir().join(format!("disagmoe-calibration-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("trace.json");
+        std::fs::write(&path, serde_json::json!({"traceEvents": events}).to_string()).unwrap();
+        let cal = Calibration::from_trace(&path, 2).unwrap();
+        assert_eq!(cal.steps, 2);
+        assert!((cal.tasks[&(0, "fwd attn L0 mb0".to_string())] - 200e-6).abs() < 1e-12, "median of 100 and 300 us");
+        assert_eq!(cal.messages[&(0, "dispatch L0 mb0 -> 1".to_string())], 1001.5);
+        assert_eq!((cal.reduce_messages.clone(), cal.reduce_bytes.clone()), (vec![2.0, 0.0], vec![128.0, 0.0]));
+        assert!((cal.end_of_step_s[1] - 701.5e-6).abs() < 1e-12);
+        // From one step's end (the later worker's: 2700, 12701, 22702 us) to the next's.
+        assert!((cal.step_s - 10_001e-6).abs() < 1e-12, "{}", cal.step_s);
+        let e = Calibration::from_trace(&path, 1).unwrap_err().to_string();
+        assert!(e.contains("an event of worker 1 in a run of 1"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
