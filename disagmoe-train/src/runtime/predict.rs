@@ -46,12 +46,23 @@ pub struct Calibration {
     /// Per worker: median per step of the all-reduce messages it sent, and of their bytes.
     pub reduce_messages: Vec<f64>,
     pub reduce_bytes: Vec<f64>,
-    /// Median wall time from one step's end to the next's, seconds (the steps after the first).
+    /// Median over the steps after the first of the longest time between a worker's step end and
+    /// its next, seconds.
     pub step_s: f64,
     /// Steps the medians are taken over.
     pub steps: usize,
     /// The calibration's measured step minus its simulated step, seconds (see the module doc).
     pub overhead_s: f64,
+}
+
+/// A complete event of a trace, microseconds.
+#[derive(Debug, Clone)]
+struct Span {
+    start: u64,
+    end: u64,
+    name: String,
+    cat: String,
+    bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -78,8 +89,7 @@ impl Calibration {
         })?;
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad_trace(path, e))?;
         let events = json["traceEvents"].as_array().ok_or_else(|| bad_trace(path, "no traceEvents"))?;
-        // Per worker: (ts, end, name, cat, bytes) of every complete event.
-        let mut per_worker: Vec<Vec<(u64, u64, String, String, u64)>> = vec![Vec::new(); workers];
+        let mut per_worker: Vec<Vec<Span>> = vec![Vec::new(); workers];
         for e in events.iter().filter(|e| e["ph"] == "X") {
             let pid = e["pid"].as_u64().ok_or_else(|| bad_trace(path, "an event without pid"))? as usize;
             let list = per_worker
@@ -88,12 +98,16 @@ impl Calibration {
             let (ts, dur) = (e["ts"].as_u64().unwrap_or(0), e["dur"].as_u64().unwrap_or(0));
             let name = e["name"].as_str().unwrap_or_default().to_string();
             let cat = e["cat"].as_str().unwrap_or_default().to_string();
-            list.push((ts, ts + dur, name, cat, e["args"]["bytes"].as_u64().unwrap_or(0)));
+            list.push(Span { start: ts, end: ts + dur, name, cat, bytes: e["args"]["bytes"].as_u64().unwrap_or(0) });
         }
         // Step boundaries: the end of each worker's end-of-step span.
         let ends: Vec<Vec<u64>> = per_worker
             .iter()
-            .map(|evs| evs.iter().filter(|e| e.3 == "optimizer").map(|e| e.1).collect::<Vec<_>>())
+            .map(|evs| {
+                let mut ends: Vec<u64> = evs.iter().filter(|e| e.cat == "optimizer").map(|e| e.end).collect();
+                ends.sort_unstable();
+                ends
+            })
             .collect();
         let steps = ends.iter().map(Vec::len).min().unwrap_or(0);
         if steps == 0 {
@@ -104,24 +118,22 @@ impl Calibration {
         let mut messages: HashMap<(usize, String), Vec<f64>> = HashMap::new();
         let (mut end_of_step, mut reduce_messages, mut reduce_bytes) = (Vec::new(), Vec::new(), Vec::new());
         for (w, evs) in per_worker.iter().enumerate() {
-            let mut sorted = ends[w].clone();
-            sorted.sort_unstable();
-            let step_of = |ts: u64| sorted.partition_point(|&end| end < ts);
+            let step_of = |ts: u64| ends[w].partition_point(|&end| end < ts);
             let (mut eos, mut msgs, mut bytes) = (vec![], vec![0.0; steps], vec![0.0; steps]);
-            for (ts, end, name, cat, b) in evs {
-                let s = step_of(*ts);
+            for e in evs {
+                let s = step_of(e.start);
                 if s < first || s >= steps {
                     continue;
                 }
-                let secs = (end - ts) as f64 * 1e-6;
-                match cat.as_str() {
-                    "forward" | "backward" => tasks.entry((w, name.clone())).or_default().push(secs),
+                let secs = (e.end - e.start) as f64 * 1e-6;
+                match e.cat.as_str() {
+                    "forward" | "backward" => tasks.entry((w, e.name.clone())).or_default().push(secs),
                     "optimizer" => eos.push(secs),
-                    "send" if name.starts_with("reduce") => {
+                    "send" if e.name.starts_with("reduce") => {
                         msgs[s] += 1.0;
-                        bytes[s] += *b as f64;
+                        bytes[s] += e.bytes as f64;
                     }
-                    "send" => messages.entry((w, name.clone())).or_default().push(*b as f64),
+                    "send" => messages.entry((w, e.name.clone())).or_default().push(e.bytes as f64),
                     _ => {}
                 }
             }
@@ -129,9 +141,11 @@ impl Calibration {
             reduce_messages.push(median(msgs[first..].to_vec()));
             reduce_bytes.push(median(bytes[first..].to_vec()));
         }
-        // A step ends when its last worker's does.
-        let step_end = |s: usize| ends.iter().map(|e| e[s]).max().unwrap_or(0);
-        let intervals: Vec<f64> = (1..steps).map(|s| (step_end(s) - step_end(s - 1)) as f64 * 1e-6).collect();
+        // A step lasts as long as its slowest worker's (each measured on its own clock: ranks on
+        // other hosts share none).
+        let intervals: Vec<f64> = (1..steps)
+            .map(|s| ends.iter().map(|e| e[s].saturating_sub(e[s - 1])).max().unwrap_or(0) as f64 * 1e-6)
+            .collect();
         Ok(Self {
             tasks: tasks.into_iter().map(|(k, v)| (k, median(v))).collect(),
             messages: messages.into_iter().map(|(k, v)| (k, median(v))).collect(),
@@ -455,7 +469,7 @@ mod tests {
         assert_eq!(cal.messages[&(0, "dispatch L0 mb0 -> 1".to_string())], 1001.5);
         assert_eq!((cal.reduce_messages.clone(), cal.reduce_bytes.clone()), (vec![2.0, 0.0], vec![128.0, 0.0]));
         assert!((cal.end_of_step_s[1] - 701.5e-6).abs() < 1e-12);
-        // From one step's end (the later worker's: 2700, 12701, 22702 us) to the next's.
+        // Worker 1's steps end at 2700, 12701 and 22702 us, worker 0's 10000 us apart.
         assert!((cal.step_s - 10_001e-6).abs() < 1e-12, "{}", cal.step_s);
         let e = Calibration::from_trace(&path, 1).unwrap_err().to_string();
         assert!(e.contains("an event of worker 1 in a run of 1"), "{e}");
