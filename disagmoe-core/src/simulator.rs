@@ -266,6 +266,16 @@ fn fill(flows: &mut [Flow], members: &[usize], cap: &mut [f64], count: &mut [usi
     }
 }
 
+/// Counts `op` as done for each op that depends on it; those left with nothing to wait for are ready.
+fn release(op: OpId, dependents: &[Vec<OpId>], remaining: &mut [usize], ready: &mut Vec<OpId>) {
+    for &j in &dependents[op] {
+        remaining[j] -= 1;
+        if remaining[j] == 0 {
+            ready.push(j);
+        }
+    }
+}
+
 /// Runs the schedule to completion. Fails if some ops can never start (a deadlock in the
 /// program order), naming the first stuck op.
 ///
@@ -324,12 +334,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                 }
                 end[i] = now;
                 completed += 1;
-                for &j in &dependents[i] {
-                    remaining[j] -= 1;
-                    if remaining[j] == 0 {
-                        ready_list.push(j);
-                    }
-                }
+                release(i, &dependents, &mut remaining, &mut ready_list);
             } else {
                 let s = stream_of(i);
                 if !streams[s].ordered {
@@ -401,12 +406,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
             arrivals.pop();
             end[op] = now;
             completed += 1;
-            for &j in &dependents[op] {
-                remaining[j] -= 1;
-                if remaining[j] == 0 {
-                    ready_list.push(j);
-                }
-            }
+            release(op, &dependents, &mut remaining, &mut ready_list);
         }
         // 4. Completions: free the stream (and GPU), release dependents.
         for op in finished {
@@ -428,12 +428,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                     dirty.push(x);
                 }
             }
-            for &j in &dependents[op] {
-                remaining[j] -= 1;
-                if remaining[j] == 0 {
-                    ready_list.push(j);
-                }
-            }
+            release(op, &dependents, &mut remaining, &mut ready_list);
         }
     }
     if completed != n {
