@@ -31,6 +31,8 @@ if [[ -z ${BIN:-} ]]; then
   cargo build --release --features mpi --bin disagmoe
   BIN=target/release/disagmoe
 fi
+# The code measured (before the table below is written, which changes the tree).
+CODE="$(git rev-parse --short HEAD 2>/dev/null || echo "?")$(git diff --quiet HEAD 2>/dev/null || echo " with uncommitted changes")"
 ATTN=$((WORKERS / 2))
 FFN=$((WORKERS - ATTN))
 MBS=$((8 * WORKERS))
@@ -53,7 +55,7 @@ done
 # Medians per (model, link, run) over the rounds.
 {
   echo "Measured $(date -u +%Y-%m-%d) on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')),"
-  echo "binary \`$BIN\` at $(git rev-parse --short HEAD 2>/dev/null || echo "?")$(git diff --quiet HEAD 2>/dev/null || echo " with uncommitted changes"), \`scripts/validate-simulator.sh\` (REPEATS=$REPEATS STEPS=$STEPS"
+  echo "binary \`$BIN\` at $CODE, \`scripts/validate-simulator.sh\` (REPEATS=$REPEATS STEPS=$STEPS"
   echo "LATENCY_US=$LATENCY_US; $ATTN+$FFN workers for disagg, $WORKERS for ep, 1 thread each; batch $((2 * MBS)) x 128 in $MBS micro-batches):"
   echo
 jq -s '
