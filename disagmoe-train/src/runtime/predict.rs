@@ -16,8 +16,8 @@
 //!   bytes on the link, one latency per message of the ring), then its optimizer step.
 //!
 //! Durations and message sizes come from a [`Calibration`]: a short traced run of the same
-//! configuration without link emulation (`--trace`; [`crate::launch::calibrate`] runs one), whose tasks, messages and end-of-step spans
-//! give the medians of the steps after the first. What the schedule does not hold (the
+//! configuration without link emulation (`--trace`; [`crate::launch::calibrate`] runs one), whose
+//! tasks, messages and end-of-step spans give the medians of the steps after the first. What the schedule does not hold (the
 //! coordinator's per-step round trip, the hand-over of batches) is the calibration's measured
 //! step minus its own simulated step, added to every prediction as `overhead_s`.
 
@@ -239,7 +239,6 @@ impl Build<'_> {
 
     /// The message `kind` of (`mb`, `layer`) from `from` (produced by `src`) to `to`: the op its
     /// consumer waits on (`src` itself for a message to oneself).
-    #[allow(clippy::too_many_arguments)]
     fn message(&mut self, kind: &str, mb: usize, layer: usize, from: usize, to: usize, src: OpId) -> Result<OpId> {
         if from == to {
             return Ok(src);
