@@ -584,22 +584,12 @@ where
     }
 
     fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
-        let kind = msg.kind();
-        // The token exchange to other workers (a message to oneself never leaves; all-reduces are
-        // counted by `all_reduce`, whatever carries them).
-        let exchange = matches!(
-            msg,
-            Msg::Dispatch { .. }
-                | Msg::Combine { .. }
-                | Msg::Residual { .. }
-                | Msg::GradCombine { .. }
-                | Msg::GradResidual { .. }
-                | Msg::GradDispatch { .. }
-        );
-        if exchange && dst != self.rank {
-            self.bytes_sent += msg.payload_bytes() as u64;
+        let (kind, at, bytes) = (msg.kind(), msg.at(), msg.payload_bytes() as u64);
+        // The token exchange (the messages of a micro-batch and layer) to other workers (a message
+        // to oneself never leaves; all-reduces are counted by `all_reduce`, whatever carries them).
+        if at.is_some() && dst != self.rank {
+            self.bytes_sent += bytes;
         }
-        let (at, bytes) = (msg.at(), msg.payload_bytes() as u64);
         let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
         self.link_us += wire;
         let name = || match at {
