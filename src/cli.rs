@@ -42,8 +42,10 @@ pub struct TrainArgs {
     /// (default), tiny-gpt-oss, tiny-deepseek-v3, tiny-deepseek-moe, tiny-mixtral, tiny-olmoe.
     #[arg(long, value_name = "NAME")]
     pub model_preset: Option<String>,
-    /// Text corpus (UTF-8). Default: the bundled public-domain corpus.
-    #[arg(long, value_name = "FILE")]
+    /// Training data: a UTF-8 text file (tokenized at start-up), a directory written by `disagmoe
+    /// tokenize`, or a Megatron `.bin`/`.idx` pair (either file or their common prefix); token
+    /// data is memory-mapped, not loaded. Default: the bundled public-domain corpus.
+    #[arg(long, value_name = "FILE|DIR")]
     pub data: Option<PathBuf>,
     /// Hugging Face tokenizer.json. Default: the checkpoint's own, else byte-level.
     #[arg(long, value_name = "tokenizer.json")]

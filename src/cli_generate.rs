@@ -10,7 +10,7 @@ use clap::Args;
 use disagmoe_models::generate::{generate, Sampling};
 use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use disagmoe_train::config::data::DEFAULT_EVAL_FRACTION;
-use disagmoe_train::data::{tokenizer_for, PackedDataset, Tokenizer, BUNDLED_CORPUS, BUNDLED_CORPUS_NAME};
+use disagmoe_train::data::{tokenizer_for, PackedDataset, Tokenizer, BUNDLED_CORPUS_NAME};
 use disagmoe_train::DefaultBackend;
 
 /// `disagmoe generate`.
@@ -175,8 +175,9 @@ pub struct EvalArgs {
     /// Checkpoint directory (config.json + safetensors), e.g. a run's `final/`.
     #[arg(long, value_name = "DIR")]
     pub model_dir: PathBuf,
-    /// Text corpus (UTF-8) [default: the bundled corpus].
-    #[arg(long, value_name = "FILE")]
+    /// Corpus: a UTF-8 text file, a `disagmoe tokenize` directory or a Megatron `.bin`/`.idx`
+    /// pair [default: the bundled corpus].
+    #[arg(long, value_name = "FILE|DIR")]
     pub data: Option<PathBuf>,
     /// A `tokenizer.json` [default: the model directory's, else byte-level].
     #[arg(long, value_name = "FILE")]
@@ -224,12 +225,18 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     }
     let vocab = model.config().vocab_size();
     let tokenizer = checkpoint_tokenizer(&args.model_dir, args.tokenizer.as_deref(), vocab)?;
-    let data = match &args.data {
-        Some(path) => PackedDataset::from_file(path, tokenizer.as_ref(), args.seq, 0, vocab, 1)?,
-        None => PackedDataset::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), args.seq, 0, vocab, 1)?,
-    };
+    let tokenizer_path = disagmoe_train::data::tokenizer_file(args.tokenizer.as_deref(), Some(&args.model_dir));
+    let data = PackedDataset::open(
+        args.data.as_deref(),
+        tokenizer_path.as_deref(),
+        tokenizer.as_ref(),
+        args.seq,
+        0,
+        vocab,
+        1,
+    )?;
     let (rows, split) = if args.whole {
-        (data.window_rows(0..data.all_windows()), "whole")
+        (data.window_rows(0..data.all_windows())?, "whole")
     } else {
         let data = data.hold_out(args.eval_fraction)?;
         let full = data.eval_windows() / args.batch * args.batch;
@@ -244,7 +251,7 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
                 args.batch
             );
         }
-        (data.eval_rows(full), "held-out")
+        (data.eval_rows(full)?, "held-out")
     };
     let corpus = args.data.as_ref().map_or_else(|| BUNDLED_CORPUS_NAME.to_string(), |p| p.display().to_string());
     let mut sum = 0.0;

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use disagmoe::cli::{init_logging, report, run_compare, run_forward, run_train, CompareArgs, ForwardArgs, TrainArgs};
 use disagmoe::cli_generate::{run_eval, run_generate, EvalArgs, GenerateArgs};
 use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
+use disagmoe::cli_tokenize::{run_tokenize, TokenizeArgs};
 use disagmoe::plot::{run_plot, PlotArgs};
 
 /// DisagMoE: disaggregated attention/expert training for Mixture-of-Experts models.
@@ -20,6 +21,9 @@ enum Command {
     Forward(ForwardArgs),
     /// Train a model (the embedded default with no model option) and print a JSON summary.
     Train(TrainArgs),
+    /// Tokenize text, JSONL and Parquet documents once into memory-mapped token shards that
+    /// `train --data DIR` streams windows from; prints a JSON report.
+    Tokenize(TokenizeArgs),
     /// Continue a prompt with a checkpoint (KV cache; greedy, or sampled with temperature and
     /// top-p).
     Generate(GenerateArgs),
@@ -49,6 +53,7 @@ fn main() {
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
         Command::Train(args) => run_train(args).map(|_| ()),
+        Command::Tokenize(args) => run_tokenize(args).map(|_| ()),
         Command::Generate(args) => run_generate(args).map(|_| ()),
         Command::Eval(args) => run_eval(args).map(|_| ()),
         Command::Compare(args) => run_compare(args).map(|_| ()),

@@ -41,16 +41,42 @@ fn checkpoints(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn stop_after_then_resume_is_bit_identical_to_a_straight_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = tmp.path().join("ck");
-    let straight = summary(&train(&["--steps", "10"], &[]));
-    let first = summary(&train(&["--steps", "10", "--stop-after", "5", "--checkpoint-dir"], &[&ck]));
-    assert_eq!(first["steps"], 5);
-    assert_eq!(first["stopped_early"], true);
-    let resumed = summary(&train(&["--steps", "10", "--resume"], &[&ck]));
-    assert_eq!(resumed["resumed_from_step"], 5);
-    assert_eq!(resumed["losses"], straight["losses"], "losses of steps 1-10");
-    assert_eq!(resumed["param_checksum"], straight["param_checksum"]);
-    assert_eq!(checkpoints(&ck).len(), 2, "step 5 and the final step 10");
+    // The bundled text, token shards written by `disagmoe tokenize`, and a Megatron pair: a resumed
+    // run continues on the same windows.
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/megatron");
+    let shards = tmp.path().join("shards");
+    let out = bin()
+        .args(["tokenize", "--quiet", "--shard-tokens", "20000", "--input"])
+        .arg(fixtures.join("docs.jsonl"))
+        .arg("--out")
+        .arg(&shards)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let megatron = fixtures.join("docs_text_document");
+    for (name, data) in [("bundled", None), ("shards", Some(shards.as_path())), ("megatron", Some(megatron.as_path()))]
+    {
+        let ck = tmp.path().join(format!("ck-{name}"));
+        let with_data = |args: &[&str]| {
+            // Before `args`, whose last flag takes the path that `train` appends.
+            let mut a: Vec<String> = data.map(|d| vec!["--data".into(), d.display().to_string()]).unwrap_or_default();
+            a.extend(args.iter().map(|s| s.to_string()));
+            a
+        };
+        let run = |args: Vec<String>, extra: &[&Path]| {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            summary(&train(&args, extra))
+        };
+        let straight = run(with_data(&["--steps", "10"]), &[]);
+        let first = run(with_data(&["--steps", "10", "--stop-after", "5", "--checkpoint-dir"]), &[&ck]);
+        assert_eq!(first["steps"], 5, "{name}");
+        assert_eq!(first["stopped_early"], true, "{name}");
+        let resumed = run(with_data(&["--steps", "10", "--resume"]), &[&ck]);
+        assert_eq!(resumed["resumed_from_step"], 5, "{name}");
+        assert_eq!(resumed["losses"], straight["losses"], "{name}: losses of steps 1-10");
+        assert_eq!(resumed["param_checksum"], straight["param_checksum"], "{name}");
+        assert_eq!(checkpoints(&ck).len(), 2, "{name}: step 5 and the final step 10");
+    }
 }
 
 #[test]

@@ -10,7 +10,8 @@ use crate::error::{Result, TrainError};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataOptions {
-    /// Text corpus (UTF-8). Default: the bundled public-domain corpus (flag `--data`, flat key `data`).
+    /// Training data: a UTF-8 text file, a `disagmoe tokenize` directory or a Megatron `.bin`/`.idx`
+    /// pair. Default: the bundled public-domain corpus (flag `--data`, flat key `data`).
     pub path: Option<PathBuf>,
     /// A Hugging Face `tokenizer.json`. Default: the checkpoint's own if it has one, else bytes.
     pub tokenizer: Option<PathBuf>,

@@ -165,7 +165,10 @@ pub fn run(
     let mut eval_loss = None;
     for step in first_step..=last_step {
         let t0 = Instant::now();
-        let batch = data.as_mut().filter(|_| info.needs_data).map(|d| d.next_batch(cfg.data.batch)).unwrap_or_default();
+        let batch = match data.as_mut().filter(|_| info.needs_data) {
+            Some(d) => d.next_batch(cfg.data.batch)?,
+            None => Vec::new(),
+        };
         let lr = lr_schedule.at(step);
         let report = engine.step(step, &batch, lr, stop)?;
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
@@ -248,7 +251,7 @@ pub fn run(
 /// Every process calls it together; one without embedding workers passes no rows.
 fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig, with_rows: bool) -> Result<f64> {
     let batches = cfg.data.eval_batches.min(data.eval_windows() / cfg.data.batch);
-    let rows = data.eval_rows(batches * cfg.data.batch);
+    let rows = data.eval_rows(batches * cfg.data.batch)?;
     let mut sum = 0.0;
     for chunk in rows.chunks(cfg.data.batch) {
         sum += engine.evaluate(if with_rows { chunk } else { &[] })?;

@@ -7,14 +7,18 @@
 
 use std::path::{Path, PathBuf};
 
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
+pub mod corpus;
+pub mod indexed;
+pub mod order;
+pub mod tokenize;
+
+pub use corpus::{data_kind, DataKind, Tokens};
+use order::{Split, WindowOrder};
 
 use crate::error::{Result, TrainError};
 
 /// The corpus shipped with the crate (public-domain KJV text, see `disagmoe-train/data/README.md`).
-pub const BUNDLED_CORPUS: &str = include_str!("../data/kjv-genesis-leviticus.txt");
+pub const BUNDLED_CORPUS: &str = include_str!("../../data/kjv-genesis-leviticus.txt");
 /// Name of the bundled corpus in reports.
 pub const BUNDLED_CORPUS_NAME: &str = "bundled:kjv-genesis-leviticus.txt";
 
@@ -28,6 +32,8 @@ pub trait Tokenizer: Send + Sync {
     fn vocab_size(&self) -> usize;
     /// A short description for logs.
     fn describe(&self) -> String;
+    /// The id of a token named by its text (`<|endoftext|>`), if the vocabulary has it.
+    fn token_id(&self, token: &str) -> Option<u32>;
 }
 
 /// One token per UTF-8 byte: ids `0..256`.
@@ -55,6 +61,9 @@ impl Tokenizer for ByteTokenizer {
     }
     fn describe(&self) -> String {
         "byte-level (256 ids)".into()
+    }
+    fn token_id(&self, _token: &str) -> Option<u32> {
+        None
     }
 }
 
@@ -93,6 +102,9 @@ impl Tokenizer for HfTokenizer {
     fn describe(&self) -> String {
         format!("{} ({} ids)", self.path.display(), self.vocab_size())
     }
+    fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
 }
 
 /// The `tokenizer.json` of a run or a checkpoint: `explicit`, else the one in `model_dir` when it
@@ -118,22 +130,27 @@ pub struct DataPosition {
     pub cursor: usize,
 }
 
-/// The corpus as fixed-length windows, handed out in seeded shuffled batches. Some windows, evenly
-/// spread over the corpus, may be held out for evaluation ([`PackedDataset::hold_out`]): training
-/// never reads them.
+/// The corpus as fixed-length windows, handed out in seeded shuffled batches. Part of the corpus
+/// may be held out for evaluation ([`PackedDataset::hold_out`]): training never reads it.
+///
+/// The tokens stay where they are (in memory for text, memory-mapped for token shards); a window
+/// is read when it is handed out, and the order of an epoch is a list only for corpora of up to
+/// [`order::MATERIALISED_WINDOWS`] windows, a seeded permutation computed per position beyond.
 pub struct PackedDataset {
-    tokens: Vec<u32>,
+    tokens: Tokens,
     seq: usize,
     seed: u64,
-    order: Vec<usize>,
+    order: WindowOrder,
     position: DataPosition,
     source: String,
-    /// Windows kept for evaluation, in corpus order.
-    held_out: Vec<usize>,
-    /// Windows training visits, in corpus order (`order` indexes it).
-    train: Vec<usize>,
+    /// The stream's windows training visits (`order` indexes them).
+    train: Split,
+    /// The held-out part, whose windows evaluation reads.
+    held_out: Split,
     /// Training windows a run needs at least (one batch).
     min_windows: usize,
+    /// Ids must be below this.
+    model_vocab: usize,
 }
 
 impl PackedDataset {
@@ -150,23 +167,39 @@ impl PackedDataset {
         model_vocab: usize,
         min_windows: usize,
     ) -> Result<Self> {
+        if text.trim().is_empty() {
+            return Err(TrainError::Corpus { path: source.into(), message: "is empty".into() });
+        }
+        let tokens = tokenizer.encode(text)?;
+        Self::from_tokens(Tokens::Memory(tokens), source, &tokenizer.describe(), seq, seed, model_vocab, min_windows)
+    }
+
+    /// Packs a token stream into windows of `seq` tokens (see [`PackedDataset::new`]);
+    /// `tokenizer` names where the ids came from in errors.
+    pub fn from_tokens(
+        tokens: Tokens,
+        source: &str,
+        tokenizer: &str,
+        seq: usize,
+        seed: u64,
+        model_vocab: usize,
+        min_windows: usize,
+    ) -> Result<Self> {
         let corpus_err = |message: String| TrainError::Corpus { path: source.into(), message };
         if seq < 2 {
             return Err(TrainError::option("seq", format!("must be at least 2 tokens, got {seq}")));
         }
-        if text.trim().is_empty() {
+        if tokens.is_empty() {
             return Err(corpus_err("is empty".into()));
         }
-        let tokens = tokenizer.encode(text)?;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= model_vocab) {
+        if let Some(bad) = tokens.max_id().filter(|&m| m as usize >= model_vocab) {
             return Err(corpus_err(format!(
-                "tokenizer {} produced id {bad}, outside the model's vocabulary 0..{model_vocab}; \
-                 use a model whose vocab_size covers the tokenizer",
-                tokenizer.describe()
+                "tokenizer {tokenizer} produced id {bad}, outside the model's vocabulary 0..{model_vocab}; \
+                 use a model whose vocab_size covers the tokenizer"
             )));
         }
-        let windows = tokens.len() / seq;
-        if windows < min_windows.max(1) {
+        let windows = tokens.len() / seq as u64;
+        if windows < min_windows.max(1) as u64 {
             return Err(corpus_err(format!(
                 "has {} tokens, fewer than one batch of {} windows of {seq} tokens needs ({})",
                 tokens.len(),
@@ -174,45 +207,46 @@ impl PackedDataset {
                 min_windows.max(1) * seq
             )));
         }
-        let mut ds = Self {
+        let train = Split::new([(0, windows * seq as u64)]);
+        Ok(Self {
+            order: WindowOrder::new(train.windows(seq), seed, 0),
             tokens,
             seq,
             seed,
-            order: Vec::new(),
             position: DataPosition::default(),
             source: source.into(),
-            held_out: Vec::new(),
-            train: (0..windows).collect(),
+            train,
+            held_out: Split::default(),
             min_windows: min_windows.max(1),
-        };
-        ds.shuffle();
-        Ok(ds)
+            model_vocab,
+        })
     }
 
-    /// Holds out `floor(fraction x windows)` windows for evaluation, evenly spaced over the corpus
-    /// (window `floor((i + 1/2) x windows / held)` for each `i`: the same for every seed, and drawn
-    /// from the whole text, so they follow the training distribution); windows do not overlap, so
-    /// no training window shares a token with them. Training visits only the others. Fails when
-    /// too few training windows would remain.
+    /// Holds out `floor(fraction x units)` units of the corpus for evaluation, evenly spaced (unit
+    /// `floor((i + 1/2) x units / held)` for each `i`: the same for every seed, and drawn from the
+    /// whole corpus, so they follow the training distribution). The units are its documents when it
+    /// has several (token shards), else its windows (a text file). No training window shares a token
+    /// with them. Training visits only the rest. Fails when too few training windows would remain.
     pub fn hold_out(mut self, fraction: f64) -> Result<Self> {
         if !(0.0..=0.5).contains(&fraction) {
             return Err(TrainError::option("eval_fraction", format!("must be in 0..=0.5, got {fraction}")));
         }
-        let all = self.tokens.len() / self.seq;
-        let held = (all as f64 * fraction).floor() as usize;
-        if all - held < self.min_windows {
+        let all = self.train.windows(self.seq);
+        let (train, held_out) =
+            order::split(self.tokens.len(), self.tokens.doc_starts().as_deref(), self.seq, fraction);
+        if train.windows(self.seq) < self.min_windows {
             return Err(TrainError::Corpus {
                 path: self.source.clone().into(),
                 message: format!(
-                    "has {all} windows of {} tokens; holding out {held} for evaluation (eval_fraction {fraction}) \
+                    "has {all} windows of {} tokens; holding out {} of them for evaluation (eval_fraction {fraction}) \
                      leaves fewer than one batch ({}) to train on: lower --eval-fraction or use more text",
-                    self.seq, self.min_windows
+                    self.seq,
+                    held_out.windows(self.seq),
+                    self.min_windows
                 ),
             });
         }
-        self.held_out = (0..held).map(|i| ((2 * i + 1) * all) / (2 * held)).collect();
-        let held_out: std::collections::HashSet<usize> = self.held_out.iter().copied().collect();
-        self.train = (0..all).filter(|w| !held_out.contains(w)).collect();
+        (self.train, self.held_out) = (train, held_out);
         self.position = DataPosition::default();
         self.shuffle();
         Ok(self)
@@ -220,39 +254,88 @@ impl PackedDataset {
 
     /// Number of held-out windows.
     pub fn eval_windows(&self) -> usize {
-        self.held_out.len()
+        self.held_out.windows(self.seq)
     }
 
     /// The first `n` held-out windows (all of them when fewer), in corpus order.
-    pub fn eval_rows(&self, n: usize) -> Vec<Vec<i64>> {
-        self.held_out.iter().take(n).map(|&w| self.window(w)).collect()
+    pub fn eval_rows(&self, n: usize) -> Result<Vec<Vec<i64>>> {
+        (0..n.min(self.eval_windows())).map(|w| self.window(&self.held_out, w)).collect()
     }
 
     /// Windows `range` of the corpus (training and held-out ones alike, numbered from its start).
-    pub fn window_rows(&self, range: std::ops::Range<usize>) -> Vec<Vec<i64>> {
-        range.map(|w| self.window(w)).collect()
+    pub fn window_rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
+        let all = Split::new([(0, self.all_windows() as u64 * self.seq as u64)]);
+        range.map(|w| self.window(&all, w)).collect()
     }
 
-    fn window(&self, w: usize) -> Vec<i64> {
-        self.tokens[w * self.seq..(w + 1) * self.seq].iter().map(|&t| t as i64).collect()
+    /// Window `w` of `split`, its ids checked against the model's vocabulary.
+    fn window(&self, split: &Split, w: usize) -> Result<Vec<i64>> {
+        let mut row = Vec::with_capacity(self.seq);
+        for r in split.window_ranges(w, self.seq) {
+            let start = r.start;
+            let before = row.len();
+            self.tokens.read_into(r, &mut row);
+            if let Some(i) = row[before..].iter().position(|&t| t < 0 || t as usize >= self.model_vocab) {
+                let (file, at) = self.tokens.locate(start + i as u64);
+                return Err(TrainError::Corpus {
+                    path: file,
+                    message: format!(
+                        "token {at} is id {}, outside the model's vocabulary 0..{}; use a model whose vocab_size \
+                         covers the tokenizer the data was made with",
+                        row[before + i],
+                        self.model_vocab
+                    ),
+                });
+            }
+        }
+        Ok(row)
     }
 
     /// Windows of the whole corpus, held-out ones included.
     pub fn all_windows(&self) -> usize {
-        self.tokens.len() / self.seq
+        (self.tokens.len() / self.seq as u64) as usize
     }
 
     /// The data of a run: its corpus (the bundled one by default) with its tokenizer (the given
     /// `tokenizer.json`, else the checkpoint's own when it has one, else bytes), checked against
-    /// the model's vocabulary.
+    /// the model's vocabulary, its held-out part split off.
     pub fn for_run(cfg: &crate::config::RunConfig, model_vocab: usize) -> Result<Self> {
+        let path = tokenizer_file(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref());
         let tokenizer = tokenizer_for(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref())?;
         let (seq, seed, batch) = (cfg.data.seq, cfg.seed, cfg.data.batch);
-        let all = match &cfg.data.path {
-            Some(path) => Self::from_file(path, tokenizer.as_ref(), seq, seed, model_vocab, batch),
-            None => Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer.as_ref(), seq, seed, model_vocab, batch),
-        }?;
+        let all =
+            Self::open(cfg.data.path.as_deref(), path.as_deref(), tokenizer.as_ref(), seq, seed, model_vocab, batch)?;
         all.hold_out(cfg.data.eval_fraction)
+    }
+
+    /// Packs `data` (the bundled corpus when `None`): a text file is tokenized with `tokenizer`, a
+    /// `disagmoe tokenize` directory is memory-mapped (and refused when `tokenizer_path` names
+    /// another tokenizer than the one it was made with), as is a Megatron `.bin`/`.idx` pair.
+    pub fn open(
+        data: Option<&Path>,
+        tokenizer_path: Option<&Path>,
+        tokenizer: &dyn Tokenizer,
+        seq: usize,
+        seed: u64,
+        model_vocab: usize,
+        min_windows: usize,
+    ) -> Result<Self> {
+        let Some(path) = data else {
+            return Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer, seq, seed, model_vocab, min_windows);
+        };
+        let name = path.display().to_string();
+        match data_kind(path) {
+            DataKind::Text => Self::from_file(path, tokenizer, seq, seed, model_vocab, min_windows),
+            DataKind::Tokenized => {
+                let (tokens, manifest) = Tokens::open_tokenized(path)?;
+                tokenize::check_tokenizer(&manifest, path, tokenizer_path)?;
+                Self::from_tokens(tokens, &name, &manifest.tokenizer, seq, seed, model_vocab, min_windows)
+            }
+            DataKind::Megatron => {
+                let tokens = Tokens::open_megatron(path)?;
+                Self::from_tokens(tokens, &name, "(Megatron data)", seq, seed, model_vocab, min_windows)
+            }
+        }
     }
 
     /// Reads a UTF-8 text file and packs it (see [`PackedDataset::new`]).
@@ -277,18 +360,16 @@ impl PackedDataset {
     }
 
     fn shuffle(&mut self) {
-        let mut rng = StdRng::seed_from_u64(self.seed ^ self.position.epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        self.order = (0..self.windows()).collect();
-        self.order.shuffle(&mut rng);
+        self.order = WindowOrder::new(self.windows(), self.seed, self.position.epoch);
     }
 
     /// Number of training windows (one epoch), the held-out ones excluded.
     pub fn windows(&self) -> usize {
-        self.train.len()
+        self.train.windows(self.seq)
     }
 
     /// Tokens in the corpus.
-    pub fn num_tokens(&self) -> usize {
+    pub fn num_tokens(&self) -> u64 {
         self.tokens.len()
     }
 
@@ -310,16 +391,16 @@ impl PackedDataset {
     }
 
     /// The next `batch` windows as rows of token ids, moving to the next epoch when one runs out.
-    pub fn next_batch(&mut self, batch: usize) -> Vec<Vec<i64>> {
+    pub fn next_batch(&mut self, batch: usize) -> Result<Vec<Vec<i64>>> {
         (0..batch)
             .map(|_| {
                 if self.position.cursor >= self.order.len() {
                     self.position = DataPosition { epoch: self.position.epoch + 1, cursor: 0 };
                     self.shuffle();
                 }
-                let w = self.train[self.order[self.position.cursor]];
+                let w = self.order.at(self.position.cursor);
                 self.position.cursor += 1;
-                self.window(w)
+                self.window(&self.train, w)
             })
             .collect()
     }
@@ -333,26 +414,26 @@ mod tests {
     fn batches_are_reproducible_and_resumable() {
         let text = "abcdefghij".repeat(50);
         let mut a = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
-        let first: Vec<_> = (0..5).map(|_| a.next_batch(4)).collect();
+        let first: Vec<_> = (0..5).map(|_| a.next_batch(4).unwrap()).collect();
         let pos = a.position();
-        let next = a.next_batch(4);
+        let next = a.next_batch(4).unwrap();
         let mut b = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
-        assert_eq!(first, (0..5).map(|_| b.next_batch(4)).collect::<Vec<_>>());
+        assert_eq!(first, (0..5).map(|_| b.next_batch(4).unwrap()).collect::<Vec<_>>());
         let mut c = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
         c.seek(pos);
-        assert_eq!(next, c.next_batch(4));
+        assert_eq!(next, c.next_batch(4).unwrap());
     }
 
     #[test]
     fn an_epoch_visits_every_window_once() {
         let text: String = (0..400).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
         let mut ds = PackedDataset::new(&text, "t", &ByteTokenizer, 10, 1, 256, 1).unwrap();
-        let rows = ds.next_batch(ds.windows());
+        let rows = ds.next_batch(ds.windows()).unwrap();
         let mut firsts: Vec<i64> = rows.iter().map(|r| r[0]).collect();
         firsts.sort();
         assert_eq!(rows.len(), 40);
         assert_eq!(ds.position(), DataPosition { epoch: 0, cursor: 40 });
-        ds.next_batch(1);
+        ds.next_batch(1).unwrap();
         assert_eq!(ds.position().epoch, 1);
     }
 
@@ -366,18 +447,18 @@ mod tests {
         };
         let ds = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 3, 256, 2).unwrap().hold_out(0.1).unwrap();
         assert_eq!((ds.windows(), ds.eval_windows()), (90, 10));
-        let eval = ds.eval_rows(100);
+        let eval = ds.eval_rows(100).unwrap();
         assert_eq!(eval.len(), 10, "all held-out windows, no more");
         let held: Vec<usize> = eval.iter().map(index).collect();
         assert_eq!(held, [5, 15, 25, 35, 45, 55, 65, 75, 85, 95], "evenly spread over the corpus");
         // Three epochs of training batches: every training window, never a held-out one.
         let mut ds = ds;
-        let rows: Vec<Vec<i64>> = (0..3 * 90 / 6).flat_map(|_| ds.next_batch(6)).collect();
+        let rows: Vec<Vec<i64>> = (0..3 * 90 / 6).flat_map(|_| ds.next_batch(6).unwrap()).collect();
         let starts: std::collections::BTreeSet<usize> = rows.iter().map(index).collect();
         assert_eq!(starts, (0..100).filter(|w| !held.contains(w)).collect(), "training visits the others");
         // The same split for every seed.
         let other = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 9, 256, 2).unwrap().hold_out(0.1).unwrap();
-        assert_eq!(other.eval_rows(100), eval);
+        assert_eq!(other.eval_rows(100).unwrap(), eval);
         // Too little left to train on is refused by name.
         let e = PackedDataset::new(&text, "t.txt", &ByteTokenizer, 4, 3, 256, 60).unwrap().hold_out(0.5).err().unwrap();
         assert!(e.to_string().contains("--eval-fraction"), "{e}");
