@@ -44,7 +44,7 @@ pub struct TrainArgs {
     pub model_preset: Option<String>,
     /// Training data: a UTF-8 text file (tokenized at start-up), a directory written by `disagmoe
     /// tokenize`, or a Megatron `.bin`/`.idx` pair (either file or their common prefix); token
-    /// data is memory-mapped, not loaded. Default: the bundled public-domain corpus.
+    /// data is read in place, window by window, never loaded whole. Default: the bundled public-domain corpus.
     #[arg(long, value_name = "FILE|DIR")]
     pub data: Option<PathBuf>,
     /// Hugging Face tokenizer.json. Default: the checkpoint's own, else byte-level.

@@ -1,4 +1,4 @@
-//! `disagmoe tokenize`: text, JSONL and Parquet documents into memory-mapped token shards.
+//! `disagmoe tokenize`: text, JSONL and Parquet documents into token shards.
 
 use std::path::PathBuf;
 

@@ -24,7 +24,7 @@ pub mod cli;
 pub mod cli_generate;
 /// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
 pub mod cli_plan;
-/// `tokenize`: documents into memory-mapped token shards.
+/// `tokenize`: documents into token shards.
 pub mod cli_tokenize;
 /// `plot`: SVG curves and expert-load heat maps of runs from their `metrics.jsonl`.
 pub mod plot;

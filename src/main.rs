@@ -21,7 +21,7 @@ enum Command {
     Forward(ForwardArgs),
     /// Train a model (the embedded default with no model option) and print a JSON summary.
     Train(TrainArgs),
-    /// Tokenize text, JSONL and Parquet documents once into memory-mapped token shards that
+    /// Tokenize text, JSONL and Parquet documents once into token shards that
     /// `train --data DIR` streams windows from; prints a JSON report.
     Tokenize(TokenizeArgs),
     /// Continue a prompt with a checkpoint (KV cache; greedy, or sampled with temperature and

@@ -71,7 +71,7 @@ fn documents(dir: &Path) -> Vec<Vec<i64>> {
         .windows(2)
         .map(|w| {
             let mut out = Vec::new();
-            tokens.read_into(w[0]..w[1], &mut out);
+            tokens.read_into(w[0]..w[1], &mut out).unwrap();
             out
         })
         .collect()

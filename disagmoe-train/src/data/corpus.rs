@@ -1,5 +1,5 @@
-//! A corpus as one token stream: text tokenized in memory, or token shards memory-mapped from
-//! disk (a `disagmoe tokenize` directory or a Megatron `.bin`/`.idx` pair), read window by window.
+//! A corpus as one token stream: text tokenized in memory, or token shards left on disk (a
+//! `disagmoe tokenize` directory or a Megatron `.bin`/`.idx` pair), read window by window.
 
 use std::path::{Path, PathBuf};
 
@@ -81,7 +81,7 @@ pub fn data_kind(path: &Path) -> DataKind {
 pub enum Tokens {
     /// Tokenized text, in memory.
     Memory(Vec<u32>),
-    /// Memory-mapped pairs, concatenated.
+    /// Pairs on disk, concatenated.
     Mapped {
         /// The pairs, in stream order.
         parts: Vec<IndexedDataset>,
@@ -179,7 +179,7 @@ impl Tokens {
     }
 
     /// Stream tokens `range` appended to `out`.
-    pub fn read_into(&self, range: std::ops::Range<u64>, out: &mut Vec<i64>) {
+    pub fn read_into(&self, range: std::ops::Range<u64>, out: &mut Vec<i64>) -> Result<()> {
         match self {
             Self::Memory(v) => out.extend(v[range.start as usize..range.end as usize].iter().map(|&t| t as i64)),
             Self::Mapped { parts, starts, .. } => {
@@ -187,12 +187,13 @@ impl Tokens {
                 let mut p = starts.partition_point(|&s| s <= at) - 1;
                 while at < range.end {
                     let end = range.end.min(starts[p + 1]);
-                    parts[p].read_into((at - starts[p]) as usize..(end - starts[p]) as usize, out);
+                    parts[p].read_into((at - starts[p]) as usize..(end - starts[p]) as usize, out)?;
                     at = end;
                     p += 1;
                 }
             }
         }
+        Ok(())
     }
 
     /// Where stream token `at` lives (a shard file and offset), for errors.

@@ -133,7 +133,7 @@ pub struct DataPosition {
 /// The corpus as fixed-length windows, handed out in seeded shuffled batches. Part of the corpus
 /// may be held out for evaluation ([`PackedDataset::hold_out`]): training never reads it.
 ///
-/// The tokens stay where they are (in memory for text, memory-mapped for token shards); a window
+/// The tokens stay where they are (in memory for text, on disk for token shards); a window
 /// is read when it is handed out, and the order of an epoch is a list only for corpora of up to
 /// [`order::MATERIALISED_WINDOWS`] windows, a seeded permutation computed per position beyond.
 pub struct PackedDataset {
@@ -274,7 +274,7 @@ impl PackedDataset {
         for r in split.window_ranges(w, self.seq) {
             let start = r.start;
             let before = row.len();
-            self.tokens.read_into(r, &mut row);
+            self.tokens.read_into(r, &mut row)?;
             if let Some(i) = row[before..].iter().position(|&t| t < 0 || t as usize >= self.model_vocab) {
                 let (file, at) = self.tokens.locate(start + i as u64);
                 return Err(TrainError::Corpus {
@@ -309,7 +309,7 @@ impl PackedDataset {
     }
 
     /// Packs `data` (the bundled corpus when `None`): a text file is tokenized with `tokenizer`, a
-    /// `disagmoe tokenize` directory is memory-mapped (and refused when `tokenizer_path` names
+    /// `disagmoe tokenize` directory is opened in place (and refused when `tokenizer_path` names
     /// another tokenizer than the one it was made with), as is a Megatron `.bin`/`.idx` pair.
     pub fn open(
         data: Option<&Path>,

@@ -1,5 +1,5 @@
 //! `disagmoe tokenize`: documents from text, JSONL and Parquet files tokenized once, in parallel,
-//! into memory-mapped token shards that training streams windows from.
+//! into token shards that training streams windows from.
 //!
 //! # Inputs
 //! Each input is a file or a directory (its files, recursively, in path order; hidden ones
