@@ -17,6 +17,7 @@ use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
+use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW};
 use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
@@ -141,7 +142,8 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport> {
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport> {
+        let batch = batch.rows(0..batch.len())?;
         let t0 = std::time::Instant::now();
         let mbs = self.micro_batches;
         let per = batch.len() / mbs;

@@ -6,6 +6,7 @@
 //! `(epoch, cursor)`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub mod corpus;
 pub mod indexed;
@@ -137,20 +138,97 @@ pub struct DataPosition {
 /// is read when it is handed out, and the order of an epoch is a list only for corpora of up to
 /// [`order::MATERIALISED_WINDOWS`] windows, a seeded permutation computed per position beyond.
 pub struct PackedDataset {
-    tokens: Tokens,
-    seq: usize,
+    windows: Arc<Windows>,
     seed: u64,
     order: WindowOrder,
     position: DataPosition,
     source: String,
-    /// The stream's windows training visits (`order` indexes them).
+    /// Training windows a run needs at least (one batch).
+    min_windows: usize,
+}
+
+/// The windows of a corpus: its token stream cut into the training and held-out splits, each read
+/// on demand (by whoever owns a window's rows: see [`Batch`]).
+pub struct Windows {
+    tokens: Tokens,
+    seq: usize,
+    /// The stream's windows training visits (an epoch's order indexes them).
     train: Split,
     /// The held-out part, whose windows evaluation reads.
     held_out: Split,
-    /// Training windows a run needs at least (one batch).
-    min_windows: usize,
     /// Ids must be below this.
     model_vocab: usize,
+}
+
+impl Windows {
+    /// Window `w` of `split`, its ids checked against the model's vocabulary.
+    fn read(&self, split: &Split, w: usize) -> Result<Vec<i64>> {
+        let mut row = Vec::with_capacity(self.seq);
+        for r in split.window_ranges(w, self.seq) {
+            let start = r.start;
+            let before = row.len();
+            self.tokens.read_into(r, &mut row)?;
+            if let Some(i) = row[before..].iter().position(|&t| t < 0 || t as usize >= self.model_vocab) {
+                let (file, at) = self.tokens.locate(start + i as u64);
+                return Err(TrainError::Corpus {
+                    path: file,
+                    message: format!(
+                        "token {at} is id {}, outside the model's vocabulary 0..{}; use a model whose vocab_size \
+                         covers the tokenizer the data was made with",
+                        row[before + i],
+                        self.model_vocab
+                    ),
+                });
+            }
+        }
+        Ok(row)
+    }
+}
+
+/// A step's batch: which training windows make it, read only where their rows are needed (each
+/// worker of a distributed step reads its own micro-batches' windows), or rows given outright.
+#[derive(Clone)]
+pub struct Batch(BatchRows);
+
+#[derive(Clone)]
+enum BatchRows {
+    Rows(Arc<Vec<Vec<i64>>>),
+    Windows { windows: Arc<Windows>, ids: Arc<Vec<usize>> },
+}
+
+impl Batch {
+    /// A batch of the given rows.
+    pub fn from_rows(rows: Vec<Vec<i64>>) -> Self {
+        Self(BatchRows::Rows(Arc::new(rows)))
+    }
+
+    /// No rows (a process whose workers read none).
+    pub fn empty() -> Self {
+        Self::from_rows(Vec::new())
+    }
+
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            BatchRows::Rows(r) => r.len(),
+            BatchRows::Windows { ids, .. } => ids.len(),
+        }
+    }
+
+    /// Whether the batch has no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rows `range` of the batch, read now.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
+        match &self.0 {
+            BatchRows::Rows(r) => Ok(r[range].to_vec()),
+            BatchRows::Windows { windows, ids } => {
+                ids[range].iter().map(|&w| windows.read(&windows.train, w)).collect()
+            }
+        }
+    }
 }
 
 impl PackedDataset {
@@ -210,15 +288,11 @@ impl PackedDataset {
         let train = Split::new([(0, windows * seq as u64)]);
         Ok(Self {
             order: WindowOrder::new(train.windows(seq), seed, 0),
-            tokens,
-            seq,
+            windows: Arc::new(Windows { tokens, seq, train, held_out: Split::default(), model_vocab }),
             seed,
             position: DataPosition::default(),
             source: source.into(),
-            train,
-            held_out: Split::default(),
             min_windows: min_windows.max(1),
-            model_vocab,
         })
     }
 
@@ -231,22 +305,22 @@ impl PackedDataset {
         if !(0.0..=0.5).contains(&fraction) {
             return Err(TrainError::option("eval_fraction", format!("must be in 0..=0.5, got {fraction}")));
         }
-        let all = self.train.windows(self.seq);
-        let (train, held_out) =
-            order::split(self.tokens.len(), self.tokens.doc_starts().as_deref(), self.seq, fraction);
-        if train.windows(self.seq) < self.min_windows {
+        let w = Arc::get_mut(&mut self.windows).expect("the corpus is split before any batch is handed out");
+        let all = w.train.windows(w.seq);
+        let (train, held_out) = order::split(w.tokens.len(), w.tokens.doc_starts().as_deref(), w.seq, fraction);
+        if train.windows(w.seq) < self.min_windows {
             return Err(TrainError::Corpus {
                 path: self.source.clone().into(),
                 message: format!(
                     "has {all} windows of {} tokens; holding out {} of them for evaluation (eval_fraction {fraction}) \
                      leaves fewer than one batch ({}) to train on: lower --eval-fraction or use more text",
-                    self.seq,
-                    held_out.windows(self.seq),
+                    w.seq,
+                    held_out.windows(w.seq),
                     self.min_windows
                 ),
             });
         }
-        (self.train, self.held_out) = (train, held_out);
+        (w.train, w.held_out) = (train, held_out);
         self.position = DataPosition::default();
         self.shuffle();
         Ok(self)
@@ -254,46 +328,23 @@ impl PackedDataset {
 
     /// Number of held-out windows.
     pub fn eval_windows(&self) -> usize {
-        self.held_out.windows(self.seq)
+        self.windows.held_out.windows(self.windows.seq)
     }
 
     /// The first `n` held-out windows (all of them when fewer), in corpus order.
     pub fn eval_rows(&self, n: usize) -> Result<Vec<Vec<i64>>> {
-        (0..n.min(self.eval_windows())).map(|w| self.window(&self.held_out, w)).collect()
+        (0..n.min(self.eval_windows())).map(|w| self.windows.read(&self.windows.held_out, w)).collect()
     }
 
     /// Windows `range` of the corpus (training and held-out ones alike, numbered from its start).
     pub fn window_rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
-        let all = Split::new([(0, self.all_windows() as u64 * self.seq as u64)]);
-        range.map(|w| self.window(&all, w)).collect()
-    }
-
-    /// Window `w` of `split`, its ids checked against the model's vocabulary.
-    fn window(&self, split: &Split, w: usize) -> Result<Vec<i64>> {
-        let mut row = Vec::with_capacity(self.seq);
-        for r in split.window_ranges(w, self.seq) {
-            let start = r.start;
-            let before = row.len();
-            self.tokens.read_into(r, &mut row)?;
-            if let Some(i) = row[before..].iter().position(|&t| t < 0 || t as usize >= self.model_vocab) {
-                let (file, at) = self.tokens.locate(start + i as u64);
-                return Err(TrainError::Corpus {
-                    path: file,
-                    message: format!(
-                        "token {at} is id {}, outside the model's vocabulary 0..{}; use a model whose vocab_size \
-                         covers the tokenizer the data was made with",
-                        row[before + i],
-                        self.model_vocab
-                    ),
-                });
-            }
-        }
-        Ok(row)
+        let all = Split::new([(0, self.all_windows() as u64 * self.windows.seq as u64)]);
+        range.map(|w| self.windows.read(&all, w)).collect()
     }
 
     /// Windows of the whole corpus, held-out ones included.
     pub fn all_windows(&self) -> usize {
-        (self.tokens.len() / self.seq as u64) as usize
+        (self.windows.tokens.len() / self.windows.seq as u64) as usize
     }
 
     /// The data of a run: its corpus (the bundled one by default) with its tokenizer (the given
@@ -365,12 +416,12 @@ impl PackedDataset {
 
     /// Number of training windows (one epoch), the held-out ones excluded.
     pub fn windows(&self) -> usize {
-        self.train.windows(self.seq)
+        self.windows.train.windows(self.windows.seq)
     }
 
     /// Tokens in the corpus.
     pub fn num_tokens(&self) -> u64 {
-        self.tokens.len()
+        self.windows.tokens.len()
     }
 
     /// Where the corpus came from.
@@ -390,9 +441,10 @@ impl PackedDataset {
         self.position.cursor = position.cursor.min(self.windows());
     }
 
-    /// The next `batch` windows as rows of token ids, moving to the next epoch when one runs out.
-    pub fn next_batch(&mut self, batch: usize) -> Result<Vec<Vec<i64>>> {
-        (0..batch)
+    /// The next `batch` windows, moving to the next epoch when one runs out; their rows are read
+    /// where they are needed ([`Batch::rows`]).
+    pub fn next_windows(&mut self, batch: usize) -> Batch {
+        let ids = (0..batch)
             .map(|_| {
                 if self.position.cursor >= self.order.len() {
                     self.position = DataPosition { epoch: self.position.epoch + 1, cursor: 0 };
@@ -400,9 +452,16 @@ impl PackedDataset {
                 }
                 let w = self.order.at(self.position.cursor);
                 self.position.cursor += 1;
-                self.window(&self.train, w)
+                w
             })
-            .collect()
+            .collect();
+        Batch(BatchRows::Windows { windows: self.windows.clone(), ids: Arc::new(ids) })
+    }
+
+    /// The next `batch` windows as rows of token ids (see [`PackedDataset::next_windows`]).
+    pub fn next_batch(&mut self, batch: usize) -> Result<Vec<Vec<i64>>> {
+        let b = self.next_windows(batch);
+        b.rows(0..b.len())
     }
 }
 

@@ -28,6 +28,7 @@ use super::worker::{StepOutcome, Worker};
 use super::{link_model, Shared};
 use crate::checkpoint::TrainState;
 use crate::config::TransportKind;
+use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{AdamW, Moment};
 use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
@@ -43,7 +44,7 @@ enum Command {
     Start,
     Step {
         step: usize,
-        batch: Arc<Vec<Vec<i64>>>,
+        batch: Batch,
         lr: f64,
         stop: bool,
         /// Apply the update (a training step), or leave the model as it is (an evaluation).
@@ -425,8 +426,7 @@ impl StepEngine for Distributed {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport> {
-        let batch = Arc::new(batch.to_vec());
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport> {
         // Read as the step starts: the workers add it up at the step's end, so every worker (and
         // every process) stops after the same step.
         let stop = stop.load(Ordering::SeqCst);
@@ -465,7 +465,7 @@ impl StepEngine for Distributed {
         // A pass of the step's schedule without the update, tagged apart from the steps.
         self.eval_passes += 1;
         let step = super::worker::EVAL_PASS_BASE + self.eval_passes;
-        let batch = Arc::new(rows.to_vec());
+        let batch = Batch::from_rows(rows.to_vec());
         let replies =
             self.round(|| Command::Step { step, batch: batch.clone(), lr: 0.0, stop: false, update: false })?;
         let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {

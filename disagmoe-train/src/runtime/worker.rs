@@ -48,6 +48,7 @@ use super::trace::{Tracer, COMM, COMPUTE};
 use super::transport::{now_us, AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Port};
 use crate::checkpoint::{self, TrainState};
 use crate::config::{CheckpointKill, CheckpointMoment};
+use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW, Moment};
 
@@ -606,20 +607,15 @@ where
     /// step with learning rate `lr`; returns the pass's global outcome. A pass without `update` is
     /// an evaluation: the model is left as it was and the outcome's losses are the batch's. `step`
     /// tags the pass's messages: training steps from 1, evaluations from [`EVAL_PASS_BASE`].
-    pub fn run_step(
-        &mut self,
-        step: usize,
-        batch: &[Vec<i64>],
-        lr: f64,
-        stop: bool,
-        update: bool,
-    ) -> Result<StepOutcome> {
+    pub fn run_step(&mut self, step: usize, batch: &Batch, lr: f64, stop: bool, update: bool) -> Result<StepOutcome> {
         self.step = step;
         self.tasks_run = 0;
         let start = [self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us, self.bytes_sent];
         let mine = self.layout.own_micro_batches(self.rank);
         let rows_per = self.settings.mb_rows;
-        self.rows = mine.iter().map(|&m| (m, batch[m * rows_per..(m + 1) * rows_per].to_vec())).collect();
+        // Only this worker's micro-batches' windows are read.
+        self.rows =
+            mine.iter().map(|&m| Ok((m, batch.rows(m * rows_per..(m + 1) * rows_per)?))).collect::<Result<_>>()?;
         // Backward tasks this worker will run: one per (owned micro-batch, held attention layer) and
         // per (micro-batch, held expert layer); the head's backward is part of its task.
         let attn_tasks: usize = (0..self.layout.micro_batches)

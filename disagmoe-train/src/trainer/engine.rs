@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 use crate::checkpoint::TrainState;
+use crate::data::Batch;
 use crate::error::Result;
 
 /// What the loop learns about a run once its engine is built.
@@ -83,11 +84,11 @@ pub trait StepEngine {
     /// Facts about the run.
     fn info(&self) -> EngineInfo;
 
-    /// Runs step `step` (1-based) on `batch` (the step's whole batch of token rows; empty where
-    /// [`EngineInfo::needs_data`] is false) with learning rate `lr`: forward, backward, reduce,
-    /// clip, update. `stop` is this process's stop request (set by a signal), which the report's
+    /// Runs step `step` (1-based) on `batch` (the step's whole batch, whose rows each worker reads
+    /// for its own micro-batches; empty where [`EngineInfo::needs_data`] is false) with learning
+    /// rate `lr`: forward, backward, reduce, clip, update. `stop` is this process's stop request (set by a signal), which the report's
     /// `stop` carries (agreed among the workers of a distributed run).
-    fn step(&mut self, step: usize, batch: &[Vec<i64>], lr: f64, stop: &AtomicBool) -> Result<StepReport>;
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport>;
 
     /// Updates the optimizer has applied so far.
     fn optimizer_steps(&self) -> u64;

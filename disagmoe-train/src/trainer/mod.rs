@@ -16,7 +16,7 @@ use self::report::{step_metrics, Progress};
 pub use self::report::{throughput, TrainSummary};
 use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSettings, TrainState};
 use crate::config::RunConfig;
-use crate::data::PackedDataset;
+use crate::data::{Batch, PackedDataset};
 use crate::error::{Result, TrainError};
 use crate::metrics::{JsonlWriter, StepMetrics};
 
@@ -166,8 +166,8 @@ pub fn run(
     for step in first_step..=last_step {
         let t0 = Instant::now();
         let batch = match data.as_mut().filter(|_| info.needs_data) {
-            Some(d) => d.next_batch(cfg.data.batch)?,
-            None => Vec::new(),
+            Some(d) => d.next_windows(cfg.data.batch),
+            None => Batch::empty(),
         };
         let lr = lr_schedule.at(step);
         let report = engine.step(step, &batch, lr, stop)?;
