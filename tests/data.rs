@@ -36,8 +36,9 @@ fn tokenize(inputs: &[&Path], out: &Path, extra: &[&str]) -> Output {
     c.output().unwrap()
 }
 
-/// A Parquet file with a `text` column (`None`: null) and an `id` column.
-fn write_parquet(path: &Path, rows: &[Option<&str>]) {
+/// A Parquet file with a `text` column (`None`: null) and an `id` column, pages compressed with
+/// `codec`.
+fn write_parquet(path: &Path, rows: &[Option<&str>], codec: parquet::basic::Compression) {
     use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
     use parquet::file::properties::WriterProperties;
     use parquet::file::writer::SerializedFileWriter;
@@ -47,7 +48,7 @@ fn write_parquet(path: &Path, rows: &[Option<&str>]) {
         )
         .unwrap(),
     );
-    let props = Arc::new(WriterProperties::builder().build());
+    let props = Arc::new(WriterProperties::builder().set_compression(codec).build());
     let mut w = SerializedFileWriter::new(std::fs::File::create(path).unwrap(), schema, props).unwrap();
     let mut group = w.next_row_group().unwrap();
     let ids: Vec<i64> = (0..rows.len() as i64).collect();
@@ -101,10 +102,9 @@ fn tokenize_reads_text_jsonl_and_parquet_into_shards_that_decode_to_the_document
         r#"{"text": "third \"quoted\" line\nwith a newline", "id": 3}"#,
     ];
     std::fs::write(input.join("b.jsonl"), jsonl.join("\n")).unwrap();
-    write_parquet(
-        &input.join("c.parquet"),
-        &[Some("a Parquet row"), None, Some("the last row, longer than the others")],
-    );
+    // Snappy, as Hugging Face datasets are published.
+    let rows = [Some("a Parquet row"), None, Some("the last row, longer than the others")];
+    write_parquet(&input.join("c.parquet"), &rows, parquet::basic::Compression::SNAPPY);
     let want: Vec<&str> = vec![
         "First document.\nIt has two lines.",
         "héllo — ✓ unicode",
@@ -176,7 +176,7 @@ fn bad_inputs_are_refused_naming_the_file_and_line() {
     case("eos.txt", b"fine", &["--eos", "300"], &["eos", "outside the tokenizer's ids 0..256"]);
     // A Parquet file without the column.
     let path = tmp.path().join("cols.parquet");
-    write_parquet(&path, &[Some("x")]);
+    write_parquet(&path, &[Some("x")], parquet::basic::Compression::ZSTD(Default::default()));
     let err = error(&tokenize(&[&path], &tmp.path().join("cols.out"), &["--text-field", "body"]));
     assert!(err.contains("has no column `body` (its columns: id, text)"), "{err}");
     // An existing output directory is never overwritten.
