@@ -189,6 +189,14 @@ fn bad_inputs_are_refused_naming_the_file_and_line() {
     // Missing inputs.
     let err = error(&tokenize(&[&tmp.path().join("nope.txt")], &tmp.path().join("nope.out"), &[]));
     assert!(err.contains("nope.txt") && err.contains("does not exist"), "{err}");
+    // Training on a directory that is not token data, or on a Megatron index without its tokens.
+    let train = |data: &Path| bin().args(["train", "--steps", "1", "--quiet", "--data"]).arg(data).output().unwrap();
+    let err = error(&train(&taken));
+    assert!(err.contains("dataset.json") && err.contains("disagmoe tokenize"), "{err}");
+    let lone = tmp.path().join("lone");
+    std::fs::copy(root().join("fixtures/megatron/docs_text_document.idx"), lone.with_extension("idx")).unwrap();
+    let err = error(&train(&lone));
+    assert!(err.contains("lone.bin"), "{err}");
 }
 
 /// The committed Megatron pair (written by `scripts/make_megatron_fixture.py` from Megatron's
