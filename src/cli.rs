@@ -588,6 +588,7 @@ fn read_ids(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
 /// cross-entropy) as the last line.
 pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
     let device = Default::default();
+    disagmoe_train::backend::probe::<DefaultBackend>(&device)?;
     let rows = read_ids(&args.input_ids)?;
     let model = MoeCausalLm::<DefaultBackend>::from_pretrained(&args.model_dir, &device)?;
     let ids = model.input_ids(&rows, &device).with_context(|| args.input_ids.display().to_string())?;
@@ -615,7 +616,14 @@ pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
 /// Sets up logging to stderr: warnings, plus progress information unless `quiet` (`RUST_LOG`
 /// overrides both).
 pub fn init_logging(quiet: bool) {
-    let default = if quiet { "warn" } else { "warn,disagmoe=info,disagmoe_train=info" };
+    // CubeCL's device channel warns "Task failed: Any" when its device runtime cannot start (no
+    // driver): the probe before a run says what failed in one line, so that warning is left out
+    // (RUST_LOG brings it back).
+    let default = if quiet {
+        "warn,cubecl_common::device::handle::channel=error"
+    } else {
+        "warn,cubecl_common::device::handle::channel=error,disagmoe=info,disagmoe_train=info"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()

@@ -116,6 +116,7 @@ impl Stream<'_> {
 /// Generates and prints: the text as it comes (stdout), then the speed (stderr); or one JSON line.
 pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<Generated> {
     let device = Default::default();
+    disagmoe_train::backend::probe::<DefaultBackend>(&device)?;
     let model = MoeCausalLm::<DefaultBackend>::from_pretrained(&args.model_dir, &device)
         .with_context(|| format!("cannot load the model in {}", args.model_dir.display()))?;
     let vocab = model.config().vocab_size();
@@ -218,6 +219,7 @@ pub struct EvalReport {
 /// `{"loss", "perplexity", "tokens", ...}`.
 pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     let device = Default::default();
+    disagmoe_train::backend::probe::<DefaultBackend>(&device)?;
     let model = MoeCausalLm::<DefaultBackend>::from_pretrained(&args.model_dir, &device)
         .with_context(|| format!("cannot load the model in {}", args.model_dir.display()))?;
     if args.batch == 0 {

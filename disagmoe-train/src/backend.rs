@@ -11,6 +11,9 @@
 //! `flex` (so `--features cuda` works on top of the default features).
 
 use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+
+use crate::error::{Result, TrainError};
 
 #[cfg(feature = "cuda")]
 mod chosen {
@@ -74,5 +77,85 @@ pub fn keep_freed_memory() {
                 libc::mallopt(libc::M_TOP_PAD, 64 * MIB);
             }
         });
+    }
+}
+
+/// Checks that backend `B` can compute on `device` here, by running one tiny operation; a GPU
+/// backend without its driver or a device (cudarc cannot load `libcuda.so`, WebGPU finds no
+/// adapter) fails with one line saying what is missing and how to train on the CPU instead, not a
+/// worker thread's panic. Called before a run builds anything.
+pub fn probe<B: Backend>(device: &B::Device) -> Result<()> {
+    // Nothing the closure touches outlives a failed probe: the run stops with the error.
+    probe_with(
+        BACKEND_NAME,
+        std::panic::AssertUnwindSafe(|| {
+            let t = burn::tensor::Tensor::<B, 1>::from_floats([1.0, 2.0], device);
+            (t * 2.0).into_data()
+        }),
+    )
+}
+
+/// Runs `op` and turns a panic in it into [`TrainError::NoDevice`] for `backend`, printing
+/// nothing. The reason given is the first panic of any thread while `op` runs (a device runtime
+/// fails in its own server thread; the caller then sees only a closed channel). The panic hook is
+/// silenced meanwhile: a probe runs once, before any worker starts.
+pub fn probe_with<R>(backend: &'static str, op: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<()> {
+    use std::sync::{Arc, Mutex};
+    fn text(payload: &(dyn std::any::Any + Send)) -> String {
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("it failed without a message");
+        let line = message.lines().find(|l| !l.trim().is_empty()).unwrap_or(message).trim();
+        // A runtime's message may go on with every library it tried or a debug dump of its state:
+        // keep the first sentence of a long one.
+        let cut = [". ", " - ", ": "].iter().filter_map(|sep| line.get(20..)?.find(sep).map(|i| i + 20)).min();
+        let short = match cut {
+            Some(cut) if line.len() > 160 => &line[..cut],
+            _ => line,
+        };
+        short.trim_end_matches('.').to_string()
+    }
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let first: Arc<Mutex<Option<String>>> = Arc::default();
+    let previous = std::panic::take_hook();
+    let seen = Arc::clone(&first);
+    std::panic::set_hook(Box::new(move |info| {
+        seen.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(|| text(info.payload()));
+    }));
+    let outcome = std::panic::catch_unwind(op);
+    std::panic::set_hook(previous);
+    outcome.map(|_| ()).map_err(|payload| {
+        let reason = first.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(|| text(payload.as_ref()));
+        TrainError::NoDevice { backend, reason }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_that_cannot_start_is_one_line_naming_it_and_the_cpu_way() {
+        probe::<DefaultBackend>(&Default::default()).expect("the CPU backend computes here");
+        // The device runtime fails in a thread of its own; the caller sees a closed channel.
+        let e = probe_with("cuda", || {
+            let server = std::thread::spawn(|| {
+                panic!(
+                    "Unable to dynamically load the \"cuda\" shared library - searched for library names: {:?}.\nmore",
+                    ["libcuda.so"; 20]
+                )
+            });
+            let channel: std::result::Result<(), &str> = server.join().map_err(|_| "RecvError");
+            channel.unwrap()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("no usable cuda device: Unable to dynamically load the \"cuda\" shared library. "), "{e}");
+        assert!(!e.contains("searched"), "{e}");
+        let hint = format!("without --features {BACKEND_NAME}");
+        assert!(e.contains(&hint) && !e.contains('\n') && !e.contains("more") && !e.contains("RecvError"), "{e}");
     }
 }

@@ -68,6 +68,18 @@ pub enum TrainError {
         /// What went wrong.
         cause: String,
     },
+    /// The compiled-in backend cannot compute on this machine (no driver, no device).
+    #[error(
+        "no usable {backend} device: {reason}. This binary computes with {backend} (built with --features \
+         {backend}); run it where the device and its driver are, or train on the CPU with a build without \
+         --features {backend} (`cargo build --release`)"
+    )]
+    NoDevice {
+        /// The cargo feature that chose the backend (`cuda`, `wgpu`, ...).
+        backend: &'static str,
+        /// What failed, in its own words (first line).
+        reason: String,
+    },
     /// A worker has been busy far longer than any compute should take (its heartbeat says so).
     #[error("worker {worker}: busy for {seconds:.0} s without taking a message (more than {limit} x --comm-timeout-s; seen by worker {seen_by}): it hangs")]
     Hung {

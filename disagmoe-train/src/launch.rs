@@ -22,6 +22,7 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
 /// it on SIGINT/SIGTERM).
 pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
+    crate::backend::probe::<B>(device)?;
     crate::backend::keep_freed_memory();
     // One device computes on every core unless told otherwise; distributed workers get their own
     // pools (`runtime::engine`).
