@@ -10,7 +10,7 @@ use clap::Args;
 use disagmoe_models::generate::{generate, Sampling};
 use disagmoe_models::{HfCheckpoint, MoeCausalLm};
 use disagmoe_train::config::data::DEFAULT_EVAL_FRACTION;
-use disagmoe_train::data::{tokenizer_for, PackedDataset, Tokenizer, BUNDLED_CORPUS_NAME};
+use disagmoe_train::data::{tokenizer_for, PackedDataset, Packing, Tokenizer, BUNDLED_CORPUS_NAME};
 use disagmoe_train::DefaultBackend;
 
 /// `disagmoe generate`.
@@ -228,15 +228,8 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     let vocab = model.config().vocab_size();
     let tokenizer = checkpoint_tokenizer(&args.model_dir, args.tokenizer.as_deref(), vocab)?;
     let tokenizer_path = disagmoe_train::data::tokenizer_file(args.tokenizer.as_deref(), Some(&args.model_dir));
-    let data = PackedDataset::open(
-        args.data.as_deref(),
-        tokenizer_path.as_deref(),
-        tokenizer.as_ref(),
-        args.seq,
-        0,
-        vocab,
-        1,
-    )?;
+    let packing = Packing { seq: args.seq, seed: 0, model_vocab: vocab, min_windows: 1 };
+    let data = PackedDataset::open(args.data.as_deref(), tokenizer_path.as_deref(), tokenizer.as_ref(), packing)?;
     let (rows, split) = if args.whole {
         (data.window_rows(0..data.all_windows())?, "whole")
     } else {

@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 
 use disagmoe::train::data::indexed::{IndexedWriter, TokenDtype};
-use disagmoe::train::data::{ByteTokenizer, HfTokenizer, PackedDataset, Tokenizer, Tokens};
+use disagmoe::train::data::{ByteTokenizer, HfTokenizer, PackedDataset, Packing, Tokenizer, Tokens};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
@@ -211,8 +211,17 @@ fn a_megatron_pair_gives_the_windows_of_our_own_shards_of_the_same_tokens() {
     let (pair, docs) = megatron_fixture();
     let ours = tmp.path().join("ours");
     json(&tokenize(&[&docs], &ours, &["--shard-tokens", "5000"]));
-    let open =
-        |p: &Path| PackedDataset::open(Some(p), None, &ByteTokenizer, 32, 11, 256, 4).unwrap().hold_out(0.1).unwrap();
+    let open = |p: &Path| {
+        PackedDataset::open(
+            Some(p),
+            None,
+            &ByteTokenizer,
+            Packing { seq: 32, seed: 11, model_vocab: 256, min_windows: 4 },
+        )
+        .unwrap()
+        .hold_out(0.1)
+        .unwrap()
+    };
     for megatron in [pair.clone(), pair.with_extension("idx"), pair.with_extension("bin")] {
         let (mut a, mut b) = (open(&megatron), open(&ours));
         assert_eq!((a.windows(), a.eval_windows()), (b.windows(), b.eval_windows()));

@@ -231,38 +231,37 @@ impl Batch {
     }
 }
 
+/// How a corpus is cut and checked: windows of `seq` tokens in an order seeded by `seed`, ids
+/// below `model_vocab`, at least `min_windows` training windows (one batch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Packing {
+    /// Tokens per window.
+    pub seq: usize,
+    /// Seed of the epochs' orders.
+    pub seed: u64,
+    /// Ids must be below this.
+    pub model_vocab: usize,
+    /// Training windows needed at least.
+    pub min_windows: usize,
+}
+
 impl PackedDataset {
     /// Tokenizes `text` and packs it into windows of `seq` tokens.
     ///
     /// Fails when the text is empty, gives fewer than `min_windows` windows, or yields an id outside
     /// `0..model_vocab`.
-    pub fn new(
-        text: &str,
-        source: &str,
-        tokenizer: &dyn Tokenizer,
-        seq: usize,
-        seed: u64,
-        model_vocab: usize,
-        min_windows: usize,
-    ) -> Result<Self> {
+    pub fn new(text: &str, source: &str, tokenizer: &dyn Tokenizer, packing: Packing) -> Result<Self> {
         if text.trim().is_empty() {
             return Err(TrainError::Corpus { path: source.into(), message: "is empty".into() });
         }
         let tokens = tokenizer.encode(text)?;
-        Self::from_tokens(Tokens::Memory(tokens), source, &tokenizer.describe(), seq, seed, model_vocab, min_windows)
+        Self::from_tokens(Tokens::Memory(tokens), source, &tokenizer.describe(), packing)
     }
 
     /// Packs a token stream into windows of `seq` tokens (see [`PackedDataset::new`]);
     /// `tokenizer` names where the ids came from in errors.
-    pub fn from_tokens(
-        tokens: Tokens,
-        source: &str,
-        tokenizer: &str,
-        seq: usize,
-        seed: u64,
-        model_vocab: usize,
-        min_windows: usize,
-    ) -> Result<Self> {
+    pub fn from_tokens(tokens: Tokens, source: &str, tokenizer: &str, packing: Packing) -> Result<Self> {
+        let Packing { seq, seed, model_vocab, min_windows } = packing;
         let corpus_err = |message: String| TrainError::Corpus { path: source.into(), message };
         if seq < 2 {
             return Err(TrainError::option("seq", format!("must be at least 2 tokens, got {seq}")));
@@ -353,9 +352,8 @@ impl PackedDataset {
     pub fn for_run(cfg: &crate::config::RunConfig, model_vocab: usize) -> Result<Self> {
         let path = tokenizer_file(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref());
         let tokenizer = tokenizer_for(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref())?;
-        let (seq, seed, batch) = (cfg.data.seq, cfg.seed, cfg.data.batch);
-        let all =
-            Self::open(cfg.data.path.as_deref(), path.as_deref(), tokenizer.as_ref(), seq, seed, model_vocab, batch)?;
+        let packing = Packing { seq: cfg.data.seq, seed: cfg.seed, model_vocab, min_windows: cfg.data.batch };
+        let all = Self::open(cfg.data.path.as_deref(), path.as_deref(), tokenizer.as_ref(), packing)?;
         all.hold_out(cfg.data.eval_fraction)
     }
 
@@ -366,38 +364,28 @@ impl PackedDataset {
         data: Option<&Path>,
         tokenizer_path: Option<&Path>,
         tokenizer: &dyn Tokenizer,
-        seq: usize,
-        seed: u64,
-        model_vocab: usize,
-        min_windows: usize,
+        packing: Packing,
     ) -> Result<Self> {
         let Some(path) = data else {
-            return Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer, seq, seed, model_vocab, min_windows);
+            return Self::new(BUNDLED_CORPUS, BUNDLED_CORPUS_NAME, tokenizer, packing);
         };
         let name = path.display().to_string();
         match data_kind(path) {
-            DataKind::Text => Self::from_file(path, tokenizer, seq, seed, model_vocab, min_windows),
+            DataKind::Text => Self::from_file(path, tokenizer, packing),
             DataKind::Tokenized => {
                 let (tokens, manifest) = Tokens::open_tokenized(path)?;
                 tokenize::check_tokenizer(&manifest, path, tokenizer_path)?;
-                Self::from_tokens(tokens, &name, &manifest.tokenizer, seq, seed, model_vocab, min_windows)
+                Self::from_tokens(tokens, &name, &manifest.tokenizer, packing)
             }
             DataKind::Megatron => {
                 let tokens = Tokens::open_megatron(path)?;
-                Self::from_tokens(tokens, &name, "(Megatron data)", seq, seed, model_vocab, min_windows)
+                Self::from_tokens(tokens, &name, "(Megatron data)", packing)
             }
         }
     }
 
     /// Reads a UTF-8 text file and packs it (see [`PackedDataset::new`]).
-    pub fn from_file(
-        path: &Path,
-        tokenizer: &dyn Tokenizer,
-        seq: usize,
-        seed: u64,
-        model_vocab: usize,
-        min_windows: usize,
-    ) -> Result<Self> {
+    pub fn from_file(path: &Path, tokenizer: &dyn Tokenizer, packing: Packing) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
             action: "cannot read corpus",
             path: path.into(),
@@ -407,7 +395,7 @@ impl PackedDataset {
             path: path.into(),
             message: format!("is not valid UTF-8 text (first bad byte at offset {})", e.utf8_error().valid_up_to()),
         })?;
-        Self::new(&text, &path.display().to_string(), tokenizer, seq, seed, model_vocab, min_windows)
+        Self::new(&text, &path.display().to_string(), tokenizer, packing)
     }
 
     fn shuffle(&mut self) {
@@ -469,16 +457,20 @@ impl PackedDataset {
 mod tests {
     use super::*;
 
+    fn pk(seq: usize, seed: u64, model_vocab: usize, min_windows: usize) -> Packing {
+        Packing { seq, seed, model_vocab, min_windows }
+    }
+
     #[test]
     fn batches_are_reproducible_and_resumable() {
         let text = "abcdefghij".repeat(50);
-        let mut a = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
+        let mut a = PackedDataset::new(&text, "t", &ByteTokenizer, pk(8, 7, 256, 2)).unwrap();
         let first: Vec<_> = (0..5).map(|_| a.next_batch(4).unwrap()).collect();
         let pos = a.position();
         let next = a.next_batch(4).unwrap();
-        let mut b = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
+        let mut b = PackedDataset::new(&text, "t", &ByteTokenizer, pk(8, 7, 256, 2)).unwrap();
         assert_eq!(first, (0..5).map(|_| b.next_batch(4).unwrap()).collect::<Vec<_>>());
-        let mut c = PackedDataset::new(&text, "t", &ByteTokenizer, 8, 7, 256, 2).unwrap();
+        let mut c = PackedDataset::new(&text, "t", &ByteTokenizer, pk(8, 7, 256, 2)).unwrap();
         c.seek(pos);
         assert_eq!(next, c.next_batch(4).unwrap());
     }
@@ -486,7 +478,7 @@ mod tests {
     #[test]
     fn an_epoch_visits_every_window_once() {
         let text: String = (0..400).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
-        let mut ds = PackedDataset::new(&text, "t", &ByteTokenizer, 10, 1, 256, 1).unwrap();
+        let mut ds = PackedDataset::new(&text, "t", &ByteTokenizer, pk(10, 1, 256, 1)).unwrap();
         let rows = ds.next_batch(ds.windows()).unwrap();
         let mut firsts: Vec<i64> = rows.iter().map(|r| r[0]).collect();
         firsts.sort();
@@ -504,7 +496,7 @@ mod tests {
         let index = |r: &Vec<i64>| {
             (0..100).find(|w| bytes[w * 4..w * 4 + 4].iter().map(|&b| b as i64).eq(r.iter().copied())).unwrap()
         };
-        let ds = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 3, 256, 2).unwrap().hold_out(0.1).unwrap();
+        let ds = PackedDataset::new(&text, "t", &ByteTokenizer, pk(4, 3, 256, 2)).unwrap().hold_out(0.1).unwrap();
         assert_eq!((ds.windows(), ds.eval_windows()), (90, 10));
         let eval = ds.eval_rows(100).unwrap();
         assert_eq!(eval.len(), 10, "all held-out windows, no more");
@@ -516,18 +508,19 @@ mod tests {
         let starts: std::collections::BTreeSet<usize> = rows.iter().map(index).collect();
         assert_eq!(starts, (0..100).filter(|w| !held.contains(w)).collect(), "training visits the others");
         // The same split for every seed.
-        let other = PackedDataset::new(&text, "t", &ByteTokenizer, 4, 9, 256, 2).unwrap().hold_out(0.1).unwrap();
+        let other = PackedDataset::new(&text, "t", &ByteTokenizer, pk(4, 9, 256, 2)).unwrap().hold_out(0.1).unwrap();
         assert_eq!(other.eval_rows(100).unwrap(), eval);
         // Too little left to train on is refused by name.
-        let e = PackedDataset::new(&text, "t.txt", &ByteTokenizer, 4, 3, 256, 60).unwrap().hold_out(0.5).err().unwrap();
+        let e =
+            PackedDataset::new(&text, "t.txt", &ByteTokenizer, pk(4, 3, 256, 60)).unwrap().hold_out(0.5).err().unwrap();
         assert!(e.to_string().contains("--eval-fraction"), "{e}");
     }
 
     #[test]
     fn bad_corpora_are_clear_errors() {
-        let e = PackedDataset::new("   ", "empty.txt", &ByteTokenizer, 8, 0, 256, 1).err().unwrap();
+        let e = PackedDataset::new("   ", "empty.txt", &ByteTokenizer, pk(8, 0, 256, 1)).err().unwrap();
         assert!(e.to_string().contains("empty.txt: is empty"), "{e}");
-        let e = PackedDataset::new("short", "s.txt", &ByteTokenizer, 8, 0, 256, 1).err().unwrap();
+        let e = PackedDataset::new("short", "s.txt", &ByteTokenizer, pk(8, 0, 256, 1)).err().unwrap();
         assert!(e.to_string().contains("fewer than one batch"), "{e}");
         let e = PackedDataset::new("hello world, hello", "v.txt", &ByteTokenizer, 4, 0, 100, 1).err().unwrap();
         assert!(e.to_string().contains("outside the model's vocabulary 0..100"), "{e}");
