@@ -162,6 +162,7 @@ fn bad_inputs_are_refused_naming_the_file_and_line() {
             assert!(err.contains(w), "{name}: wanted {w:?} in {err}");
         }
         assert!(!tmp.path().join(format!("{name}.out")).exists(), "nothing written on error");
+        assert!(!tmp.path().join(format!("{name}.out.partial")).exists(), "nothing left behind");
     };
     case("utf8.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"bad \xff byte\"}\n", &[], &["utf8.jsonl", "line 2", "UTF-8"]);
     case(

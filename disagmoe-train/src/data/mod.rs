@@ -522,7 +522,7 @@ mod tests {
         assert!(e.to_string().contains("empty.txt: is empty"), "{e}");
         let e = PackedDataset::new("short", "s.txt", &ByteTokenizer, pk(8, 0, 256, 1)).err().unwrap();
         assert!(e.to_string().contains("fewer than one batch"), "{e}");
-        let e = PackedDataset::new("hello world, hello", "v.txt", &ByteTokenizer, 4, 0, 100, 1).err().unwrap();
+        let e = PackedDataset::new("hello world, hello", "v.txt", &ByteTokenizer, pk(4, 0, 100, 1)).err().unwrap();
         assert!(e.to_string().contains("outside the model's vocabulary 0..100"), "{e}");
     }
 }

@@ -347,22 +347,61 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     let eos = eos_id(tokenizer.as_ref(), opts.tokenizer.as_deref(), opts.eos.as_deref())?;
     let files = input_files(&opts.inputs)?;
     let input_bytes: u64 = files.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
-    let partial = opts.out.with_extension("partial");
+    let partial = PathBuf::from(format!("{}.partial", opts.out.display()));
     if partial.exists() {
-        std::fs::remove_dir_all(&partial).map_err(|source| TrainError::Io {
-            action: "cannot remove the unfinished",
-            path: partial.clone(),
-            source,
-        })?;
+        return Err(TrainError::option(
+            "out",
+            format!(
+                "{} exists (an interrupted tokenize writes there); remove it or name another --out",
+                partial.display()
+            ),
+        ));
     }
     std::fs::create_dir_all(&partial).map_err(|source| TrainError::Io {
         action: "cannot create",
         path: partial.clone(),
         source,
     })?;
+    // Whatever fails from here leaves nothing behind: the directory is ours.
+    let written = write_shards(opts, tokenizer.as_ref(), sha, eos, &files, input_bytes, &partial);
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    let manifest = written?;
+    std::fs::rename(&partial, &opts.out).map_err(|source| TrainError::Io {
+        action: "cannot rename the finished shards to",
+        path: opts.out.clone(),
+        source,
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(TokenizeReport {
+        out: opts.out.clone(),
+        files: files.len(),
+        input_bytes,
+        documents: manifest.documents,
+        tokens: manifest.tokens,
+        shards: manifest.shards.len(),
+        dtype: manifest.dtype,
+        eos_id: eos,
+        seconds,
+        tokens_per_s: manifest.tokens as f64 / seconds.max(1e-9),
+        mb_per_s: input_bytes as f64 / 1e6 / seconds.max(1e-9),
+    })
+}
+
+/// Tokenizes every document of `files` into shards in `dir`, then writes the manifest there.
+fn write_shards(
+    opts: &TokenizeOptions,
+    tokenizer: &dyn Tokenizer,
+    sha: Option<String>,
+    eos: u32,
+    files: &[PathBuf],
+    input_bytes: u64,
+    dir: &Path,
+) -> Result<Manifest> {
     let dtype = TokenDtype::for_vocab(tokenizer.vocab_size());
     let mut writer = ShardWriter {
-        dir: partial.clone(),
+        dir: dir.to_path_buf(),
         dtype,
         shard_tokens: opts.shard_tokens,
         eos,
@@ -381,7 +420,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         batch.clear();
         Ok(())
     };
-    for file in &files {
+    for file in files {
         read_documents(file, &opts.text_field, &mut |doc| {
             batch_bytes += doc.text.len();
             batch.push(doc);
@@ -399,7 +438,6 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     bar.finish_and_clear();
     let (tokens, documents) = writer.shards.iter().fold((0, 0), |(t, d), s| (t + s.tokens, d + s.documents));
     if documents == 0 {
-        let _ = std::fs::remove_dir_all(&partial);
         return Err(TrainError::option("input", "the inputs hold no non-empty document"));
     }
     let manifest = Manifest {
@@ -415,28 +453,10 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         vocab_size: tokenizer.vocab_size(),
         shards: writer.shards,
     };
-    let path = partial.join(MANIFEST_FILE);
+    let path = dir.join(MANIFEST_FILE);
     let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises") + "\n";
     std::fs::write(&path, text).map_err(|source| TrainError::Io { action: "cannot write", path, source })?;
-    std::fs::rename(&partial, &opts.out).map_err(|source| TrainError::Io {
-        action: "cannot rename the finished shards to",
-        path: opts.out.clone(),
-        source,
-    })?;
-    let seconds = start.elapsed().as_secs_f64();
-    Ok(TokenizeReport {
-        out: opts.out.clone(),
-        files: files.len(),
-        input_bytes,
-        documents,
-        tokens,
-        shards: manifest.shards.len(),
-        dtype: manifest.dtype,
-        eos_id: eos,
-        seconds,
-        tokens_per_s: tokens as f64 / seconds.max(1e-9),
-        mb_per_s: input_bytes as f64 / 1e6 / seconds.max(1e-9),
-    })
+    Ok(manifest)
 }
 
 fn progress_bar(enabled: bool, bytes: u64) -> indicatif::ProgressBar {
