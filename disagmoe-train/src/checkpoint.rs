@@ -275,7 +275,8 @@ fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
     move |source| TrainError::Io { action, path: path.into(), source }
 }
 
-fn sha256_file(path: &Path) -> Result<String> {
+/// SHA-256 of a file, as lowercase hex (read in 1 MiB blocks).
+pub(crate) fn sha256_file(path: &Path) -> Result<String> {
     let mut f = std::fs::File::open(path).map_err(io("cannot open", path))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

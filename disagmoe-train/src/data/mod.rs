@@ -231,6 +231,19 @@ impl Batch {
     }
 }
 
+/// A UTF-8 text file, whole; invalid UTF-8 is an error naming the offset of the first bad byte.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
+        action: "cannot read corpus",
+        path: path.into(),
+        source,
+    })?;
+    String::from_utf8(bytes).map_err(|e| TrainError::Corpus {
+        path: path.into(),
+        message: format!("is not valid UTF-8 text (first bad byte at offset {})", e.utf8_error().valid_up_to()),
+    })
+}
+
 /// How a corpus is cut and checked: windows of `seq` tokens in an order seeded by `seed`, ids
 /// below `model_vocab`, at least `min_windows` training windows (one batch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,16 +399,7 @@ impl PackedDataset {
 
     /// Reads a UTF-8 text file and packs it (see [`PackedDataset::new`]).
     pub fn from_file(path: &Path, tokenizer: &dyn Tokenizer, packing: Packing) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
-            action: "cannot read corpus",
-            path: path.into(),
-            source,
-        })?;
-        let text = String::from_utf8(bytes).map_err(|e| TrainError::Corpus {
-            path: path.into(),
-            message: format!("is not valid UTF-8 text (first bad byte at offset {})", e.utf8_error().valid_up_to()),
-        })?;
-        Self::new(&text, &path.display().to_string(), tokenizer, packing)
+        Self::new(&read_text(path)?, &path.display().to_string(), tokenizer, packing)
     }
 
     fn shuffle(&mut self) {

@@ -27,11 +27,11 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use super::corpus::{Manifest, ShardEntry, MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION};
 use super::indexed::{IndexedWriter, TokenDtype};
-use super::{ByteTokenizer, HfTokenizer, Tokenizer};
+use super::{read_text, ByteTokenizer, HfTokenizer, Tokenizer};
+use crate::checkpoint::sha256_file;
 use crate::error::{Result, TrainError};
 
 /// End-of-document tokens looked for when none is named, in order.
@@ -101,19 +101,8 @@ const BATCH_BYTES: usize = 8 << 20;
 fn load_tokenizer(path: Option<&Path>) -> Result<(Box<dyn Tokenizer>, Option<String>)> {
     match path {
         None => Ok((Box::new(ByteTokenizer), None)),
-        Some(p) => {
-            let bytes = std::fs::read(p).map_err(|source| TrainError::Io {
-                action: "cannot read tokenizer",
-                path: p.into(),
-                source,
-            })?;
-            Ok((Box::new(HfTokenizer::from_file(p)?), Some(hex(&Sha256::digest(&bytes)))))
-        }
+        Some(p) => Ok((Box::new(HfTokenizer::from_file(p)?), Some(sha256_file(p)?))),
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The end-of-document id (see the module docs).
@@ -214,10 +203,7 @@ fn read_documents(path: &Path, field: &str, each: &mut dyn FnMut(Doc) -> Result<
     let io = |source| TrainError::Io { action: "cannot read", path: path.into(), source };
     match format_of(path) {
         Format::Text => {
-            let bytes = std::fs::read(path).map_err(io)?;
-            let text = String::from_utf8(bytes).map_err(|e| {
-                corpus(format!("is not valid UTF-8 text (first bad byte at offset {})", e.utf8_error().valid_up_to()))
-            })?;
+            let text = read_text(path)?;
             if !text.is_empty() {
                 each(Doc { text })?;
             }
@@ -478,12 +464,7 @@ fn progress_bar(enabled: bool, bytes: u64) -> indicatif::ProgressBar {
 /// Refuses token data made with another tokenizer than the run's own (when the run names one).
 pub fn check_tokenizer(manifest: &Manifest, dir: &Path, run_tokenizer: Option<&Path>) -> Result<()> {
     let Some(path) = run_tokenizer else { return Ok(()) };
-    let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
-        action: "cannot read tokenizer",
-        path: path.into(),
-        source,
-    })?;
-    let sha = hex(&Sha256::digest(&bytes));
+    let sha = sha256_file(path)?;
     if manifest.tokenizer_sha256.as_deref() != Some(sha.as_str()) {
         return Err(TrainError::Corpus {
             path: dir.into(),
