@@ -547,6 +547,9 @@ pub struct Dispatch {
     pub slots: Vec<usize>,
     /// Experts per token.
     pub top_k: usize,
+    /// The expert of each token-major slot `t * k + j`, `[T k]` (the router's choices; a copy not
+    /// in `slots` is another holder's or dropped).
+    pub experts: Vec<usize>,
 }
 
 impl Dispatch {
@@ -569,7 +572,7 @@ impl Dispatch {
             slots[next[e - experts.start]] = slot;
             next[e - experts.start] += 1;
         }
-        Self { counts, slots, top_k }
+        Self { counts, slots, top_k, experts: ids.to_vec() }
     }
 
     /// Routed copies sorted here (`N`).
@@ -578,22 +581,48 @@ impl Dispatch {
     }
 
     /// Gathers each token once per chosen expert, in expert order (the fused operation or kernel
-    /// where `disagmoe_kernels::fused` has one, else its reference).
+    /// where `disagmoe_kernels::fused` has one, else its reference); with `shared`, also `x` for
+    /// the shared experts, through the same operation so that the fused backward adds a token's
+    /// gradients (its copies' and the shared experts') in the canonical order of
+    /// `disagmoe_kernels::order`.
     ///
     /// # Shapes
-    /// - x: `[T, M]` -> `[N, M]`
-    pub fn permute<B: Backend>(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        disagmoe_kernels::fused::permute_rows(x.clone(), &self.slots, self.top_k)
-            .unwrap_or_else(|| disagmoe_kernels::reference::permute_rows(x, &self.slots, self.top_k))
+    /// - x: `[T, M]` -> `[N, M]` and, with `shared`, `[T, M]`
+    pub fn permute<B: Backend>(&self, x: Tensor<B, 2>, shared: bool) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+        let n = self.rows();
+        match disagmoe_kernels::fused::permute_rows(x.clone(), &self.slots, self.top_k, &self.experts, shared) {
+            Some(out) if shared => {
+                let t = out.dims()[0] - n;
+                (out.clone().narrow(0, 0, n), Some(out.narrow(0, n, t)))
+            }
+            Some(out) => (out, None),
+            None => {
+                (disagmoe_kernels::reference::permute_rows(x.clone(), &self.slots, self.top_k), shared.then_some(x))
+            }
+        }
     }
 
-    /// Weights each expert output by its gate and sums a token's `k` outputs in token order.
+    /// Weights each expert output by its gate and adds a token's outputs (and its row of `base`,
+    /// the shared experts' output) back in token order. The fused CPU operation adds them in the
+    /// canonical order of `disagmoe_kernels::order`, so one holder's share of a layer and the
+    /// attention worker's sum of the shares give the bits of one device's combine.
     ///
     /// # Shapes
-    /// - ys: `[N, M]` (expert order); weights: `[T, k]`; output: `[T, M]`
-    pub fn combine<B: Backend>(&self, ys: Tensor<B, 2>, weights: Tensor<B, 2>) -> Tensor<B, 2> {
-        disagmoe_kernels::fused::combine_rows(ys.clone(), weights.clone(), &self.slots)
-            .unwrap_or_else(|| disagmoe_kernels::reference::combine_rows(ys, weights, &self.slots))
+    /// - ys: `[N, M]` (expert order); weights: `[T, k]`; base: `[T, M]`; output: `[T, M]`
+    pub fn combine<B: Backend>(
+        &self,
+        ys: Tensor<B, 2>,
+        weights: Tensor<B, 2>,
+        base: Option<Tensor<B, 2>>,
+    ) -> Tensor<B, 2> {
+        disagmoe_kernels::fused::combine_rows(ys.clone(), weights.clone(), &self.slots, &self.experts, base.clone())
+            .unwrap_or_else(|| {
+                let out = disagmoe_kernels::reference::combine_rows(ys, weights, &self.slots);
+                match base {
+                    Some(base) => out + base,
+                    None => out,
+                }
+            })
     }
 }
 
@@ -660,14 +689,12 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         let Routed { route: routed, stats, kept } = self.routing.route(self.gate.route(flat.clone()), b, e, k);
         // 2. dispatch (the copies within capacity)
         let dispatch = Dispatch::new(&kept, e, k);
-        let xs = dispatch.permute(flat.clone()); // [N, M]
-                                                 // 3. compute
+        let (xs, shared_in) = dispatch.permute(flat, self.shared_experts.is_some()); // [N, M], [T, M]
+                                                                                     // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
-                                                                     // 4. combine
-        let mut out = dispatch.combine(ys, routed.weights.clone()); // [T, M]
-        if let Some(shared) = &self.shared_experts {
-            out = out + shared.forward(flat);
-        }
+        let shared = self.shared_experts.as_ref().zip(shared_in).map(|(shared, x)| shared.forward(x));
+        // 4. combine (with the shared experts' output)
+        let out = dispatch.combine(ys, routed.weights.clone(), shared); // [T, M]
         (out.reshape([b, s, m]), stats)
     }
 

@@ -321,27 +321,25 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         if let Some(dense) = &self.dense {
             return dense.forward(y);
         }
-        let mut out: Option<Tensor<B, 2>> = None;
         if let (Some(experts), Some(w)) = (&self.experts, weights) {
             let k = if n == 0 { 1 } else { ids.len() / n };
             // 1. The model's dispatch over this holder's experts: a stable counting sort of the
             //    (token, choice) slots that chose them; the others are other holders' share.
             let dispatch = Dispatch::for_experts(ids, self.local_experts(), k);
             if dispatch.rows() > 0 {
-                // 2. Permute, compute, and combine gate-weighted back in token order.
-                let xs = dispatch.permute(y.clone()); // [N, M]
+                // 2. Permute (and the shared experts' input), compute, and combine gate-weighted
+                //    back in token order with the shared experts' output, adding in the order one
+                //    device adds the same terms (forward and backward).
+                let (xs, shared_in) = dispatch.permute(y, self.shared_experts.is_some()); // [N, M], [n, M]
                 let ys = experts.forward_grouped(xs, &dispatch.counts); // [N, M]
-                out = Some(dispatch.combine(ys, w)); // [n, M]
+                let shared = self.shared_experts.as_ref().zip(shared_in).map(|(shared, x)| shared.forward(x));
+                return dispatch.combine(ys, w, shared); // [n, M]
             }
         }
-        if let Some(shared) = &self.shared_experts {
-            let s = shared.forward(y);
-            out = Some(match out {
-                Some(o) => o + s,
-                None => s,
-            });
+        match &self.shared_experts {
+            Some(shared) => shared.forward(y),
+            None => Tensor::zeros([n, m], &device),
         }
-        out.unwrap_or_else(|| Tensor::zeros([n, m], &device))
     }
 }
 

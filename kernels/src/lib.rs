@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub mod cpu;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
+pub mod order;
 pub mod reference;
 
 /// How a backend matched an operation: the plain backend, or `Autodiff` over it.
@@ -160,26 +161,61 @@ pub mod fused {
         /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]`.
         fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2>
     );
-    /// Token rows into expert order: `[T, M] -> [T k, M]`, row `p` = token `slots[p] / k`
-    /// (`crate::cpu::permute_rows` / `crate::cube::permute_rows`).
+    /// Token rows into expert order: `[T, M] -> [N, M]`, row `p` = token `slots[p] / k`, where
+    /// `slots` lists routed copies `t k + j` (all `T k`, or one holder's) and `experts[t k + j]`
+    /// is each copy's expert, followed by `x` itself when `with_base` (`[N + T, M]`: the shared
+    /// experts' input, so that its gradient joins the same sum) (`crate::cpu::permute_rows` /
+    /// `crate::cube::permute_rows`, the latter for all copies only). On the CPU the backward adds
+    /// a token's rows in the canonical order of [`crate::order`].
     #[allow(unused_variables)]
-    pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+    pub fn permute_rows<B: Backend>(
+        x: Tensor<B, 2>,
+        slots: &[usize],
+        k: usize,
+        experts: &[usize],
+        with_base: bool,
+    ) -> Option<Tensor<B, 2>> {
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {
-            return crate::cpu::permute_rows(x, slots, k);
+            return crate::cpu::permute_rows(x, slots, k, experts, with_base);
         }
-        cube_or_none!(permute_rows(x, slots, k))
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if cube_available::<B>() {
+            return crate::cube::permute_rows(x.clone(), slots, k).map(|xs| {
+                if with_base {
+                    Tensor::cat(vec![xs, x], 0)
+                } else {
+                    xs
+                }
+            });
+        }
+        None
     }
 
-    /// Gate-weighted sum of each token's `k` expert rows back in token order
-    /// (`crate::cpu::combine_rows` / `crate::cube::combine_rows`).
+    /// Gate-weighted sum of each token's expert rows back in token order, plus `base` (the shared
+    /// experts' output) when given; slots and experts as in [`permute_rows`]
+    /// (`crate::cpu::combine_rows` / `crate::cube::combine_rows`). On the CPU the terms are added
+    /// in the canonical order of [`crate::order`].
     #[allow(unused_variables)]
-    pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
+    pub fn combine_rows<B: Backend>(
+        ys: Tensor<B, 2>,
+        weights: Tensor<B, 2>,
+        slots: &[usize],
+        experts: &[usize],
+        base: Option<Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 2>> {
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {
-            return crate::cpu::combine_rows(ys, weights, slots);
+            return crate::cpu::combine_rows(ys, weights, slots, experts, base);
         }
-        cube_or_none!(combine_rows(ys, weights, slots))
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if cube_available::<B>() {
+            return crate::cube::combine_rows(ys, weights, slots).map(|out| match base {
+                Some(base) => out + base,
+                None => out,
+            });
+        }
+        None
     }
 
     /// GPT-OSS's experts (clamped SwiGLU, biases, interleaved gate/up columns) over rows grouped

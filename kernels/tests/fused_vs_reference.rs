@@ -275,7 +275,7 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
         &Default::default(),
     );
     let probe = rand([t * k, m], 32);
-    let fused = cpu::permute_rows(x.clone(), &slots, k).unwrap();
+    let fused = cpu::permute_rows(x.clone(), &slots, k, &ids, false).unwrap();
     let gf = (fused.clone() * probe.clone()).sum().backward();
     let reference = x.clone().select(0, tokens.clone());
     let gr = (reference.clone() * probe).sum().backward();
@@ -284,7 +284,7 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
 
     let ys = rand([t * k, m], 33).require_grad();
     let probe = rand([t, m], 34);
-    let fused = cpu::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+    let fused = cpu::combine_rows(ys.clone(), w.clone(), &slots, &ids, None).unwrap();
     let gf = (fused.clone() * probe.clone()).sum().backward();
     let slot_idx = Tensor::<B, 1, Int>::from_data(
         TensorData::new(slots.iter().map(|&s| s as i64).collect::<Vec<_>>(), [t * k]),
@@ -301,10 +301,44 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
     assert_close("combine output", &values(fused.clone()), &values(reference.clone()), 1e-6);
     assert_close("combine dys", &values(ys.grad(&gf).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-6);
     assert_close("combine dw", &values(w.grad(&gf).unwrap()), &values(w.grad(&gr).unwrap()), 1e-5);
-    // Not a permutation: refused.
+
+    // One holder's copies (expert 2's) and a base (shared experts) added: the reference plus the
+    // base; the other copies' gates get no gradient.
+    let mine: Vec<usize> = slots.iter().copied().filter(|&s| ids[s] == 2).collect();
+    let n = mine.len();
+    let fused = cpu::permute_rows(x.clone(), &mine, k, &ids, false).unwrap();
+    let gf = (fused.clone() * rand([n, m], 35)).sum().backward();
+    let reference = disagmoe_kernels::reference::permute_rows(x.clone(), &mine, k);
+    let gr = (reference.clone() * rand([n, m], 35)).sum().backward();
+    assert_close("holder permute output", &values(fused), &values(reference), 0.0);
+    assert_close("holder permute dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
+    // With the shared experts' input behind the copies: `x` itself, its gradient joins the sum.
+    let fused = cpu::permute_rows(x.clone(), &mine, k, &ids, true).unwrap();
+    let probe = rand([n + t, m], 39);
+    let gf = (fused.clone() * probe.clone()).sum().backward();
+    let reference = Tensor::cat(vec![disagmoe_kernels::reference::permute_rows(x.clone(), &mine, k), x.clone()], 0);
+    let gr = (reference.clone() * probe).sum().backward();
+    assert_close("permute with base output", &values(fused), &values(reference), 0.0);
+    assert_close("permute with base dx", &values(x.grad(&gf).unwrap()), &values(x.grad(&gr).unwrap()), 1e-6);
+    let ys = rand([n, m], 36).require_grad();
+    let base = rand([t, m], 37).require_grad();
+    let probe = rand([t, m], 38);
+    let fused = cpu::combine_rows(ys.clone(), w.clone(), &mine, &ids, Some(base.clone())).unwrap();
+    let gf = (fused.clone() * probe.clone()).sum().backward();
+    let reference = disagmoe_kernels::reference::combine_rows(ys.clone(), w.clone(), &mine) + base.clone();
+    let gr = (reference.clone() * probe).sum().backward();
+    assert_close("holder combine output", &values(fused), &values(reference), 1e-6);
+    assert_close("holder combine dys", &values(ys.grad(&gf).unwrap()), &values(ys.grad(&gr).unwrap()), 1e-6);
+    assert_close("holder combine dbase", &values(base.grad(&gf).unwrap()), &values(base.grad(&gr).unwrap()), 0.0);
+    let (dw_f, dw_r) = (values(w.grad(&gf).unwrap()), values(w.grad(&gr).unwrap()));
+    assert_close("holder combine dw", &dw_f, &dw_r, 1e-5);
+    assert!(ids.iter().zip(&dw_f).all(|(&e, &d)| e == 2 || d == 0.0), "other holders' gates: {dw_f:?}");
+
+    // A copy listed twice, or experts that do not name every copy: refused.
     let mut bad = slots.clone();
     bad[0] = bad[1];
-    assert!(cpu::permute_rows(x, &bad, k).is_none());
+    assert!(cpu::permute_rows(x.clone(), &bad, k, &ids, false).is_none());
+    assert!(cpu::permute_rows(x, &slots, k, &ids[1..], false).is_none());
 }
 
 #[test]

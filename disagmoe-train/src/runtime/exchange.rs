@@ -15,14 +15,23 @@
 //!
 //! # N2M
 //! Each holder sends its share `[n_r, M]` (rows in the order of its tokens) to the attention
-//! worker of the next layer, which adds every share to the residual ([`LayerInput::assemble`]).
+//! worker of the next layer, which adds a token's shares up and then onto the residual
+//! ([`LayerInput::assemble`]).
 //!
 //! # Gradients
 //! The mirror image: the gradient of the next layer's input goes whole to the previous attention
 //! worker (the residual) and, row-selected, to each holder ([`rows_of`]); each holder returns the
 //! gradients of its inputs and gate weights, which the attention worker adds up.
+//!
+//! # One order of addition
+//! A holder adds its experts' terms, and the attention worker the holders' shares (forward and
+//! backward, [`add_token_sums`]), along the tree of `disagmoe_kernels::order`, the order in which
+//! one device's combine and permute backward add a token's terms: with holders on aligned
+//! power-of-two expert ranges the sums have one device's bits.
 
 use std::ops::Range;
+
+use disagmoe_kernels::order::{tree_sum, Term};
 
 use super::transport::{AuxSums, HostTensor, LayerCoefficients};
 
@@ -92,6 +101,9 @@ pub struct ResidualIn {
 pub struct Partial {
     /// The holder.
     pub holder: usize,
+    /// Its place in the canonical order of a token's expert terms
+    /// (`disagmoe_kernels::order::range_key` of its expert range).
+    pub key: (u64, u64),
     /// Its tokens.
     pub tokens: Vec<u32>,
     /// `[n, M]` in the order of `tokens`.
@@ -124,24 +136,51 @@ impl LayerInput {
         self.residual.is_some() && self.partials.len() == holders
     }
 
-    /// N2M: the residual plus every holder's share, added on the host in holder order (whatever
-    /// order they arrived in, so a run's sums are reproducible).
+    /// N2M: the residual plus the sum of the holders' shares, added on the host token by token in
+    /// the canonical order of `disagmoe_kernels::order` (whatever order they arrived in), so the
+    /// layer input has the bits of one device's `h + moe(h)`.
     pub fn assemble(self) -> Assembled {
         let ResidualIn { x: mut h, aux } = self.residual.expect("an input is assembled once complete");
         let m = *h.shape.last().expect("[T, M]");
         let mut partials = self.partials;
         partials.sort_by_key(|p| p.holder);
-        let mut from = Vec::with_capacity(partials.len());
-        for Partial { holder, tokens, out } in partials {
-            for (i, &t) in tokens.iter().enumerate() {
-                let dst = &mut h.data[t as usize * m..(t as usize + 1) * m];
-                for (d, s) in dst.iter_mut().zip(&out.data[i * m..(i + 1) * m]) {
-                    *d += s;
-                }
-            }
-            from.push(Share { holder, tokens });
-        }
+        let rows: Vec<HolderRows> =
+            partials.iter().map(|p| HolderRows { key: p.key, tokens: &p.tokens, rows: &p.out.data }).collect();
+        add_token_sums(&mut h.data, m, &rows);
+        let from = partials.into_iter().map(|Partial { holder, tokens, .. }| Share { holder, tokens }).collect();
         Assembled { h, aux, from }
+    }
+}
+
+/// One holder's rows of a `[T, M]` sum: `rows` `[n, M]` for the ascending `tokens`.
+#[derive(Debug, Clone, Copy)]
+pub struct HolderRows<'a> {
+    /// The holder's place in the canonical order (`disagmoe_kernels::order::range_key`).
+    pub key: (u64, u64),
+    /// Its tokens, ascending.
+    pub tokens: &'a [u32],
+    /// `[n, M]`
+    pub rows: &'a [f32],
+}
+
+/// `out[t] += sum over the holders that have token t of their row`, the holders' rows of a token
+/// added in the canonical order of `disagmoe_kernels::order` first (a token no holder has gets
+/// `+ 0`). N2M adds the expert shares onto the residual this way; the attention worker's backward
+/// adds the holders' input gradients the same way, mirroring one device's permute backward.
+pub fn add_token_sums(out: &mut [f32], m: usize, holders: &[HolderRows<'_>]) {
+    debug_assert!(holders.iter().all(|h| h.tokens.windows(2).all(|w| w[0] < w[1])), "tokens ascending");
+    let mut cursor = vec![0usize; holders.len()];
+    let (mut terms, mut scratch, mut sum) = (Vec::with_capacity(holders.len()), Vec::new(), vec![0f32; m]);
+    for (t, dst) in out.chunks_mut(m.max(1)).enumerate() {
+        terms.clear();
+        for (h, c) in holders.iter().zip(&mut cursor) {
+            if h.tokens.get(*c) == Some(&(t as u32)) {
+                terms.push(Term { key: h.key, row: &h.rows[*c * m..(*c + 1) * m], scale: None });
+                *c += 1;
+            }
+        }
+        tree_sum(&mut terms, &mut sum, &mut scratch);
+        dst.iter_mut().zip(&sum).for_each(|(d, s)| *d += s);
     }
 }
 
@@ -199,6 +238,7 @@ pub fn empty(cols: usize) -> HostTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use disagmoe_kernels::order::range_key;
 
     #[test]
     fn each_token_goes_once_to_each_holder_of_one_of_its_experts() {
@@ -222,11 +262,13 @@ mod tests {
         let mut input = LayerInput { residual: Some(ResidualIn { x, aux: AuxSums::default() }), partials: Vec::new() };
         input.partials.push(Partial {
             holder: 5,
+            key: range_key(&(0..2)),
             tokens: vec![0, 2],
             out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] },
         });
         input.partials.push(Partial {
             holder: 6,
+            key: range_key(&(2..4)),
             tokens: vec![2],
             out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] },
         });

@@ -30,6 +30,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use disagmoe_kernels::order::range_key;
 use disagmoe_models::causal_lm::next_token_cross_entropy;
 use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::moe::{Experts, Routed, Router, RoutingOptions};
@@ -38,8 +39,8 @@ use disagmoe_models::{AuxLoss, TrainModule};
 
 use super::collectives::{max_chunk_elements, ring_all_reduce, ReduceValues, Reducer, RingLink};
 use super::exchange::{
-    dense_shares, empty, m2n_shares, rows_of, Assembled, DispatchGrad, GradInput, GradResidualIn, LayerInput, Partial,
-    ResidualIn, Share,
+    add_token_sums, dense_shares, empty, m2n_shares, rows_of, Assembled, DispatchGrad, GradInput, GradResidualIn,
+    HolderRows, LayerInput, Partial, ResidualIn, Share,
 };
 use super::layout::Layout;
 pub use super::part::WorkerPart;
@@ -192,7 +193,11 @@ impl BackwardOrder {
 
 struct SentDispatch<B: AutodiffBackend> {
     holder: usize,
-    y: Option<Tensor<B, 2>>,
+    /// The holder's place in the canonical order of a token's expert terms.
+    key: (u64, u64),
+    /// The tokens sent to it, ascending.
+    tokens: Vec<u32>,
+    /// Their gate weights (routed layers).
     w: Option<Tensor<B, 2>>,
 }
 
@@ -202,6 +207,8 @@ struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     h: Option<Tensor<B, 3>>,
     from: Vec<Share>,
     residual: Tensor<B, 2>,
+    /// `[T, M]`: the normed layer output the holders were sent rows of.
+    normed: Tensor<B, 2>,
     sent: Vec<SentDispatch<B>>,
     /// `[B, E]` score sums per sequence of a routed layer, when the balance loss is on.
     prob_sum: Option<Tensor<B, 2>>,
@@ -357,6 +364,18 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
 fn host<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> HostTensor {
     let data = t.to_data().convert::<f32>();
     HostTensor { shape: data.shape.clone().into(), data: data.to_vec::<f32>().expect("f32 tensor") }
+}
+
+/// The gradient of the step's loss with respect to a loss term with coefficient `coef` in a
+/// micro-batch's loss, rounded as one device's autodiff rounds it (`total = lm + coef * term`,
+/// then `total / micro_batches` when there are several: `f32(1 / K) * f32(coef)` in f32), so the
+/// balance and z-loss gradients have the single engine's bits.
+fn term_scale(micro_batches: usize, coef: f64) -> f32 {
+    if micro_batches > 1 {
+        (1.0f32 / micro_batches as f32) * coef as f32
+    } else {
+        coef as f32
+    }
 }
 
 fn leaf<B: AutodiffBackend, const D: usize>(h: &HostTensor, device: &B::Device) -> Tensor<B, D> {
@@ -685,7 +704,13 @@ where
             }
             Msg::GradCombine { mb, layer, g } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer, g }),
             Msg::Combine { mb, layer, tokens, out } => {
-                self.inputs.entry((mb, layer + 1)).or_default().partials.push(Partial { holder: src, tokens, out });
+                let key = self.holder_key(layer, src);
+                self.inputs.entry((mb, layer + 1)).or_default().partials.push(Partial {
+                    holder: src,
+                    key,
+                    tokens,
+                    out,
+                });
                 self.check_input(mb, layer + 1);
             }
             Msg::Residual { mb, layer, x, aux } => {
@@ -892,29 +917,28 @@ where
                 for share in m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer)) {
                     let ids = share.ids(&kept, k);
                     let Share { holder, tokens } = share;
+                    let key = self.holder_key(layer, holder);
                     if tokens.is_empty() {
-                        sent.push(SentDispatch { holder, y: None, w: None });
+                        sent.push(SentDispatch { holder, key, tokens: Vec::new(), w: None });
                         let (y, weights) = (empty(m), Some(empty(k)));
                         msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights, ids }));
                         continue;
                     }
                     let idx = index::<B>(&tokens, &self.device);
-                    let y = out.normed.clone().select(0, idx.clone());
+                    let y = host(&out.normed.clone().select(0, idx.clone()));
                     let w = route.weights.clone().select(0, idx);
-                    msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y: host(&y), weights: Some(host(&w)), ids }));
-                    sent.push(SentDispatch { holder, y: Some(y), w: Some(w) });
+                    let weights = Some(host(&w));
+                    msgs.push((holder, Msg::Dispatch { mb, layer, tokens: tokens.clone(), y, weights, ids }));
+                    sent.push(SentDispatch { holder, key, tokens, w: Some(w) });
                 }
             }
             _ => {
                 // A dense layer: every token goes to the first holder, none to the others.
                 for Share { holder, tokens } in dense_shares(t, &holders) {
-                    let (y, sent_y) = if tokens.is_empty() {
-                        (empty(m), None)
-                    } else {
-                        (host(&out.normed), Some(out.normed.clone()))
-                    };
+                    let y = if tokens.is_empty() { empty(m) } else { host(&out.normed) };
+                    let key = self.holder_key(layer, holder);
+                    sent.push(SentDispatch { holder, key, tokens: tokens.clone(), w: None });
                     msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights: None, ids: vec![] }));
-                    sent.push(SentDispatch { holder, y: sent_y, w: None });
                 }
             }
         }
@@ -924,9 +948,18 @@ where
         let next = self.next_attn_worker(mb, layer);
         self.send(next, Msg::Residual { mb, layer, x: host(&out.residual), aux })?;
         let h = if layer == 0 { None } else { Some(h) };
-        self.attn_saved
-            .insert((mb, layer), AttnSaved { stage, ends, h, from, residual: out.residual, sent, prob_sum, z });
+        self.attn_saved.insert(
+            (mb, layer),
+            AttnSaved { stage, ends, h, from, residual: out.residual, normed: out.normed, sent, prob_sum, z },
+        );
         Ok(())
+    }
+
+    /// Where holder `holder`'s share of `layer` sits in the canonical order of a token's expert
+    /// terms: the key of its expert range.
+    fn holder_key(&self, layer: usize, holder: usize) -> (u64, u64) {
+        let index = self.layout.ffn_holders(layer).iter().position(|&h| h == holder).expect("a holder of the layer");
+        range_key(&self.layout.expert_range(index))
     }
 
     /// Whether the first holder of `layer` needs every token (it holds shared experts).
@@ -1038,7 +1071,10 @@ where
                     .zip(coefficients)
                     .map(|(l, c)| LayerCoefficients {
                         layer: l.layer,
-                        values: c.iter().map(|&x| (a.coef * x / mbs) as f32).collect(),
+                        values: {
+                            let scale = term_scale(self.layout.micro_batches, a.coef);
+                            c.iter().map(|&x| scale * x as f32).collect()
+                        },
                     })
                     .collect();
                 (loss, per_layer)
@@ -1061,12 +1097,22 @@ where
         let mut objective = (saved.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
         let mut dispatch = inp.dispatch;
         dispatch.sort_by_key(|d| d.holder);
-        for DispatchGrad { holder, gy, gw } in dispatch {
-            let sent = saved.sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
-            if let Some(y) = &sent.y {
-                objective = objective + (y.clone() * constant::<B, 2>(&gy, &self.device)).sum();
-            }
-            if let (Some(w), Some(gw)) = (&sent.w, gw) {
+        // The gradient of the normed output: the holders' input gradients added token by token in
+        // the canonical order (one device's permute backward adds a token's copies that way).
+        let [t, m] = saved.normed.dims();
+        let mut g_normed = HostTensor { shape: vec![t, m], data: vec![0.0; t * m] };
+        let sent_to = |holder: usize| saved.sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
+        let rows: Vec<HolderRows> = dispatch
+            .iter()
+            .map(|d| {
+                let sent = sent_to(d.holder);
+                HolderRows { key: sent.key, tokens: &sent.tokens, rows: &d.gy.data }
+            })
+            .collect();
+        add_token_sums(&mut g_normed.data, m, &rows);
+        objective = objective + (saved.normed.clone() * constant::<B, 2>(&g_normed, &self.device)).sum();
+        for DispatchGrad { holder, gw, .. } in dispatch {
+            if let (Some(w), Some(gw)) = (&sent_to(holder).w, gw) {
                 objective = objective + (w.clone() * constant::<B, 2>(&gw, &self.device)).sum();
             }
         }
@@ -1076,8 +1122,8 @@ where
             objective = objective + (ps.clone() * c).sum();
         }
         if let Some(z) = &saved.z {
-            let mbs = self.layout.micro_batches as f64;
-            objective = objective + z.clone().mul_scalar(self.settings.routing.z_loss_coef / mbs);
+            let scale = term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef);
+            objective = objective + z.clone().mul_scalar(scale as f64);
         }
         let mut grads = objective.backward();
         let gh = saved.h.as_ref().map(|h| {

@@ -450,11 +450,16 @@ pub fn swiglu_experts<B: Backend>(
     }))
 }
 
-/// The inverse of a permutation given as `slots` (position -> slot): slot -> position.
-fn inverse(slots: &[usize]) -> Option<Vec<usize>> {
-    let mut pos = vec![usize::MAX; slots.len()];
+/// Where each routed copy `t k + j` of `0..copies` sits in `slots` (position -> copy), or
+/// `usize::MAX` for a copy not there (another holder's, or dropped for capacity); `None` when a
+/// slot is out of range or listed twice, or `experts` does not name each copy's expert.
+fn positions(slots: &[usize], copies: usize, experts: &[usize]) -> Option<Vec<usize>> {
+    let mut pos = vec![usize::MAX; copies];
+    if experts.len() != copies {
+        return None;
+    }
     for (p, &s) in slots.iter().enumerate() {
-        if s >= slots.len() || pos[s] != usize::MAX {
+        if s >= copies || pos[s] != usize::MAX {
             return None;
         }
         pos[s] = p;
@@ -463,49 +468,83 @@ fn inverse(slots: &[usize]) -> Option<Vec<usize>> {
 }
 
 /// Token dispatch: row `p` of the output is token `slots[p] / k` of `x` (each token once per
-/// chosen expert, in expert order; `slots` a permutation of `0..T k`).
+/// chosen expert here, in expert order; `slots` lists routed copies `t k + j`, each at most once,
+/// all of them or one holder's; `experts[t k + j]` is copy `t k + j`'s expert), followed by `x`
+/// itself when `with_base` (the shared experts' input). The backward adds a token's rows in the
+/// canonical order of [`crate::order`].
 ///
 /// # Shapes
-/// - x: `[T, M]` -> `[T k, M]`
-pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
+/// - x: `[T, M]` -> `[N, M]` (`[N + T, M]` with the base), `N = slots.len() <= T k`
+pub fn permute_rows<B: Backend>(
+    x: Tensor<B, 2>,
+    slots: &[usize],
+    k: usize,
+    experts: &[usize],
+    with_base: bool,
+) -> Option<Tensor<B, 2>> {
     let kind = kind::<B>()?;
     let [t, m] = x.dims();
-    if k == 0 || slots.len() != t * k {
+    if k == 0 {
         return None;
     }
-    let pos = inverse(slots)?;
+    let pos = positions(slots, t * k, experts)?;
+    let experts = experts.to_vec();
     let x = take(kind, x)?;
-    let out = flex(ops::permute_rows(x.data(), slots, k, m), &[t * k, m]);
+    let rows = slots.len() + if with_base { t } else { 0 };
+    let out = flex(ops::permute_rows(x.data(), slots, k, m, with_base), &[rows, m]);
     Some(finish::<B, 2, 1>(kind, [&x], out, move |dout, _| {
-        [Some(flex(ops::permute_rows_backward(dout, &pos, k, m), &[t, m]))]
+        [Some(flex(ops::permute_rows_backward(dout, &pos, &experts, k, m, with_base), &[t, m]))]
     }))
 }
 
-/// Token combine: each token's `k` expert outputs (rows of `ys` in expert order, row
-/// `pos(t k + j)` for slot `t k + j`) weighted by its gates and summed.
+/// Token combine: each token's expert outputs (rows of `ys` in expert order, slots and experts as
+/// in [`permute_rows`]) weighted by its gates and added, with `base` (the shared experts'
+/// output), in the canonical order of [`crate::order`].
 ///
 /// # Shapes
-/// - ys: `[T k, M]`, weights: `[T, k]` -> `[T, M]`
-pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
+/// - ys: `[N, M]`, weights: `[T, k]`, base: `[T, M]` -> `[T, M]`
+pub fn combine_rows<B: Backend>(
+    ys: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    slots: &[usize],
+    experts: &[usize],
+    base: Option<Tensor<B, 2>>,
+) -> Option<Tensor<B, 2>> {
     let kind = kind::<B>()?;
     let ([n, m], [t, k]) = (ys.dims(), weights.dims());
-    if k == 0 || n != t * k || slots.len() != n {
+    if k == 0 || slots.len() != n || base.as_ref().is_some_and(|b| b.dims() != [t, m]) {
         return None;
     }
-    let pos = inverse(slots)?;
+    let pos = positions(slots, t * k, experts)?;
     let (ys, w) = (take(kind, ys)?, take(kind, weights)?);
-    let out = flex(ops::combine_rows(ys.data(), w.data(), &pos, k, m), &[t, m]);
+    let base = match base {
+        Some(b) => Some(take(kind, b)?),
+        None => None,
+    };
+    let out = ops::combine_rows(ys.data(), w.data(), &pos, experts, base.as_ref().map(|b| b.data()), k, m);
+    let out = flex(out, &[t, m]);
     let (yv, wv) = (ys.values.clone(), w.values.clone());
     let slots = slots.to_vec();
-    Some(finish::<B, 2, 2>(kind, [&ys, &w], out, move |dout, _| {
+    let grads = move |dout: &[f32]| {
         let (dys, dw) = ops::combine_rows_backward(
             yv.as_slice::<f32>().expect("f32"),
             wv.as_slice::<f32>().expect("f32"),
             &slots,
+            &pos,
             dout,
             k,
             m,
         );
-        [Some(flex(dys, &[n, m])), Some(flex(dw, &[t, k]))]
-    }))
+        (Some(flex(dys, &[n, m])), Some(flex(dw, &[t, k])))
+    };
+    Some(match base {
+        None => finish::<B, 2, 2>(kind, [&ys, &w], out, move |dout, _| {
+            let (dys, dw) = grads(dout);
+            [dys, dw]
+        }),
+        Some(base) => finish::<B, 2, 3>(kind, [&ys, &w, &base], out, move |dout, _| {
+            let (dys, dw) = grads(dout);
+            [dys, dw, Some(flex(dout.to_vec(), &[t, m]))]
+        }),
+    })
 }
