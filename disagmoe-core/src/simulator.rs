@@ -16,7 +16,7 @@ use crate::allocator::search::StepTimeOracle;
 use crate::allocator::Allocation;
 use crate::cost::CostModel;
 use crate::error::{CoreError, Result};
-use crate::schedule::{OpId, OpKind, Schedule};
+use crate::schedule::{Dependents, OpId, OpKind, Schedule};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -267,8 +267,8 @@ fn fill(flows: &mut [Flow], members: &[usize], cap: &mut [f64], count: &mut [usi
 }
 
 /// Counts `op` as done for each op that depends on it; those left with nothing to wait for are ready.
-fn release(op: OpId, dependents: &[Vec<OpId>], remaining: &mut [usize], ready: &mut Vec<OpId>) {
-    for &j in &dependents[op] {
+fn release(op: OpId, dependents: &Dependents, remaining: &mut [usize], ready: &mut Vec<OpId>) {
+    for &j in dependents.of_op(op) {
         remaining[j] -= 1;
         if remaining[j] == 0 {
             ready.push(j);
@@ -284,13 +284,16 @@ fn release(op: OpId, dependents: &[Vec<OpId>], remaining: &mut [usize], ready: &
 /// its time alone on idle ports.
 pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let n = schedule.ops.len();
-    let mut remaining: Vec<usize> = schedule.ops.iter().map(|o| o.deps.len()).collect();
-    let mut dependents: Vec<Vec<OpId>> = vec![Vec::new(); n];
-    for (i, o) in schedule.ops.iter().enumerate() {
-        for &d in &o.deps {
-            dependents[d].push(i);
-        }
+    if let Some((i, d)) =
+        schedule.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
+    {
+        return Err(CoreError::InvalidSchedule {
+            schedule: schedule.name.clone(),
+            detail: format!("op {i} depends on missing op {d}"),
+        });
     }
+    let mut remaining: Vec<usize> = schedule.ops.iter().map(|o| o.deps.len()).collect();
+    let dependents = Dependents::of(schedule);
     let mut stream_index = vec![vec![]; schedule.workers.len()];
     let mut streams: Vec<StreamState> = Vec::new();
     for (w, worker) in schedule.workers.iter().enumerate() {
@@ -320,6 +323,9 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let mut is_dirty = vec![false; streams.len()];
     let mut completed = 0usize;
     let mut now = 0.0f64;
+    // Scratch reused from event to event.
+    let (mut touched, mut finished, mut freed): (Vec<usize>, Vec<OpId>, Vec<usize>) =
+        (Vec::new(), Vec::new(), Vec::new());
 
     let mut ready_list: Vec<OpId> = (0..n).filter(|&i| remaining[i] == 0).collect();
     loop {
@@ -347,8 +353,8 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
         }
         // 2. Start what can start (compute streams of a worker in listed order: backward first).
         dirty.sort_unstable();
-        let mut touched: Vec<usize> = Vec::new();
-        for s in std::mem::take(&mut dirty) {
+        touched.clear();
+        for &s in &dirty {
             is_dirty[s] = false;
             let st = &mut streams[s];
             if st.busy || (st.compute && gpu_busy[st.worker]) {
@@ -372,6 +378,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                 network.start(op, ps, secs, now);
             }
         }
+        dirty.clear();
         if !touched.is_empty() {
             network.rebalance(&touched, now);
         }
@@ -386,8 +393,8 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
         };
         now = t;
         let eps = 1e-12 * now.max(1.0);
-        let mut finished: Vec<OpId> = Vec::new();
-        let mut freed: Vec<usize> = Vec::new();
+        finished.clear();
+        freed.clear();
         network.finish_until(now + eps, &mut finished, &mut freed);
         if !freed.is_empty() {
             network.rebalance(&freed, now);
@@ -409,7 +416,7 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
             release(op, &dependents, &mut remaining, &mut ready_list);
         }
         // 4. Completions: free the stream (and GPU), release dependents.
-        for op in finished {
+        for &op in &finished {
             end[op] = now;
             completed += 1;
             let s = stream_of(op);
@@ -418,14 +425,16 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
             if st.ordered {
                 st.pos += 1;
             }
-            let mut wake = vec![s];
-            if st.compute {
-                gpu_busy[st.worker] = false;
-                wake.extend(stream_index[st.worker].iter().copied().filter(|&x| streams[x].compute));
+            let (compute, worker) = (st.compute, st.worker);
+            if !std::mem::replace(&mut is_dirty[s], true) {
+                dirty.push(s);
             }
-            for x in wake {
-                if !std::mem::replace(&mut is_dirty[x], true) {
-                    dirty.push(x);
+            if compute {
+                gpu_busy[worker] = false;
+                for &x in &stream_index[worker] {
+                    if streams[x].compute && !std::mem::replace(&mut is_dirty[x], true) {
+                        dirty.push(x);
+                    }
                 }
             }
             release(op, &dependents, &mut remaining, &mut ready_list);

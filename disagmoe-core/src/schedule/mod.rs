@@ -238,6 +238,44 @@ pub struct Schedule {
     pub ops: Vec<Op>,
 }
 
+/// For each op, the ops that depend on it, in one flat array (two passes, no allocation per op:
+/// a step's schedule at scale has millions of ops).
+pub(crate) struct Dependents {
+    start: Vec<usize>,
+    flat: Vec<OpId>,
+}
+
+impl Dependents {
+    /// The dependents of every op of `schedule` (whose deps all name existing ops), each list in
+    /// op order.
+    pub(crate) fn of(schedule: &Schedule) -> Self {
+        let n = schedule.ops.len();
+        let mut start = vec![0usize; n + 1];
+        for o in &schedule.ops {
+            for &d in &o.deps {
+                start[d + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            start[i + 1] += start[i];
+        }
+        let mut next = start.clone();
+        let mut flat = vec![0; start[n]];
+        for (i, o) in schedule.ops.iter().enumerate() {
+            for &d in &o.deps {
+                flat[next[d]] = i;
+                next[d] += 1;
+            }
+        }
+        Self { start, flat }
+    }
+
+    /// The ops that depend on `op`.
+    pub(crate) fn of_op(&self, op: OpId) -> &[OpId] {
+        &self.flat[self.start[op]..self.start[op + 1]]
+    }
+}
+
 /// Layer value of ops not tied to a layer.
 pub const NO_LAYER: u32 = u32::MAX;
 
@@ -267,22 +305,18 @@ impl Schedule {
         if let Some(op) = seen.iter().position(|s| !s) {
             return Err(bad(format!("op {op} is in no stream")));
         }
-        let mut indeg = vec![0usize; n];
-        let mut out: Vec<Vec<OpId>> = vec![Vec::new(); n];
-        for (i, o) in self.ops.iter().enumerate() {
-            for &d in &o.deps {
-                if d >= n {
-                    return Err(bad(format!("op {i} depends on missing op {d}")));
-                }
-                indeg[i] += 1;
-                out[d].push(i);
-            }
+        if let Some((i, d)) =
+            self.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
+        {
+            return Err(bad(format!("op {i} depends on missing op {d}")));
         }
+        let mut indeg: Vec<usize> = self.ops.iter().map(|o| o.deps.len()).collect();
+        let out = Dependents::of(self);
         let mut stack: Vec<OpId> = (0..n).filter(|&i| indeg[i] == 0).collect();
         let mut done = 0;
         while let Some(i) = stack.pop() {
             done += 1;
-            for &j in &out[i] {
+            for &j in out.of_op(i) {
                 indeg[j] -= 1;
                 if indeg[j] == 0 {
                     stack.push(j);
