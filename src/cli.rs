@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use disagmoe_train::runtime;
 use disagmoe_train::{
-    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, RunConfig, TrainBackend, TrainSummary,
-    TransportKind,
+    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, Precision, RunConfig, TrainBackend,
+    TrainSummary, TransportKind,
 };
 
 /// On or off.
@@ -140,6 +140,11 @@ pub struct TrainArgs {
     /// of a micro-batch, the rest are dropped (counted in the metrics) [default: dropless].
     #[arg(long, value_name = "C")]
     pub capacity_factor: Option<f64>,
+    /// The dtype of the matrix products: f32, or bf16 (mixed precision: products in bf16 with
+    /// f32 accumulation; master weights, optimizer moments, gradients, norms, softmax and the loss
+    /// in f32; checkpoints f32) [default: f32].
+    #[arg(long, value_name = "f32|bf16")]
+    pub precision: Option<Precision>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
@@ -283,6 +288,9 @@ impl TrainArgs {
         }
         if self.quiet {
             cfg.progress = false;
+        }
+        if let Some(p) = self.precision {
+            cfg.precision.compute = p;
         }
         if let Some(p) = self.on_nonfinite {
             cfg.precision.on_nonfinite = match p {

@@ -62,7 +62,7 @@ pub fn input_ids<B: Backend>(rows: &[Vec<i64>], vocab: usize, device: &B::Device
 pub fn lm_logits<B: Backend>(x: Tensor<B, 3>, head: Option<&Linear<B>>, embed: &Embedding<B>) -> Tensor<B, 3> {
     match head {
         Some(head) => head.forward(x),
-        None => x.matmul(embed.weight.val().transpose().unsqueeze::<3>()),
+        None => disagmoe_kernels::precision::matmul(x, embed.weight.val().transpose().unsqueeze::<3>()),
     }
 }
 

@@ -43,7 +43,7 @@ impl<B: Backend> Linear<B> {
         let rows = out_shape[..D - 1].iter().product::<usize>();
         let x = x.reshape([rows, d_in]);
         let y = disagmoe_kernels::fused::linear(x.clone(), self.weight.val())
-            .unwrap_or_else(|| x.matmul(self.weight.val().transpose()))
+            .unwrap_or_else(|| disagmoe_kernels::precision::matmul(x, self.weight.val().transpose()))
             .reshape(out_shape); // [.., out]
         match &self.bias {
             Some(b) => y + b.val().unsqueeze::<D>(),

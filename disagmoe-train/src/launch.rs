@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use burn::tensor::backend::AutodiffBackend;
 use disagmoe_models::{FamilyConfig, TrainModule};
 
-use crate::config::RunConfig;
+use crate::config::{Precision, RunConfig};
 use crate::error::{Result, TrainError};
 use crate::runtime::predict::{Calibrated, Calibration};
 use crate::single::SingleDevice;
@@ -59,13 +59,40 @@ where
             ),
         ));
     }
+    check_precision::<B>(cfg, device)?;
     crate::backend::keep_freed_memory();
     let resumed = resume_point(cfg)?;
     let mut engine = crate::runtime::start_family::<B, C>(cfg, &config, device, resumed.as_ref())?;
     crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
 }
 
+/// Refuses a product precision the backend lacks on `device`, naming what it has.
+pub(crate) fn check_precision<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<()> {
+    let p = cfg.precision.compute;
+    if p.supported::<B>(device) {
+        return Ok(());
+    }
+    let has: Vec<&str> = [Precision::F32, Precision::Bf16, Precision::F16]
+        .iter()
+        .filter(|q| q.supported::<B>(device))
+        .map(|q| q.name())
+        .collect();
+    Err(TrainError::option(
+        "precision",
+        format!("{p} is not supported by the {} backend on this device; it has: {}", B::name(device), has.join(", ")),
+    ))
+}
+
 fn run<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
+    check_precision::<B>(cfg, device)?;
+    // The products of the models on this thread (one device; distributed workers set their own).
+    disagmoe_kernels::precision::set_precision_for_thread(Some(cfg.precision.compute));
+    let out = run_engine::<B>(cfg, device, stop);
+    disagmoe_kernels::precision::set_precision_for_thread(None);
+    out
+}
+
+fn run_engine<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
     // A checkpoint resumes under any placement, whichever wrote it.
     let resumed = resume_point(cfg)?;
     let mut engine: Box<dyn StepEngine> = if cfg.parallel.distributed() {

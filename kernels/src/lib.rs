@@ -20,6 +20,7 @@ pub mod cpu;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
 pub mod order;
+pub mod precision;
 pub mod reference;
 
 /// How a backend matched an operation: the plain backend, or `Autodiff` over it.
@@ -151,16 +152,25 @@ pub mod fused {
         scale: f64,
         window: Option<usize>,
     ) -> Option<Tensor<B, 4>> {
+        if crate::precision::low() {
+            return None;
+        }
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {
             return crate::cpu::attention(q, k, v, sinks, scale, window);
         }
         cube_or_none!(attention(q, k, v, sinks, scale, window))
     }
-    forward!(
-        /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]`.
-        fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2>
-    );
+    /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]` (f32 products only:
+    /// `None` under a low [`crate::precision`]).
+    #[allow(unused_variables)]
+    pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+        #[cfg(feature = "flex")]
+        if !crate::precision::low() {
+            return crate::cpu::linear(x, w);
+        }
+        None
+    }
     /// Token rows into expert order: `[T, M] -> [N, M]`, row `p` = token `slots[p] / k`, where
     /// `slots` lists routed copies `t k + j` (all `T k`, or one holder's) and `experts[t k + j]`
     /// is each copy's expert, followed by `x` itself when `with_base` (`[N + T, M]`: the shared
@@ -231,6 +241,9 @@ pub mod fused {
         alpha: f64,
         limit: f64,
     ) -> Option<Tensor<B, 2>> {
+        if crate::precision::low() {
+            return None;
+        }
         cube_or_none!(gpt_oss_experts(xs, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit))
     }
     forward!(
@@ -264,6 +277,9 @@ pub mod fused {
         counts: &[usize],
         experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
     ) -> Option<Tensor<B, 2>> {
+        if crate::precision::low() {
+            return None;
+        }
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {
             return crate::cpu::swiglu_experts(xs, counts, experts);

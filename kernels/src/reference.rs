@@ -1,8 +1,10 @@
 //! The operations of [`crate::cube`] (and [`crate::cpu`]) written in plain Burn tensor operations,
 //! for any backend: the one definition of each. The models (`disagmoe-models`) run them wherever
 //! [`crate::fused`] has no fused operation for the backend, and the kernels are tested against and
-//! benchmarked beside them.
+//! benchmarked beside them. Their matrix products go through [`crate::precision::matmul`] (the
+//! low precision of a mixed-precision run, f32 otherwise).
 
+use crate::precision::matmul;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
@@ -49,7 +51,7 @@ pub fn attention_at<B: Backend>(
         x.unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
     };
     let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
-    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T]
+    let scores = matmul(q, k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T], f32
     let w = window.unwrap_or(usize::MAX);
     let mask: Vec<bool> = (0..s * t)
         .map(|ij| {
@@ -66,7 +68,7 @@ pub fn attention_at<B: Backend>(
         }
         None => softmax(scores, 3),
     };
-    probs.matmul(v).swap_dims(1, 2)
+    matmul(probs, v).swap_dims(1, 2)
 }
 
 /// The stable counting sort of token-major expert ids: rows per expert, and for each sorted
@@ -137,8 +139,8 @@ pub fn swiglu_experts<B: Backend>(
 ) -> Tensor<B, 2> {
     per_expert(xs, counts, |e, x| {
         let (g, u, d) = &experts[e];
-        let h = silu(x.clone().matmul(g.clone().transpose())) * x.matmul(u.clone().transpose());
-        h.matmul(d.clone().transpose())
+        let h = silu(matmul(x.clone(), g.clone().transpose())) * matmul(x, u.clone().transpose());
+        matmul(h, d.clone().transpose())
     })
 }
 
@@ -172,7 +174,7 @@ pub fn gpt_oss_experts<B: Backend>(
     let i = two_i / 2;
     per_expert(xs, counts, |e, x| {
         let w = gate_up.clone().narrow(0, e, 1).reshape([m, two_i]);
-        let h = clamped_swiglu(x.matmul(w) + gate_up_bias.clone().narrow(0, e, 1), alpha, limit);
-        h.matmul(down.clone().narrow(0, e, 1).reshape([i, m])) + down_bias.clone().narrow(0, e, 1)
+        let h = clamped_swiglu(matmul(x, w) + gate_up_bias.clone().narrow(0, e, 1), alpha, limit);
+        matmul(h, down.clone().narrow(0, e, 1).reshape([i, m])) + down_bias.clone().narrow(0, e, 1)
     })
 }

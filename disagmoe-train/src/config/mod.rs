@@ -8,7 +8,7 @@
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
-//! | `[precision]` | [`PrecisionOptions`] | `on_nonfinite` |
+//! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite` |
 //!
 //! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
 //! which keep working: every key above at the top level, with these spellings for the ones that
@@ -37,7 +37,7 @@ pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPl
 pub use self::model::ModelOptions;
 pub use self::optimizer::OptimizerOptions;
 pub use self::parallel::{AllocationMode, ParallelOptions, Placement, TransportKind};
-pub use self::precision::{NonFinitePolicy, PrecisionOptions};
+pub use self::precision::{NonFinitePolicy, Precision, PrecisionOptions};
 use crate::error::{Result, TrainError};
 
 /// Everything a training run needs to know, as a TOML file (`--run-config`) or from flags.
@@ -148,7 +148,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("comm_timeout_s", "comm_timeout_s"),
         ],
     ),
-    ("precision", &[("on_nonfinite", "on_nonfinite")]),
+    ("precision", &[("compute", "compute"), ("on_nonfinite", "on_nonfinite")]),
 ];
 
 /// Top-level keys that are not sections.
@@ -232,6 +232,7 @@ impl RunConfig {
         self.optimizer.validate(self.steps)?;
         self.checkpoint.validate(self.steps)?;
         self.parallel.validate(self.data.batch)?;
+        self.precision.validate()?;
         Ok(())
     }
 

@@ -164,6 +164,8 @@ impl Distributed {
                         }
                     };
                     pool.install(move || {
+                        // The products of this worker's models (one precision per run).
+                        disagmoe_kernels::precision::set_precision_for_thread(Some(shared.cfg.precision.compute));
                         let part = match build_part::<B, C>(&config, &shared.layout, rank, &shared.source, &device) {
                             Ok(part) => part,
                             Err(e) => {
