@@ -181,6 +181,11 @@ pub struct TrainArgs {
     /// the workers of this process, under mpirun by the ranks of this node].
     #[arg(long, value_name = "N")]
     pub threads_per_worker: Option<usize>,
+    /// Devices the workers compute on, comma-separated, repeats allowed (cpu, cuda:N, wgpu:N):
+    /// local workers take them round-robin, an MPI rank the one of its node-local rank
+    /// [default: the backend's device; with CUDA every GPU of the node].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub devices: Vec<String>,
     /// How workers talk: local (threads of this process), mpi (one process per worker under
     /// mpirun; build with --features mpi) or nccl (GPUs; --features nccl) [default: local].
     #[arg(long, value_enum)]
@@ -280,6 +285,9 @@ impl TrainArgs {
             link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
             comm_timeout_s => parallel.comm_timeout_s,
         );
+        if !self.devices.is_empty() {
+            cfg.parallel.devices = self.devices.clone();
+        }
         if !self.allow_change.is_empty() {
             cfg.checkpoint.allow_change = self.allow_change.clone();
         }
@@ -334,7 +342,7 @@ const STOP_SIGNALS: [i32; 4] = [SIGINT, SIGTERM, SIGUSR1, SIGUSR2];
 /// set) and ends the run normally.
 pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
     let cfg = args.run_config()?;
-    let device = Default::default();
+    let devices = disagmoe_train::backend::run_devices(&cfg.parallel.devices)?;
     // A second signal while the step finishes exits at once (status 130). In a distributed run
     // every worker learns of a stop request at the end of the step (it is part of the step's
     // global sum), so all of them checkpoint after the same step.
@@ -346,7 +354,7 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
             .map_err(|e| anyhow::anyhow!("cannot install the handler of signal {signal}: {e}"))?;
     }
     let cfg = if cfg.parallel.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
-    let summary = disagmoe_train::train_until::<TrainBackend>(&cfg, &device, &stop)?;
+    let summary = disagmoe_train::train_on::<TrainBackend>(&cfg, &devices, &stop)?;
     // Under mpirun every rank knows the summary; one prints it: JSON for scripts (stdout is not a
     // terminal, or --json), a few lines for people otherwise (and on a terminal's stderr). Under
     // MPI always JSON: mpirun gives its ranks a pseudo-terminal even when its own output is a pipe.

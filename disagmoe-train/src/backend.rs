@@ -57,6 +57,69 @@ pub type TrainBackend = Autodiff<DefaultBackend>;
 /// Name of the compiled-in backend (`flex`, `ndarray`, `wgpu` or `cuda`).
 pub const BACKEND_NAME: &str = chosen::NAME;
 
+/// A device of the compiled-in backend.
+pub type Device = burn::tensor::Device<DefaultBackend>;
+
+/// The device `spec` names on the compiled-in backend: `cpu` (flex, ndarray: their one device),
+/// `cuda:N` (`cuda` alone: `cuda:0`), `wgpu:N` (`wgpu:0` or `wgpu` alone: WebGPU's default
+/// adapter -- the first discrete GPU where there is one, else e.g. Mesa's lavapipe; `wgpu:N` for
+/// N > 0: the N-th discrete GPU; `wgpu:cpu`: a CPU adapter).
+pub fn parse_device(spec: &str) -> Result<Device> {
+    let bad = |allowed: &str| {
+        TrainError::option(
+            "devices",
+            format!("{spec:?} is not a device of the {BACKEND_NAME} backend (allowed: {allowed})"),
+        )
+    };
+    let (kind, index) = match spec.split_once(':') {
+        Some((k, i)) => (k, Some(i)),
+        None => (spec, None),
+    };
+    let number = |i: Option<&str>| -> std::result::Result<usize, ()> { i.map_or(Ok(0), |i| i.parse().map_err(|_| ())) };
+    #[cfg(feature = "cuda")]
+    {
+        let allowed = "cuda:N, cuda";
+        return match (kind, number(index)) {
+            ("cuda", Ok(n)) => Ok(burn::backend::cuda::CudaDevice::new(n)),
+            _ => Err(bad(allowed)),
+        };
+    }
+    #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+    {
+        use burn::backend::wgpu::WgpuDevice;
+        let allowed = "wgpu:N, wgpu, wgpu:cpu";
+        return match (kind, index, number(index)) {
+            ("wgpu", Some("cpu"), _) => Ok(WgpuDevice::Cpu),
+            ("wgpu", _, Ok(0)) => Ok(WgpuDevice::DefaultDevice),
+            ("wgpu", _, Ok(n)) => Ok(WgpuDevice::DiscreteGpu(n)),
+            _ => Err(bad(allowed)),
+        };
+    }
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    {
+        let _ = number;
+        match (kind, index) {
+            ("cpu", None | Some("0")) => Ok(Default::default()),
+            _ => Err(bad("cpu")),
+        }
+    }
+}
+
+/// The devices of a run: those `specs` name, or by default the backend's default device -- with
+/// CUDA under an MPI launcher, the GPU of this process's node-local rank (modulo the node's GPUs).
+pub fn run_devices(specs: &[String]) -> Result<Vec<Device>> {
+    if !specs.is_empty() {
+        return specs.iter().map(|s| parse_device(s)).collect();
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(rank) = crate::config::parallel::node_local_rank() {
+        // Counting GPUs starts the driver: without one, the probe reports it in one line later.
+        let gpus = std::panic::catch_unwind(|| DefaultBackend::device_count(0)).unwrap_or(1).max(1);
+        return Ok(vec![burn::backend::cuda::CudaDevice::new(rank % gpus)]);
+    }
+    Ok(vec![Default::default()])
+}
+
 /// Keeps freed memory in the process instead of handing it back to the kernel after each tensor.
 ///
 /// A training step on the CPU allocates and frees the same large activation buffers every step;
@@ -136,6 +199,21 @@ pub fn probe_with<R>(backend: &'static str, op: impl FnOnce() -> R + std::panic:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_are_parsed_for_the_compiled_in_backend_and_others_refused() {
+        let here = match BACKEND_NAME {
+            "cuda" => "cuda:0",
+            "wgpu" => "wgpu:0",
+            _ => "cpu",
+        };
+        assert_eq!(run_devices(&[here.to_string(), here.to_string()]).unwrap().len(), 2);
+        assert_eq!(run_devices(&[]).unwrap().len(), 1, "default: one device");
+        for other in ["tpu:0", "cuda:x", "wgpu:-1"] {
+            let err = parse_device(other).unwrap_err().to_string();
+            assert!(err.contains("allowed") && err.contains(other), "{other}: {err}");
+        }
+    }
 
     #[test]
     fn a_backend_that_cannot_start_is_one_line_naming_it_and_the_cpu_way() {

@@ -21,8 +21,20 @@ pub fn train<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<
 /// [`train`], finishing the current step and checkpointing when `stop` becomes true (the CLI sets
 /// it on SIGINT/SIGTERM).
 pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
+    train_on::<B>(cfg, std::slice::from_ref(device), stop)
+}
+
+/// [`train_until`] on several devices (`--devices`): one device's run computes on the first;
+/// distributed workers take them round-robin by rank (an MPI rank: the one of its node-local
+/// rank). `devices` must not be empty.
+pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
-    crate::backend::probe::<B>(device)?;
+    if devices.is_empty() {
+        return Err(TrainError::option("devices", "needs at least one device"));
+    }
+    for d in devices {
+        crate::backend::probe::<B>(d)?;
+    }
     crate::backend::keep_freed_memory();
     // One device computes on every core unless told otherwise; distributed workers get their own
     // pools (`runtime::engine`).
@@ -30,9 +42,9 @@ pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).stack_size(64 << 20).build().map_err(|e| {
             crate::error::TrainError::option("threads_per_worker", format!("cannot start {threads} threads: {e}"))
         })?;
-        return pool.install(|| run::<B>(cfg, device, stop));
+        return pool.install(|| run::<B>(cfg, devices, stop));
     }
-    run::<B>(cfg, device, stop)
+    run::<B>(cfg, devices, stop)
 }
 
 /// [`train_until`] of a model family given by its configuration type: a family defined outside the
@@ -62,7 +74,8 @@ where
     check_precision::<B>(cfg, device)?;
     crate::backend::keep_freed_memory();
     let resumed = resume_point(cfg)?;
-    let mut engine = crate::runtime::start_family::<B, C>(cfg, &config, device, resumed.as_ref())?;
+    let mut engine =
+        crate::runtime::start_family::<B, C>(cfg, &config, std::slice::from_ref(device), resumed.as_ref())?;
     crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
 }
 
@@ -83,22 +96,24 @@ pub(crate) fn check_precision<B: AutodiffBackend>(cfg: &RunConfig, device: &B::D
     ))
 }
 
-fn run<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
-    check_precision::<B>(cfg, device)?;
+fn run<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: &AtomicBool) -> Result<TrainSummary> {
+    for d in devices {
+        check_precision::<B>(cfg, d)?;
+    }
     // The products of the models on this thread (one device; distributed workers set their own).
     disagmoe_kernels::precision::set_precision_for_thread(Some(cfg.precision.compute));
-    let out = run_engine::<B>(cfg, device, stop);
+    let out = run_engine::<B>(cfg, devices, stop);
     disagmoe_kernels::precision::set_precision_for_thread(None);
     out
 }
 
-fn run_engine<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary> {
+fn run_engine<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: &AtomicBool) -> Result<TrainSummary> {
     // A checkpoint resumes under any placement, whichever wrote it.
     let resumed = resume_point(cfg)?;
     let mut engine: Box<dyn StepEngine> = if cfg.parallel.distributed() {
-        crate::runtime::start::<B>(cfg, device, resumed.as_ref())?
+        crate::runtime::start::<B>(cfg, devices, resumed.as_ref())?
     } else {
-        Box::new(SingleDevice::<B>::new(cfg, device, resumed.as_ref().map(|(path, _)| path.as_path()))?)
+        Box::new(SingleDevice::<B>::new(cfg, &devices[0], resumed.as_ref().map(|(path, _)| path.as_path()))?)
     };
     crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
 }

@@ -28,7 +28,7 @@ pub use config::{
     WorkerFault,
 };
 pub use error::{Result, TrainError};
-pub use launch::{train, train_family, train_until};
+pub use launch::{train, train_family, train_on, train_until};
 pub use runtime::is_primary;
 pub use single::build_model;
 pub use trainer::{StepEngine, TrainSummary};

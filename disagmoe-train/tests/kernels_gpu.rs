@@ -1,11 +1,13 @@
 //! Training through the CubeCL kernels on Burn's WebGPU/Vulkan backend (in CI: Mesa's lavapipe,
-//! a CPU Vulkan driver) gives the reference path's losses. Part of `cargo test --workspace`: the
+//! a CPU Vulkan driver) gives the reference path's losses, and disagg 2+2 with each worker on a
+//! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's. Part of
+//! `cargo test --workspace`: the
 //! trainer is generic over the backend, so this test trains on `Autodiff<WgpuCube>` whatever
 //! backend the crate's features choose for the CLI.
 
 use burn::backend::Autodiff;
 use disagmoe_kernels::cube::{ops_run, WgpuCube};
-use disagmoe_train::{train, RunConfig};
+use disagmoe_train::{train, train_on, Placement, RunConfig};
 
 type B = Autodiff<WgpuCube>;
 
@@ -52,4 +54,22 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
         assert!(with.last() < with.first(), "{preset}: loss does not fall: {with:?}");
         eprintln!("{preset}: kernels {with:?}, reference {without:?}");
     }
+    // `--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`: disagg 2+2, each worker on its (here the same)
+    // device, through the kernels, gives one device's losses.
+    let mut cfg = RunConfig { steps: 4, progress: false, ..Default::default() };
+    cfg.model.preset = Some("tiny-qwen3-moe".into());
+    (cfg.data.batch, cfg.data.seq) = (4, 48);
+    cfg.parallel.micro_batches = Some(2);
+    let single = train::<B>(&cfg, &Default::default()).expect("single runs").losses;
+    cfg.parallel.placement = Placement::Disagg;
+    // (What `disagmoe train --features wgpu` parses `wgpu:0` into: WebGPU's default adapter.)
+    let devices = vec![burn::backend::wgpu::WgpuDevice::DefaultDevice; 4];
+    let before = ops_run();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let disagg = train_on::<B>(&cfg, &devices, &stop).expect("disagg on four wgpu:0 runs").losses;
+    assert!(ops_run() > before, "the workers used the kernels");
+    for (step, (a, b)) in disagg.iter().zip(&single).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: disagg on wgpu:0 x4 {a} vs single {b}");
+    }
+    eprintln!("disagg 2+2 on wgpu:0 x4: {disagg:?}, single: {single:?}");
 }

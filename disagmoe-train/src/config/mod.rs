@@ -7,7 +7,7 @@
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
-//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite` |
 //!
 //! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
@@ -141,6 +141,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("in_flight", "in_flight"),
             ("max_in_flight", "in_flight"),
             ("threads_per_worker", "threads_per_worker"),
+            ("devices", "devices"),
             ("transport", "transport"),
             ("link_gbps", "link_gbps"),
             ("link_latency_us", "link_latency_us"),

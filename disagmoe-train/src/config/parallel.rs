@@ -21,6 +21,14 @@ pub const MIN_COMM_TIMEOUT_S: f64 = 1e-3;
 /// See [`MIN_COMM_TIMEOUT_S`].
 pub const MAX_COMM_TIMEOUT_S: f64 = 86_400.0;
 
+/// This process's rank among the job's ranks on its node, as the MPI launcher says (Open MPI,
+/// MPICH/Hydra, MVAPICH, Slurm); `None` when none says (not under a launcher).
+pub fn node_local_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok())
+}
+
 /// Ranks of this job on this node, as the MPI launcher says (Open MPI, MPICH/Hydra, Slurm); 1
 /// when none says.
 fn node_ranks() -> usize {
@@ -112,6 +120,10 @@ pub struct ParallelOptions {
     /// not spent waiting for another's threads). Default: the machine's cores shared evenly by the
     /// workers of this process (under `mpirun`, by the ranks on this node), at least 1.
     pub threads_per_worker: Option<usize>,
+    /// The devices workers compute on (`cpu`, `cuda:N`, `wgpu:N`; repeats allowed): local workers
+    /// take them round-robin by rank, an MPI rank the one of its node-local rank. Empty: the
+    /// backend's default device (with CUDA: every GPU of the node).
+    pub devices: Vec<String>,
     /// How workers talk: `local` (threads), `mpi` (processes under mpirun; feature `mpi`), `nccl`
     /// (processes under mpirun, messages through NCCL; feature `nccl`).
     pub transport: TransportKind,
@@ -139,6 +151,7 @@ impl Default for ParallelOptions {
             micro_batches: None,
             in_flight: None,
             threads_per_worker: None,
+            devices: Vec::new(),
             transport: TransportKind::Local,
             link_gbps: None,
             link_latency_us: 0.0,

@@ -105,7 +105,7 @@ impl Distributed {
         shared: Arc<Shared<B>>,
         config: C,
         facts: RunFacts,
-        device: &B::Device,
+        devices: &[B::Device],
     ) -> Result<Box<dyn StepEngine>>
     where
         B: AutodiffBackend,
@@ -139,8 +139,15 @@ impl Distributed {
         for endpoint in endpoints {
             let (tx, rx) = channel();
             commands.push(tx);
-            let (shared, reply_tx, device, config) = (shared.clone(), reply_tx.clone(), device.clone(), config.clone());
             let rank = endpoint.rank();
+            // Local workers take the devices round-robin; an MPI rank (one worker per process)
+            // the one of its node-local rank.
+            let slot = match cfg.parallel.transport {
+                TransportKind::Local => rank,
+                _ => crate::config::parallel::node_local_rank().unwrap_or(rank),
+            };
+            let device = devices[slot % devices.len()].clone();
+            let (shared, reply_tx, config) = (shared.clone(), reply_tx.clone(), config.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
                 .stack_size(64 << 20)
@@ -227,7 +234,7 @@ impl Distributed {
                             reducer,
                             part,
                             C::FFN_NAME,
-                            shared.rope.clone(),
+                            (shared.rope.0.clone().to_device(&device), shared.rope.1.clone().to_device(&device)),
                             device,
                             trace,
                             opt,

@@ -165,10 +165,11 @@ fn check_distributed(cfg: &RunConfig) -> Result<()> {
 
 /// Starts the workers of a `disagg` or `ep` run that live in this process and returns them as the
 /// run's step engine: from the checkpoint `resume` (written by any placement) when given, each
-/// worker reading only its tensors and moments.
+/// worker reading only its tensors and moments. Workers compute on `devices` (not empty): local
+/// workers round-robin by rank, an MPI rank on the one of its node-local rank.
 pub fn start<B: AutodiffBackend>(
     cfg: &RunConfig,
-    device: &B::Device,
+    devices: &[B::Device],
     resume: Option<&(PathBuf, TrainState)>,
 ) -> Result<Box<dyn StepEngine>> {
     let model = match resume {
@@ -183,13 +184,13 @@ pub fn start<B: AutodiffBackend>(
         }
         None => cfg.model.resolve()?,
     };
-    model.visit(Starter::<B> { cfg, device, resume })
+    model.visit(Starter::<B> { cfg, devices, resume })
 }
 
 /// [`start`] with the family's concrete types.
 struct Starter<'a, B: AutodiffBackend> {
     cfg: &'a RunConfig,
-    device: &'a B::Device,
+    devices: &'a [B::Device],
     resume: Option<&'a (PathBuf, TrainState)>,
 }
 
@@ -202,8 +203,8 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
         C::Router<B>: TrainModule<B>,
         C::Experts<B>: TrainModule<B>,
     {
-        let Self { cfg, device, resume } = self;
-        start_family::<B, C>(cfg, config, device, resume)
+        let Self { cfg, devices, resume } = self;
+        start_family::<B, C>(cfg, config, devices, resume)
     }
 }
 
@@ -213,7 +214,7 @@ impl<B: AutodiffBackend> FamilyVisitor<B> for Starter<'_, B> {
 pub fn start_family<B, C>(
     cfg: &RunConfig,
     config: &C,
-    device: &B::Device,
+    devices: &[B::Device],
     resume: Option<&(PathBuf, TrainState)>,
 ) -> Result<Box<dyn StepEngine>>
 where
@@ -229,7 +230,7 @@ where
     layout.shared_experts =
         (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
     layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
-    let rope = config.rope().tables::<B>(cfg.data.seq, device);
+    let rope = config.rope().tables::<B>(cfg.data.seq, &devices[0]);
     let source = match (resume, &cfg.model.dir) {
         (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),
         (None, Some(dir)) => WeightSource::Checkpoint(dir.clone()),
@@ -249,5 +250,5 @@ where
         resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
     });
     let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size };
-    engine::Distributed::start(shared, config.clone(), facts, device)
+    engine::Distributed::start(shared, config.clone(), facts, devices)
 }

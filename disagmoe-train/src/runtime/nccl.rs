@@ -7,9 +7,9 @@
 //! and one receive thread on `j`, each on its own CUDA stream. A message is its length (8 bytes),
 //! then its bytes. The unique ids are made by the sender of each pair and sent over MPI;
 //! [`NcclEndpoint::start`] returns only when every communicator is up (or fails). NCCL refuses two
-//! ranks of one communicator on the same GPU: give each rank its own GPU, e.g. by launching through
-//! a wrapper that sets `CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK`, so that the backend's
-//! default device and NCCL's buffers are that GPU.
+//! ranks of one communicator on the same GPU: each rank uses the GPU of its node-local rank (as the
+//! launcher says, `OMPI_COMM_WORLD_LOCAL_RANK`, `SLURM_LOCALID`, ...) for NCCL's buffers, the same
+//! GPU its model computes on by default (`backend::run_devices`).
 //!
 //! Status and known limits: compiled in CI, never run (no machine with several GPUs has been
 //! available). Messages are host tensors, so each goes device -> host -> device -> NCCL -> host.
@@ -80,7 +80,8 @@ impl NcclEndpoint {
         if gpus < 1 {
             return Err(nccl_error(rank, "no CUDA device".into()));
         }
-        let ctx = CudaContext::new(rank % gpus as usize).map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+        let ctx = CudaContext::new(crate::config::parallel::node_local_rank().unwrap_or(rank) % gpus as usize)
+            .map_err(|e| nccl_error(rank, format!("{e:?}")))?;
         // 1. Ids: the sender of each pair makes it and tells the receiver.
         let mut out_ids = Vec::new();
         for peer in (0..size).filter(|&p| p != rank) {
@@ -250,7 +251,8 @@ impl NcclGroups {
         if gpus < 1 {
             return Err(nccl_error(rank, "no CUDA device".into()));
         }
-        let ctx = CudaContext::new(rank % gpus as usize).map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+        let ctx = CudaContext::new(crate::config::parallel::node_local_rank().unwrap_or(rank) % gpus as usize)
+            .map_err(|e| nccl_error(rank, format!("{e:?}")))?;
         let comm = |group: &[usize]| -> Result<Comm> {
             let pos = group.iter().position(|&r| r == rank).expect("a member of its group");
             let mut bytes = [0u8; 128];
