@@ -140,10 +140,11 @@ pub struct TrainArgs {
     /// of a micro-batch, the rest are dropped (counted in the metrics) [default: dropless].
     #[arg(long, value_name = "C")]
     pub capacity_factor: Option<f64>,
-    /// The dtype of the matrix products: f32, or bf16 (mixed precision: products in bf16 with
-    /// f32 accumulation; master weights, optimizer moments, gradients, norms, softmax and the loss
-    /// in f32; checkpoints f32) [default: f32].
-    #[arg(long, value_name = "f32|bf16")]
+    /// The dtype of the matrix products: f32, bf16 or f16 (mixed precision: products in the low
+    /// dtype with f32 accumulation; master weights, optimizer moments, gradients, norms, softmax
+    /// and the loss in f32; checkpoints f32; f16 with dynamic loss scaling: a step whose gradients
+    /// overflow is skipped and the scale halves) [default: f32].
+    #[arg(long, value_name = "f32|bf16|f16")]
     pub precision: Option<Precision>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]

@@ -71,6 +71,9 @@ pub struct TrainState {
     /// The placement that wrote it, for people (`single`, `disagg 2+2 in 2 groups`, `ep 4`).
     #[serde(default)]
     pub written_by: Option<String>,
+    /// f16's loss scaler (absent for other precisions and in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::loss_scale::LossScaleState>,
 }
 
 /// Reads losses where a non-finite one was written as `null` (JSON has no NaN).
@@ -578,6 +581,7 @@ mod tests {
             total_steps: 4,
             settings: None,
             written_by: None,
+            loss_scale: None,
         };
         let text = serde_json::to_string(&state).unwrap();
         let back = TrainState::parse(&text).unwrap();

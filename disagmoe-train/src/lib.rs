@@ -16,6 +16,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod launch;
+pub mod loss_scale;
 pub mod metrics;
 pub mod optim;
 pub mod runtime;

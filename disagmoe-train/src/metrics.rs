@@ -56,8 +56,11 @@ pub struct StepMetrics {
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
-    /// Whether the update was skipped (non-finite gradients).
+    /// Whether the update was skipped (non-finite gradients; under f16 an overflow).
     pub skipped: bool,
+    /// f16: the loss scale this step ran with (absent for other precisions).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
     /// Tokens in this step.
     pub tokens: usize,
     /// Wall time of this step in seconds.

@@ -142,7 +142,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport> {
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, loss_scale: f64, stop: &AtomicBool) -> Result<StepReport> {
         let batch = batch.rows(0..batch.len())?;
         let t0 = std::time::Instant::now();
         let mbs = self.micro_batches;
@@ -182,13 +182,18 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
                 c.iter_mut().zip(&s.counts).for_each(|(a, b)| *a += b);
             }
             let total = if mbs > 1 { loss.total.div_scalar(mbs as f64) } else { loss.total };
+            // f16: the gradients come out `loss_scale` times too large (unscaled at the update).
+            let total = if loss_scale != 1.0 { total.mul_scalar(loss_scale) } else { total };
             acc.accumulate(self.model(), GradientsParams::from_grads(total.backward(), self.model()));
         }
         let mut grads = acc.grads();
         if let Some((_, target)) = self.poison.filter(|(s, _)| *s == step) {
             self.model().visit(&mut Poison { target, grads: &mut grads });
         }
-        let norms = grad_norm::<B, _>(self.model(), &grads);
+        let mut norms = grad_norm::<B, _>(self.model(), &grads);
+        if loss_scale != 1.0 {
+            norms.total /= loss_scale;
+        }
         let finite = sums.total.is_finite() && norms.total.is_finite();
         let worst =
             || norms.per_param.iter().find(|(_, n)| !n.is_finite()).and_then(|(id, _)| self.names.get(id).cloned());
@@ -206,7 +211,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
                 1.0
             };
             let model = self.model.take().expect("model");
-            let mut model = self.opt.step(model, &mut grads, lr, scale);
+            let mut model = self.opt.step(model, &mut grads, lr, scale / loss_scale);
             if self.bias_update_rate > 0.0 {
                 model.update_router_biases(&sums.counts, self.bias_update_rate)?;
             }

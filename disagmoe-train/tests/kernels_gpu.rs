@@ -1,6 +1,7 @@
 //! Training through the CubeCL kernels on Burn's WebGPU/Vulkan backend (in CI: Mesa's lavapipe,
 //! a CPU Vulkan driver) gives the reference path's losses, and disagg 2+2 with each worker on a
-//! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's. Part of
+//! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's, and f16 with loss
+//! scaling trains to f32's loss. Part of
 //! `cargo test --workspace`: the
 //! trainer is generic over the backend, so this test trains on `Autodiff<WgpuCube>` whatever
 //! backend the crate's features choose for the CLI.
@@ -72,4 +73,25 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
         assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: disagg on wgpu:0 x4 {a} vs single {b}");
     }
     eprintln!("disagg 2+2 on wgpu:0 x4: {disagg:?}, single: {single:?}");
+    // f16 with loss scaling (lavapipe has f16, not bf16, in WGSL): the products in f16, the
+    // kernels around them (permute, combine, norms, rotary, cross-entropy) in f32.
+    let mut cfg = RunConfig { steps: 6, progress: false, ..Default::default() };
+    cfg.model.preset = Some("tiny-qwen3-moe".into());
+    (cfg.data.batch, cfg.data.seq) = (2, 48);
+    let device = Default::default();
+    let full = train::<B>(&cfg, &device).expect("f32 runs").losses;
+    cfg.precision.compute = disagmoe_train::Precision::F16;
+    if !disagmoe_train::Precision::F16.supported::<B>(&device) {
+        let err = train::<B>(&cfg, &device).expect_err("f16 refused where the device lacks it").to_string();
+        assert!(err.contains("f16") && err.contains("it has: f32"), "{err}");
+        eprintln!("this WebGPU device has no f16: refused ({err})");
+        return;
+    }
+    let before = ops_run();
+    let half = train::<B>(&cfg, &device).expect("f16 runs").losses;
+    assert!(ops_run() > before, "the f16 run went through the kernels");
+    let (a, b) = (*half.last().unwrap(), *full.last().unwrap());
+    assert!((a - b).abs() / b < 0.03, "f16 on WebGPU: final loss {a} vs f32 {b} ({half:?} vs {full:?})");
+    assert!(half[0] != full[0], "the products ran in f16");
+    eprintln!("f16 on WebGPU: {half:?}, f32: {full:?}");
 }

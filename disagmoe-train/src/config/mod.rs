@@ -8,7 +8,7 @@
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
-//! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite` |
+//! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //!
 //! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
 //! which keep working: every key above at the top level, with these spellings for the ones that
@@ -149,7 +149,15 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("comm_timeout_s", "comm_timeout_s"),
         ],
     ),
-    ("precision", &[("compute", "compute"), ("on_nonfinite", "on_nonfinite")]),
+    (
+        "precision",
+        &[
+            ("compute", "compute"),
+            ("on_nonfinite", "on_nonfinite"),
+            ("initial_loss_scale", "initial_loss_scale"),
+            ("loss_scale_window", "loss_scale_window"),
+        ],
+    ),
 ];
 
 /// Top-level keys that are not sections.

@@ -46,6 +46,8 @@ enum Command {
         step: usize,
         batch: Batch,
         lr: f64,
+        /// f16's loss scale (1 otherwise).
+        loss_scale: f64,
         stop: bool,
         /// Apply the update (a training step), or leave the model as it is (an evaluation).
         update: bool,
@@ -366,8 +368,8 @@ fn serve<B, A, R, X>(
                 let failed = r.is_err();
                 (Reply::Start(r), failed)
             }
-            Command::Step { step, batch, lr, stop, update } => {
-                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr, stop, update));
+            Command::Step { step, batch, lr, loss_scale, stop, update } => {
+                let r = guarded(shared, &mut worker, |w| w.run_step(step, &batch, lr, loss_scale, stop, update));
                 let failed = r.is_err();
                 (Reply::Step(r), failed)
             }
@@ -435,11 +437,12 @@ impl StepEngine for Distributed {
         self.info.clone()
     }
 
-    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport> {
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, loss_scale: f64, stop: &AtomicBool) -> Result<StepReport> {
         // Read as the step starts: the workers add it up at the step's end, so every worker (and
         // every process) stops after the same step.
         let stop = stop.load(Ordering::SeqCst);
-        let replies = self.round(|| Command::Step { step, batch: batch.clone(), lr, stop, update: true })?;
+        let replies =
+            self.round(|| Command::Step { step, batch: batch.clone(), lr, loss_scale, stop, update: true })?;
         let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
             unreachable!("every worker replied to the step")
         };
@@ -475,8 +478,14 @@ impl StepEngine for Distributed {
         self.eval_passes += 1;
         let step = super::worker::EVAL_PASS_BASE + self.eval_passes;
         let batch = Batch::from_rows(rows.to_vec());
-        let replies =
-            self.round(|| Command::Step { step, batch: batch.clone(), lr: 0.0, stop: false, update: false })?;
+        let replies = self.round(|| Command::Step {
+            step,
+            batch: batch.clone(),
+            lr: 0.0,
+            loss_scale: 1.0,
+            stop: false,
+            update: false,
+        })?;
         let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
             unreachable!("every worker replied to the evaluation")
         };

@@ -348,6 +348,8 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     /// (2(n-1)/n of the data per member), whatever reduces it.
     bytes_sent: u64,
     tasks_run: usize,
+    /// This step's loss scale (f16; 1 otherwise).
+    loss_scale: f64,
     later: Vec<Envelope>,
     opt: AdamW<B>,
     /// How this worker's groups sum (ring over the port, or MPI).
@@ -590,6 +592,7 @@ where
             link_us: 0,
             bytes_sent: 0,
             tasks_run: 0,
+            loss_scale: 1.0,
             later: Vec::new(),
             opt,
             reducer,
@@ -626,8 +629,17 @@ where
     /// step with learning rate `lr`; returns the pass's global outcome. A pass without `update` is
     /// an evaluation: the model is left as it was and the outcome's losses are the batch's. `step`
     /// tags the pass's messages: training steps from 1, evaluations from [`EVAL_PASS_BASE`].
-    pub fn run_step(&mut self, step: usize, batch: &Batch, lr: f64, stop: bool, update: bool) -> Result<StepOutcome> {
+    pub fn run_step(
+        &mut self,
+        step: usize,
+        batch: &Batch,
+        lr: f64,
+        loss_scale: f64,
+        stop: bool,
+        update: bool,
+    ) -> Result<StepOutcome> {
         self.step = step;
+        self.loss_scale = loss_scale;
         self.tasks_run = 0;
         let start = [self.wait_comm_us, self.wait_bubble_us, self.compute_us, self.link_us, self.bytes_sent];
         let mine = self.layout.own_micro_batches(self.rank);
@@ -1072,7 +1084,7 @@ where
                     .map(|(l, c)| LayerCoefficients {
                         layer: l.layer,
                         values: {
-                            let scale = term_scale(self.layout.micro_batches, a.coef);
+                            let scale = term_scale(self.layout.micro_batches, a.coef) * self.loss_scale as f32;
                             c.iter().map(|&x| scale * x as f32).collect()
                         },
                     })
@@ -1082,7 +1094,8 @@ where
             _ => (0.0, Vec::new()),
         };
         self.mb_losses.push((mb, lm, aux_loss));
-        let mut grads = ce.div_scalar(mbs).backward();
+        let ce = ce.div_scalar(mbs);
+        let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
         let shape = h.dims().to_vec();
         let gh = grad_of(&Some(h), &mut grads, &shape);
         let params = GradientsParams::from_module(&mut grads, &ends);
@@ -1122,7 +1135,8 @@ where
             objective = objective + (ps.clone() * c).sum();
         }
         if let Some(z) = &saved.z {
-            let scale = term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef);
+            let scale =
+                term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef) * self.loss_scale as f32;
             objective = objective + z.clone().mul_scalar(scale as f64);
         }
         let mut grads = objective.backward();
@@ -1292,7 +1306,8 @@ where
         self.all_reduce(&all, &mut sums)?;
         let g = GlobalSums::from_vec(&sums);
         let mbs = self.layout.micro_batches as f64;
-        let norm = g.grad_sq.sqrt();
+        // The gradients are `loss_scale` times too large (f16's loss scaling).
+        let norm = g.grad_sq.sqrt() / self.loss_scale;
         let out = StepOutcome {
             loss: g.losses.total / mbs,
             lm_loss: g.losses.lm / mbs,
@@ -1327,7 +1342,7 @@ where
                 1.0
             };
             let part = self.part.take().expect("part");
-            let mut part = self.opt.step(part, &mut grads, lr, scale);
+            let mut part = self.opt.step(part, &mut grads, lr, scale / self.loss_scale);
             if self.settings.bias_update_rate > 0.0 {
                 for l in &routed {
                     if let (Some(c), Some(router)) =

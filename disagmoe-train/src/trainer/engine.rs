@@ -86,9 +86,12 @@ pub trait StepEngine {
 
     /// Runs step `step` (1-based) on `batch` (the step's whole batch, whose rows each worker reads
     /// for its own micro-batches; empty where [`EngineInfo::needs_data`] is false) with learning
-    /// rate `lr`: forward, backward, reduce, clip, update. `stop` is this process's stop request (set by a signal), which the report's
-    /// `stop` carries (agreed among the workers of a distributed run).
-    fn step(&mut self, step: usize, batch: &Batch, lr: f64, stop: &AtomicBool) -> Result<StepReport>;
+    /// rate `lr`: forward, backward, reduce, clip, update. The loss is multiplied by `loss_scale`
+    /// before the backward and the gradients divided by it before clipping and the update (f16's
+    /// loss scaling; 1 otherwise); the report's `grad_norm` is the unscaled norm. `stop` is this
+    /// process's stop request (set by a signal), which the report's `stop` carries (agreed among
+    /// the workers of a distributed run).
+    fn step(&mut self, step: usize, batch: &Batch, lr: f64, loss_scale: f64, stop: &AtomicBool) -> Result<StepReport>;
 
     /// Updates the optimizer has applied so far.
     fn optimizer_steps(&self) -> u64;

@@ -18,6 +18,7 @@ use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSet
 use crate::config::RunConfig;
 use crate::data::{Batch, PackedDataset};
 use crate::error::{Result, TrainError};
+use crate::loss_scale::LossScaleState;
 use crate::metrics::{JsonlWriter, StepMetrics};
 
 /// Where a run resumes: the newest complete checkpoint of `checkpoint.resume` and its state; none
@@ -161,6 +162,7 @@ pub fn run(
         step_s: Vec::new(),
         timing: StepTiming::default(),
     };
+    let mut scaler = cfg.precision.loss_scaler(resumed.as_ref().and_then(|s| s.loss_scale));
     let (start, mut done, mut last_checkpoint) = (Instant::now(), first_step - 1, None);
     let mut eval_loss = None;
     for step in first_step..=last_step {
@@ -170,8 +172,11 @@ pub fn run(
             None => Batch::empty(),
         };
         let lr = lr_schedule.at(step);
-        let report = engine.step(step, &batch, lr, stop)?;
+        let loss_scale = scaler.scale();
+        let report = engine.step(step, &batch, lr, loss_scale, stop)?;
+        scaler.update(report.skipped);
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
+        record.loss_scale = scaler.state().map(|_| loss_scale);
         let eval_due = cfg.data.eval_every > 0 && (step % cfg.data.eval_every == 0 || step == last_step);
         if let (true, Some(d)) = (eval_due, &data) {
             let loss = evaluate(engine, d, cfg, info.needs_data)?;
@@ -188,7 +193,7 @@ pub fn run(
         let interrupted = report.stop;
         let due = cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0;
         if let (Some(dir), true) = (cfg.checkpoint.directory(), due || step == last_step || interrupted) {
-            last_checkpoint = Some(save(cfg, engine, &dir, step, data.as_ref(), &seen)?);
+            last_checkpoint = Some(save(cfg, engine, &dir, step, data.as_ref(), &seen, scaler.state())?);
         }
         if interrupted {
             tracing::warn!(step, "stopped by signal after finishing the step");
@@ -282,6 +287,7 @@ fn save(
     step: usize,
     data: Option<&PackedDataset>,
     seen: &History,
+    loss_scale: Option<LossScaleState>,
 ) -> Result<PathBuf> {
     let state = TrainState {
         step,
@@ -293,6 +299,7 @@ fn save(
         total_steps: cfg.steps,
         settings: Some(RunSettings::of(cfg)?),
         written_by: Some(cfg.parallel.describe()),
+        loss_scale,
     };
     engine.save_checkpoint(dir, &state, cfg.checkpoint.keep)
 }

@@ -111,6 +111,7 @@ pub(crate) fn step_metrics(
         lr,
         grad_norm: report.grad_norm,
         skipped: report.skipped,
+        loss_scale: None,
         tokens,
         step_s,
         tokens_per_s: tokens as f64 / step_s.max(1e-12),
