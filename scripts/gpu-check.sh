@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# GPU check of the CubeCL kernels on an NVIDIA GPU: runs the kernel tests on CUDA (every kernel
-# against its plain-Burn reference, outputs and gradients, f32 and f16), then prints achieved
-# TFLOP/s and GB/s of the kernels against ceilings measured in the same run (a large copy, a large
-# dense matmul) at the large shapes of issue #6 (16K tokens, hidden 4096, expert size 1536, 64
-# experts, top-8; attention seq 8K, head dim 128, causal).
+# GPU check on an NVIDIA GPU, in two parts:
+#  kernels: the kernel tests on CUDA (every kernel against its plain-Burn reference, outputs and
+#    gradients, f32 and f16), then achieved TFLOP/s and GB/s of the kernels against ceilings
+#    measured in the same run (a large copy, a large dense matmul) at the large shapes of issue #6
+#    (16K tokens, hidden 4096, expert size 1536, 64 experts, top-8; attention seq 8K, head dim 128).
+#  train: `disagmoe train` on the GPU: the tiny presets of the three families (qwen3-moe, gpt-oss,
+#    deepseek-v3) 100 steps in f32 and in bf16 (final losses side by side), then a ~1.2B-parameter
+#    Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, single and disagg with 4 workers sharing the
+#    GPU (--devices cuda:0 x 4): tokens/s, model TFLOP/s and utilisation against the GPU's bf16
+#    dense peak (H100/H200/H800 989, A100 312 TFLOP/s), peak device memory (nvidia-smi, sampled).
 #
-#   scripts/gpu-check.sh                      # with cargo: build (--features cuda), test, report
-#   scripts/gpu-check.sh --build-only DIR     # build the two binaries into DIR (no GPU needed)
+#   scripts/gpu-check.sh                      # with cargo: build (--features cuda), both parts
+#   scripts/gpu-check.sh --build-only DIR     # build the binaries into DIR (no GPU needed)
 #   scripts/gpu-check.sh --prebuilt DIR       # run binaries from DIR (a GPU machine without cargo)
-#   options: --dtype f32|f16|bf16 (report dtype, default f32), --json FILE (report as JSON)
+#   options: --part kernels|train|all (default all), --dtype f32|f16|bf16 (kernel report dtype,
+#   default f32), --json FILE (kernel report as JSON), --steps N (1B runs, default 6)
 #
 # CUDA libraries load at run time: building needs no GPU and no CUDA toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode=all dir="" dtype=f32 json=""
+mode=all dir="" dtype=f32 json="" part=all steps=6
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) mode=build; dir="${2:?--build-only needs a directory}"; shift 2 ;;
     --prebuilt) mode=prebuilt; dir="${2:?--prebuilt needs a directory}"; shift 2 ;;
     --dtype) dtype="${2:?--dtype needs f32, f16 or bf16}"; shift 2 ;;
     --json) json="${2:?--json needs a file}"; shift 2 ;;
-    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --dtype f32|f16|bf16, --json FILE)" >&2; exit 2 ;;
+    --part) part="${2:?--part needs kernels, train or all}"; shift 2 ;;
+    --steps) steps="${2:?--steps needs a number}"; shift 2 ;;
+    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --part kernels|train|all, --dtype f32|f16|bf16, --json FILE, --steps N)" >&2; exit 2 ;;
   esac
 done
 case "$dtype" in f32|f16|bf16) ;; *) echo "--dtype $dtype: allowed values are f32, f16, bf16" >&2; exit 2 ;; esac
+case "$part" in kernels|train|all) ;; *) echo "--part $part: allowed values are kernels, train, all" >&2; exit 2 ;; esac
+case "$steps" in ''|*[!0-9]*) echo "--steps $steps: a positive whole number" >&2; exit 2 ;; esac
 
 build() {
   local out="$1"
@@ -37,8 +47,12 @@ build() {
   [ -n "$test_bin" ] || { echo "could not find the cube_vs_reference test binary" >&2; exit 1; }
   cp "$test_bin" "$out/cube_vs_reference"
   cp target/release/examples/kernel_report "$out/kernel_report"
-  strip "$out/cube_vs_reference" "$out/kernel_report" 2>/dev/null || true
-  echo "built into $out: cube_vs_reference, kernel_report"
+  # The trainer on CUDA (its own target dir: another feature set than the default build's).
+  cargo build --release -p disagmoe --features cuda --bin disagmoe --target-dir target/gpu-check-build
+  cp target/gpu-check-build/release/disagmoe "$out/disagmoe"
+  cp benches/qwen3-moe-1b.json "$out/"
+  strip "$out/cube_vs_reference" "$out/kernel_report" "$out/disagmoe" 2>/dev/null || true
+  echo "built into $out: cube_vs_reference, kernel_report, disagmoe, qwen3-moe-1b.json"
 }
 
 if [ "$mode" = build ]; then
@@ -50,13 +64,61 @@ if [ "$mode" = all ]; then
   dir=target/gpu-check
   build "$dir"
 fi
-[ -x "$dir/cube_vs_reference" ] && [ -x "$dir/kernel_report" ] || { echo "$dir must hold cube_vs_reference and kernel_report" >&2; exit 2; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi not found"
 
-echo "== kernel tests on CUDA"
-CI=true "$dir/cube_vs_reference" --test-threads 1
+if [ "$part" != train ]; then
+  [ -x "$dir/cube_vs_reference" ] && [ -x "$dir/kernel_report" ] || { echo "$dir must hold cube_vs_reference and kernel_report" >&2; exit 2; }
+  echo "== kernel tests on CUDA"
+  CI=true "$dir/cube_vs_reference" --test-threads 1
 
-echo "== achieved rates against measured ceilings ($dtype)"
-report=("$dir/kernel_report" --dtype "$dtype")
-[ -n "$json" ] && report+=(--json "$json")
-"${report[@]}"
+  echo "== achieved rates against measured ceilings ($dtype)"
+  report=("$dir/kernel_report" --dtype "$dtype")
+  [ -n "$json" ] && report+=(--json "$json")
+  "${report[@]}"
+fi
+[ "$part" = kernels ] && exit 0
+
+[ -x "$dir/disagmoe" ] && [ -f "$dir/qwen3-moe-1b.json" ] || { echo "$dir must hold disagmoe and qwen3-moe-1b.json" >&2; exit 2; }
+# One field of the summary (the last line of stdout, one JSON object).
+field() { { grep -o "\"$1\":[^,}]*" <<<"$2" || true; } | head -1 | cut -d: -f2; }
+# The device the runs use (GPU_CHECK_DEVICE=cpu tries the script with a CPU build).
+dev=${GPU_CHECK_DEVICE:-cuda:0}
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+case "$gpu_name" in
+  *H100*|*H200*|*H800*) peak=989 ;;
+  *A100*) peak=312 ;;
+  *) peak="" ;;
+esac
+# Runs `disagmoe train ARGS...` while sampling the device memory; prints one line of figures.
+train() {
+  local label="$1"; shift
+  local mem_log summary max_mem="" sampler=""
+  mem_log=$(mktemp)
+  if command -v nvidia-smi >/dev/null; then
+    (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; sleep 0.5; done) >"$mem_log" 2>/dev/null &
+    sampler=$!
+  fi
+  summary=$("$dir/disagmoe" train --quiet "$@" | tail -1) || summary=""
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
+  if [ -z "$summary" ]; then echo "$label: FAILED"; rm -f "$mem_log"; return 0; fi
+  max_mem=$(sort -n "$mem_log" | tail -1); rm -f "$mem_log"
+  local tps tflops loss
+  tps=$(field tokens_per_s "$summary"); tflops=$(field model_tflops_per_s "$summary"); loss=$(field last_loss "$summary")
+  local mfu="n/a (unknown GPU peak)"
+  [ -n "$peak" ] && mfu=$(awk -v t="$tflops" -v p="$peak" 'BEGIN { printf "%.1f%% of %d TFLOP/s bf16 dense", 100 * t / p, p }')
+  printf '%-34s final loss %-8.4f  %10.0f tokens/s  %7.2f model TFLOP/s  MFU %s  peak device memory %s MiB\n' \
+    "$label" "$loss" "$tps" "$tflops" "$mfu" "${max_mem:-n/a}"
+}
+
+echo "== tiny presets, 100 steps, f32 vs bf16"
+for preset in tiny-qwen3-moe tiny-gpt-oss tiny-deepseek-v3; do
+  for precision in f32 bf16; do
+    train "$preset $precision" --model-preset "$preset" --steps 100 --precision "$precision" --devices "$dev"
+  done
+done
+
+echo "== ~1.2B Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, $steps steps of 8 x 1024 tokens"
+big=(--model-config "$dir/qwen3-moe-1b.json" --steps "$steps" --batch 8 --seq 1024 --precision bf16)
+train "1B single" "${big[@]}" --placement single --devices "$dev"
+train "1B disagg 2+2, 4 workers on 1 GPU" "${big[@]}" --placement disagg --attn-workers 2 --ffn-workers 2 \
+  --groups 2 --micro-batches 4 --devices "$dev,$dev,$dev,$dev"

@@ -388,9 +388,32 @@ impl CostModel {
     }
 }
 
+/// Training FLOPs (forward + backward) per token of `model` at sequence length `seq`: the
+/// products the cost model counts (attention projections and scores, experts and dense MLPs, the
+/// head), which depend on the model and the sequence only, not on the cluster (a reference
+/// cluster fills that argument). What `disagmoe train` reports as `flops_per_token`.
+pub fn training_flops_per_token(model: &ModelShape, seq: usize) -> Result<f64> {
+    let cluster = crate::hardware::Cluster::preset("h100x1")?;
+    let workload = Workload { seq, micro_batch: 1, global_batch: 1 };
+    Ok(CostModel::new(model.clone(), cluster, workload)?.flops_per_token())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn training_flops_per_token_does_not_depend_on_the_cluster() {
+        let model = ModelShape::preset("qwen3-30b-a3b").unwrap();
+        let w = Workload { seq: 4096, micro_batch: 2, global_batch: 64 };
+        let on = |c: &str| CostModel::new(model.clone(), crate::hardware::Cluster::preset(c).unwrap(), w).unwrap();
+        let f = training_flops_per_token(&model, 4096).unwrap();
+        assert_eq!(f, on("a100x2").flops_per_token());
+        assert_eq!(f, on("h800x16").flops_per_token());
+        // About 6 x the active parameters (3.3B) plus attention's scores.
+        let active = model.param_counts().active;
+        assert!(f > 6.0 * active * 0.8 && f < 6.0 * active * 3.0, "{f} vs 6 x {active}");
+    }
 
     fn cm(model: &str, seq: usize) -> CostModel {
         let w = Workload { seq, micro_batch: 1, global_batch: 64 };

@@ -100,6 +100,11 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             model_type: mconf.model_type(),
             vocab_size: mconf.vocab_size(),
             in_flight: 1,
+            flops_per_token: disagmoe_core::cost::training_flops_per_token(
+                &mconf.model_shape("the run's model"),
+                cfg.data.seq,
+            )
+            .unwrap_or(f64::NAN),
         };
         Ok(Self {
             with_aux: cfg.model.with_aux_loss(mconf.aux_loss_by_default(), !mconf.sparse_layers().is_empty()),

@@ -37,6 +37,7 @@ use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming
 pub(crate) struct RunFacts {
     pub(crate) model_type: &'static str,
     pub(crate) vocab_size: usize,
+    pub(crate) flops_per_token: f64,
 }
 
 enum Command {
@@ -259,6 +260,7 @@ impl Distributed {
             model_type: facts.model_type,
             vocab_size: facts.vocab_size,
             in_flight: shared.settings.in_flight,
+            flops_per_token: facts.flops_per_token,
         };
         let mut engine = Self {
             info,

@@ -249,6 +249,9 @@ where
         hf_config: config.to_hf_json(),
         resume: resume.map(|(path, state)| (path.clone(), state.optimizer_steps)),
     });
-    let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size };
+    let flops_per_token =
+        disagmoe_core::cost::training_flops_per_token(&config.model_shape("the run's model"), cfg.data.seq)
+            .unwrap_or(f64::NAN);
+    let facts = engine::RunFacts { model_type: C::MODEL_TYPE, vocab_size: d.vocab_size, flops_per_token };
     engine::Distributed::start(shared, config.clone(), facts, devices)
 }

@@ -35,6 +35,9 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     /// Micro-batches each embedding worker keeps in flight (1 on one device).
     pub in_flight: usize,
+    /// Training FLOPs per token of the model at the run's sequence length
+    /// (`disagmoe_core::cost::training_flops_per_token`).
+    pub flops_per_token: f64,
 }
 
 /// Where a step's time went, summed over workers (zero on one device but `compute_s`).

@@ -223,6 +223,8 @@ pub fn run(
         last_loss: seen.losses.last().copied().unwrap_or(f64::NAN),
         tokens_per_s,
         tokens_per_s_all,
+        flops_per_token: info.flops_per_token,
+        model_tflops_per_s: info.flops_per_token * tokens_per_s / 1e12,
         first_step_s,
         steps: done,
         skipped_steps: seen.skipped,

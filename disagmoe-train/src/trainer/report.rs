@@ -32,6 +32,12 @@ pub struct TrainSummary {
     pub tokens_per_s: f64,
     /// Tokens per second over every step, the first included.
     pub tokens_per_s_all: f64,
+    /// Training FLOPs per token of the model at this sequence length (the products the planner's
+    /// cost model counts: projections, attention scores, experts, head).
+    pub flops_per_token: f64,
+    /// `flops_per_token x tokens_per_s`, in TFLOP/s: the model FLOP rate the run reached (divide by
+    /// the devices' peak for the model FLOP utilisation).
+    pub model_tflops_per_s: f64,
     /// Wall time of the first step, seconds.
     pub first_step_s: f64,
     /// Steps run.
