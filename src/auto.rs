@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use burn::tensor::{Distribution, Tensor};
-use disagmoe_core::allocator::milp::solve_milp;
+use disagmoe_core::allocator::milp::solve_milp_pruned;
 use disagmoe_core::allocator::search::{local_search, StepTimeOracle};
 use disagmoe_core::allocator::{Allocation, AllocationProblem};
 use disagmoe_core::cost::{CostModel, Workload};
@@ -129,7 +129,7 @@ pub fn choose_allocation(cfg: &RunConfig) -> anyhow::Result<RunConfig> {
     let workload = Workload { seq: cfg.data.seq, micro_batch: cfg.data.batch / mbs, global_batch: cfg.data.batch };
     let cost = CostModel::new(shape, local_cluster(workers, cfg), workload).context("the planner's cost model")?;
     let problem = AllocationProblem::new(&cost, None).context("the allocation problem")?;
-    let milp = solve_milp(&problem).context("the planner's MILP")?;
+    let milp = solve_milp_pruned(&problem).context("the planner's MILP")?;
     tracing::info!(
         attn_workers = milp.allocation.attention_gpus(),
         ffn_workers = milp.allocation.ffn_gpus(),

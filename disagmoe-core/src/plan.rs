@@ -5,7 +5,7 @@
 //! [`simulate_schedules`] builds AF-Pipe (on the planned allocation) and the requested baselines,
 //! simulates each and reports AF-Pipe's speedup over each.
 
-use crate::allocator::milp::solve_milp;
+use crate::allocator::milp::solve_milp_pruned;
 use crate::allocator::search::{local_search, Candidate};
 use crate::allocator::{Allocation, AllocationProblem};
 use crate::cost::CostModel;
@@ -76,7 +76,7 @@ pub struct PlanReport {
 pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<PlanReport> {
     let start = Instant::now();
     let problem = AllocationProblem::new(cost, None)?;
-    let milp = solve_milp(&problem)?;
+    let milp = solve_milp_pruned(&problem)?;
     // Multi-start: the global optimum first, then the best answers for other group counts.
     let mut starts = vec![milp.allocation];
     starts.extend(
