@@ -145,3 +145,23 @@ fn a_precision_that_cannot_run_is_refused_with_the_allowed_values() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("loss scaling") && err.contains("skip"), "{err}");
 }
+
+#[test]
+fn a_device_the_backend_lacks_is_refused_with_the_allowed_values() {
+    for devices in ["cuda:7", "tpu:0", "cpu,gpu"] {
+        let out = bin()
+            .args(["train", "--model-preset", "tiny-qwen3-moe", "--steps", "1", "--devices", devices])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--devices {devices}: {err}");
+        assert!(err.contains("allowed") && !err.contains("panicked"), "--devices {devices}: {err}");
+    }
+    // Repeats are allowed: four workers on the one CPU device.
+    let out = bin()
+        .args(["train", "--model-preset", "tiny-qwen3-moe", "--steps", "2", "--batch", "4", "--seq", "16", "--quiet"])
+        .args(["--placement", "disagg", "--micro-batches", "2", "--devices", "cpu,cpu,cpu,cpu"])
+        .output()
+        .unwrap();
+    assert_eq!(summary(&out)["steps"], 2);
+}
