@@ -171,6 +171,7 @@ pub mod fused {
         }
         None
     }
+
     /// Token rows into expert order: `[T, M] -> [N, M]`, row `p` = token `slots[p] / k`, where
     /// `slots` lists routed copies `t k + j` (all `T k`, or one holder's) and `experts[t k + j]`
     /// is each copy's expert, followed by `x` itself when `with_base` (`[N + T, M]`: the shared
