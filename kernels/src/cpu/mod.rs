@@ -484,7 +484,7 @@ pub fn permute_rows<B: Backend>(
 ) -> Option<Tensor<B, 2>> {
     let kind = kind::<B>()?;
     let [t, m] = x.dims();
-    if k == 0 {
+    if k == 0 || m == 0 {
         return None;
     }
     let pos = positions(slots, t * k, experts)?;
@@ -512,7 +512,7 @@ pub fn combine_rows<B: Backend>(
 ) -> Option<Tensor<B, 2>> {
     let kind = kind::<B>()?;
     let ([n, m], [t, k]) = (ys.dims(), weights.dims());
-    if k == 0 || slots.len() != n || base.as_ref().is_some_and(|b| b.dims() != [t, m]) {
+    if k == 0 || m == 0 || slots.len() != n || base.as_ref().is_some_and(|b| b.dims() != [t, m]) {
         return None;
     }
     let pos = positions(slots, t * k, experts)?;
