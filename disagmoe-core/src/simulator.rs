@@ -284,16 +284,8 @@ fn release(op: OpId, dependents: &Dependents, remaining: &mut [usize], ready: &m
 /// its time alone on idle ports.
 pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let n = schedule.ops.len();
-    if let Some((i, d)) =
-        schedule.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
-    {
-        return Err(CoreError::InvalidSchedule {
-            schedule: schedule.name.clone(),
-            detail: format!("op {i} depends on missing op {d}"),
-        });
-    }
+    let dependents = Dependents::of(schedule)?;
     let mut remaining: Vec<usize> = schedule.ops.iter().map(|o| o.deps.len()).collect();
-    let dependents = Dependents::of(schedule);
     let mut stream_index = vec![vec![]; schedule.workers.len()];
     let mut streams: Vec<StreamState> = Vec::new();
     for (w, worker) in schedule.workers.iter().enumerate() {

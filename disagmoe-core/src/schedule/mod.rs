@@ -246,10 +246,18 @@ pub(crate) struct Dependents {
 }
 
 impl Dependents {
-    /// The dependents of every op of `schedule` (whose deps all name existing ops), each list in
-    /// op order.
-    pub(crate) fn of(schedule: &Schedule) -> Self {
+    /// The dependents of every op of `schedule`, each list in op order; an error naming the first
+    /// dependency on an op that does not exist.
+    pub(crate) fn of(schedule: &Schedule) -> Result<Self> {
         let n = schedule.ops.len();
+        if let Some((i, d)) =
+            schedule.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
+        {
+            return Err(CoreError::InvalidSchedule {
+                schedule: schedule.name.clone(),
+                detail: format!("op {i} depends on missing op {d}"),
+            });
+        }
         let mut start = vec![0usize; n + 1];
         for o in &schedule.ops {
             for &d in &o.deps {
@@ -267,7 +275,7 @@ impl Dependents {
                 next[d] += 1;
             }
         }
-        Self { start, flat }
+        Ok(Self { start, flat })
     }
 
     /// The ops that depend on `op`.
@@ -305,13 +313,8 @@ impl Schedule {
         if let Some(op) = seen.iter().position(|s| !s) {
             return Err(bad(format!("op {op} is in no stream")));
         }
-        if let Some((i, d)) =
-            self.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
-        {
-            return Err(bad(format!("op {i} depends on missing op {d}")));
-        }
+        let out = Dependents::of(self)?;
         let mut indeg: Vec<usize> = self.ops.iter().map(|o| o.deps.len()).collect();
-        let out = Dependents::of(self);
         let mut stack: Vec<OpId> = (0..n).filter(|&i| indeg[i] == 0).collect();
         let mut done = 0;
         while let Some(i) = stack.pop() {
