@@ -926,10 +926,12 @@ where
                 // dropped for capacity go to no holder).
                 let ranges: Vec<_> =
                     holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
-                for share in m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer)) {
+                let shares = m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer));
+                // (One share per holder, in the order of `ranges`.)
+                for (share, (_, range)) in shares.into_iter().zip(&ranges) {
                     let ids = share.ids(&kept, k);
                     let Share { holder, tokens } = share;
-                    let key = self.holder_key(layer, holder);
+                    let key = range_key(range);
                     if tokens.is_empty() {
                         sent.push(SentDispatch { holder, key, tokens: Vec::new(), w: None });
                         let (y, weights) = (empty(m), Some(empty(k)));
@@ -946,9 +948,9 @@ where
             }
             _ => {
                 // A dense layer: every token goes to the first holder, none to the others.
-                for Share { holder, tokens } in dense_shares(t, &holders) {
+                for (i, Share { holder, tokens }) in dense_shares(t, &holders).into_iter().enumerate() {
                     let y = if tokens.is_empty() { empty(m) } else { host(&out.normed) };
-                    let key = self.holder_key(layer, holder);
+                    let key = range_key(&self.layout.expert_range(i));
                     sent.push(SentDispatch { holder, key, tokens: tokens.clone(), w: None });
                     msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights: None, ids: vec![] }));
                 }
