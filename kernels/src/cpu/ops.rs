@@ -769,6 +769,7 @@ pub fn permute_rows(x: &[f32], slots: &[usize], k: usize, m: usize, with_base: b
 /// Calls `f(token, row, terms, scratch)` for every token row of `out` (`[T, M]`, `T = pos.len() / k`)
 /// with the terms of its routed copies (`pos[t k + j]` the copy's row of `rows`, `usize::MAX` when
 /// the copy is not here; `experts[t k + j]` its expert), in parallel over chunks of tokens.
+#[allow(clippy::too_many_arguments)]
 fn per_token_terms<'a>(
     out: &mut [f32],
     rows: &'a [f32],
