@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use disagmoe_train::runtime;
 use disagmoe_train::{
-    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, Precision, RunConfig, TrainBackend,
-    TrainSummary, TransportKind,
+    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, Precision, Recompute, RunConfig,
+    TrainBackend, TrainSummary, TransportKind,
 };
 
 /// On or off.
@@ -146,6 +146,11 @@ pub struct TrainArgs {
     /// overflow is skipped and the scale halves) [default: f32].
     #[arg(long, value_name = "f32|bf16|f16")]
     pub precision: Option<Precision>,
+    /// Activation recomputation: none, experts, attention or full (the chosen blocks keep only
+    /// their input in the forward and run it again in the backward: less memory, one more
+    /// forward of those blocks; --placement single) [default: none].
+    #[arg(long, value_name = "none|experts|attention|full")]
+    pub recompute: Option<Recompute>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
@@ -300,6 +305,9 @@ impl TrainArgs {
         }
         if let Some(p) = self.precision {
             cfg.precision.compute = p;
+        }
+        if let Some(r) = self.recompute {
+            cfg.memory.recompute = r;
         }
         if let Some(p) = self.on_nonfinite {
             cfg.precision.on_nonfinite = match p {

@@ -332,6 +332,11 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         &self.rope
     }
 
+    /// The router options of its MoE layers.
+    pub fn routing(&self) -> RoutingOptions {
+        self.routing
+    }
+
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary.
     pub fn input_ids(&self, rows: &[Vec<i64>], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
         input_ids(rows, self.config.dims().vocab_size, device)

@@ -53,6 +53,7 @@ pub mod kv_cache;
 pub mod mla;
 pub mod moe;
 pub mod nn;
+pub mod recompute;
 pub mod rope;
 pub mod stages;
 pub mod weights;
@@ -70,5 +71,6 @@ pub use families::{
 pub use init::Init;
 pub use kv_cache::{KvCache, LayerCache};
 pub use moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluExperts, TopKRouter};
+pub use recompute::{MicroBatchLoss, Recompute};
 pub use rope::RopeScaling;
 pub use weights::{CheckpointReader, TensorSink};

@@ -25,8 +25,8 @@ pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
 pub use config::{
-    AllocationMode, FaultInjection, FaultPlan, NonFinitePolicy, Placement, Precision, RunConfig, TransportKind,
-    WorkerFault,
+    AllocationMode, FaultInjection, FaultPlan, NonFinitePolicy, Placement, Precision, Recompute, RunConfig,
+    TransportKind, WorkerFault,
 };
 pub use error::{Result, TrainError};
 pub use launch::{train, train_family, train_on, train_until};

@@ -13,7 +13,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use disagmoe_models::{HfCheckpoint, MoeCausalLm};
+use disagmoe_models::{HfCheckpoint, MicroBatchLoss, MoeCausalLm, Recompute};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
@@ -34,6 +34,7 @@ pub struct SingleDevice<B: AutodiffBackend> {
     grad_clip: f64,
     bias_update_rate: f64,
     on_nonfinite: NonFinitePolicy,
+    recompute: Recompute,
     /// Testing: make one parameter's gradient NaN at one step.
     poison: Option<(usize, ParamId)>,
 }
@@ -117,6 +118,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             grad_clip: cfg.optimizer.grad_clip,
             bias_update_rate: cfg.model.bias_update_rate(),
             on_nonfinite: cfg.precision.on_nonfinite,
+            recompute: cfg.memory.recompute,
             poison,
         })
     }
@@ -142,6 +144,55 @@ struct StepSums {
     dropped: Vec<usize>,
 }
 
+impl StepSums {
+    /// Adds one of `mbs` micro-batches: its losses over `mbs`, its counts.
+    fn add(&mut self, m: MicroBatchLoss, mbs: usize) {
+        let k = mbs as f64;
+        self.total += m.total / k;
+        self.lm += m.lm / k;
+        if let Some(a) = m.aux {
+            self.aux = Some(self.aux.unwrap_or(0.0) + a / k);
+        }
+        if let Some(z) = m.z {
+            self.z = Some(self.z.unwrap_or(0.0) + z / k);
+        }
+        self.dropped.resize(m.dropped.len(), 0);
+        self.dropped.iter_mut().zip(&m.dropped).for_each(|(d, x)| *d += x);
+        self.counts.resize(m.counts.len(), Vec::new());
+        for (c, x) in self.counts.iter_mut().zip(&m.counts) {
+            c.resize(x.len(), 0);
+            c.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
+/// One micro-batch through the whole model with one graph: its loss values and the total loss
+/// tensor to differentiate.
+fn whole_model_loss<B: AutodiffBackend>(
+    model: &MoeCausalLm<B>,
+    ids: burn::tensor::Tensor<B, 2, burn::tensor::Int>,
+    with_aux: bool,
+) -> (MicroBatchLoss, Tensor<B, 1>) {
+    let out = model.forward(ids.clone());
+    let loss = model.loss(&out, ids, with_aux);
+    let parts: Vec<Tensor<B, 1>> =
+        [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone()]
+            .into_iter()
+            .flatten()
+            .collect();
+    let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
+    let mut rest = scalars[2..].iter().copied();
+    let micro = MicroBatchLoss {
+        total: scalars[0],
+        lm: scalars[1],
+        aux: loss.aux_loss.as_ref().and_then(|_| rest.next()),
+        z: loss.z_loss.as_ref().and_then(|_| rest.next()),
+        counts: out.router_stats.iter().map(|s| s.counts.clone()).collect(),
+        dropped: out.router_stats.iter().map(|s| s.dropped).collect(),
+    };
+    (micro, loss.total)
+}
+
 impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
     fn info(&self) -> EngineInfo {
         self.info.clone()
@@ -154,42 +205,29 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         let per = batch.len() / mbs;
         let mut acc = GradientsAccumulator::new();
         let mut sums = StepSums::default();
-        // Micro-batches: each one's loss (with its own balance term) over K, gradients added.
+        // The loss differentiated: each micro-batch's (with its own balance term) over K, times the
+        // f16 loss scale (the gradients come out `loss_scale` times too large, unscaled at the update).
+        let scale = loss_scale / mbs as f64;
+        // Recomputation runs the dropped blocks' first forward on the inner backend.
+        let inner = (self.recompute != Recompute::None).then(|| self.model().valid());
         for chunk in batch.chunks(per) {
             let model = self.model();
             let ids = model.input_ids(chunk, &self.device)?;
-            let out = model.forward(ids.clone());
-            let loss = model.loss(&out, ids, self.with_aux);
-            let parts: Vec<Tensor<B, 1>> =
-                [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone()]
-                    .into_iter()
-                    .flatten()
-                    .collect();
-            let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
-            sums.total += scalars[0] / mbs as f64;
-            sums.lm += scalars[1] / mbs as f64;
-            let mut rest = scalars[2..].iter();
-            if loss.aux_loss.is_some() {
-                let a = rest.next().expect("the aux loss");
-                sums.aux = Some(sums.aux.unwrap_or(0.0) + a / mbs as f64);
-            }
-            if loss.z_loss.is_some() {
-                let z = rest.next().expect("the z-loss");
-                sums.z = Some(sums.z.unwrap_or(0.0) + z / mbs as f64);
-            }
-            sums.dropped.resize(out.router_stats.len(), 0);
-            for (d, s) in sums.dropped.iter_mut().zip(&out.router_stats) {
-                *d += s.dropped;
-            }
-            sums.counts.resize(out.router_stats.len(), Vec::new());
-            for (c, s) in sums.counts.iter_mut().zip(&out.router_stats) {
-                c.resize(s.counts.len(), 0);
-                c.iter_mut().zip(&s.counts).for_each(|(a, b)| *a += b);
-            }
-            let total = if mbs > 1 { loss.total.div_scalar(mbs as f64) } else { loss.total };
-            // f16: the gradients come out `loss_scale` times too large (unscaled at the update).
-            let total = if loss_scale != 1.0 { total.mul_scalar(loss_scale) } else { total };
-            acc.accumulate(self.model(), GradientsParams::from_grads(total.backward(), self.model()));
+            let micro = match &inner {
+                Some(inner) => {
+                    model.backward_recomputed(inner, ids, self.with_aux, self.recompute, scale, &mut |g| {
+                        acc.accumulate(model, GradientsParams::from_grads(g, model))
+                    })?
+                }
+                None => {
+                    let (micro, total) = whole_model_loss(model, ids, self.with_aux);
+                    let total = if mbs > 1 { total.div_scalar(mbs as f64) } else { total };
+                    let total = if loss_scale != 1.0 { total.mul_scalar(loss_scale) } else { total };
+                    acc.accumulate(model, GradientsParams::from_grads(total.backward(), model));
+                    micro
+                }
+            };
+            sums.add(micro, mbs);
         }
         let mut grads = acc.grads();
         if let Some((_, target)) = self.poison.filter(|(s, _)| *s == step) {

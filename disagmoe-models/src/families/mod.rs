@@ -29,6 +29,7 @@ use crate::error::{ModelError, Result};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::moe::{Experts, Router};
+use crate::recompute::{MicroBatchLoss, Recompute};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
 
@@ -283,6 +284,30 @@ macro_rules! families {
             /// The training loss of a forward pass.
             pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
                 match self { $(Self::$variant(m) => m.loss(out, ids, with_aux),)* }
+            }
+        }
+
+        impl<B: AutodiffBackend> MoeCausalLm<B> {
+            /// One micro-batch's loss and gradients block by block, dropping and recomputing the
+            /// activations `recompute` names ([`FamilyModel::backward_recomputed`]); `inner` is
+            /// this model's `valid()`.
+            pub fn backward_recomputed(
+                &self,
+                inner: &MoeCausalLm<B::InnerBackend>,
+                ids: Tensor<B, 2, Int>,
+                with_aux: bool,
+                recompute: Recompute,
+                scale: f64,
+                on_grads: &mut dyn FnMut(B::Gradients),
+            ) -> Result<MicroBatchLoss> {
+                match (self, inner) {
+                    $((Self::$variant(m), MoeCausalLm::$variant(i)) => {
+                        Ok(m.backward_recomputed(i, ids, with_aux, recompute, scale, on_grads))
+                    })*
+                    _ => Err(ModelError::InvalidInput(
+                        "backward_recomputed: `inner` is a model of another family".into(),
+                    )),
+                }
             }
         }
 

@@ -9,6 +9,7 @@
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
+//! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
 //! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
 //! which keep working: every key above at the top level, with these spellings for the ones that
@@ -22,6 +23,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod faults;
+pub mod memory;
 pub mod model;
 pub mod optimizer;
 pub mod parallel;
@@ -34,6 +36,7 @@ use serde::{Deserialize, Serialize};
 pub use self::checkpoint::CheckpointOptions;
 pub use self::data::DataOptions;
 pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPlan, WorkerFault};
+pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
 pub use self::optimizer::OptimizerOptions;
 pub use self::parallel::{AllocationMode, ParallelOptions, Placement, TransportKind};
@@ -66,6 +69,8 @@ pub struct RunConfig {
     pub parallel: ParallelOptions,
     /// Numerics.
     pub precision: PrecisionOptions,
+    /// Activation memory.
+    pub memory: MemoryOptions,
     /// Testing only: faults to inject (never read from a run config file).
     #[serde(skip)]
     pub faults: FaultPlan,
@@ -85,6 +90,7 @@ impl Default for RunConfig {
             checkpoint: CheckpointOptions::default(),
             parallel: ParallelOptions::default(),
             precision: PrecisionOptions::default(),
+            memory: MemoryOptions::default(),
             faults: FaultPlan::default(),
         }
     }
@@ -158,6 +164,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("loss_scale_window", "loss_scale_window"),
         ],
     ),
+    ("memory", &[("recompute", "recompute")]),
 ];
 
 /// Top-level keys that are not sections.
@@ -242,6 +249,7 @@ impl RunConfig {
         self.checkpoint.validate(self.steps)?;
         self.parallel.validate(self.data.batch)?;
         self.precision.validate()?;
+        self.memory.validate(self.parallel.placement)?;
         Ok(())
     }
 
