@@ -7,7 +7,8 @@
 2. disagmoe -> transformers: the final model written by `disagmoe train --out`, and a training
    checkpoint (`--checkpoint-dir`, step-<n>/), each written by one device and by a disaggregated
    run (every worker its own shards), are loaded by `from_pretrained`; transformers' logits must
-   match `disagmoe forward` on the same directory.
+   match `disagmoe forward` on the same directory. The final model saved with `--save-dtype bf16`
+   loads as bfloat16 (`dtype="auto"` reads its config) and matches the same way.
 
 Usage: .venv/bin/python scripts/check_hf_roundtrip.py --bin target/release/disagmoe
 """
@@ -110,6 +111,20 @@ def check_ours_one(binary, work, preset, placement):
         print(f"disagmoe -> transformers ({preset}, {placement} {what}, {len(shards)} shard files): from_pretrained ok, "
               f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
         assert rel(ours, ref) <= 1e-4
+    # The final model in bfloat16: transformers takes its dtype from config.json.
+    out16 = out + "_bf16"
+    subprocess.run([binary, "train", "--model-preset", preset, "--steps", "3", "--batch", "4", "--seq", "32",
+                    "--out", out16, "--save-dtype", "bf16", "--quiet"] + PLACEMENTS[placement],
+                   check=True, capture_output=True)
+    d = os.path.join(out16, "final")
+    auto = AutoModelForCausalLM.from_pretrained(d, dtype="auto")
+    assert auto.dtype == torch.bfloat16, auto.dtype
+    ids = torch.randint(0, 256, (2, 20))
+    ref, ref_loss = hf_logits(d, ids)
+    ours, loss = ours_forward(binary, d, ids, work)
+    print(f"disagmoe -> transformers ({preset}, {placement} final model in bf16): loads as {auto.dtype}, "
+          f"logits rel err {rel(ours, ref):.2e}, loss {loss:.6f} vs {ref_loss:.6f}")
+    assert rel(ours, ref) <= 1e-4
 
 
 def main():

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use disagmoe_models::weights::{write_atomically, TensorSink};
-use disagmoe_models::{HfCheckpoint, MoeCausalLm};
+use disagmoe_models::{HfCheckpoint, MoeCausalLm, SaveDtype};
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -151,6 +151,11 @@ pub struct TrainArgs {
     /// forward of those blocks; --placement single) [default: none].
     #[arg(long, value_name = "none|experts|attention|full")]
     pub recompute: Option<Recompute>,
+    /// The dtype of the final model's weights in --out's final/: f32, bf16 or f16 (rounded to
+    /// nearest even; config.json's torch_dtype says which; training checkpoints stay f32)
+    /// [default: f32].
+    #[arg(long, value_name = "f32|bf16|f16")]
+    pub save_dtype: Option<SaveDtype>,
     /// Non-finite loss or gradient: skip the step, or abort naming the tensor [default: skip].
     #[arg(long, value_enum)]
     pub on_nonfinite: Option<NonFinite>,
@@ -305,6 +310,9 @@ impl TrainArgs {
         }
         if let Some(p) = self.precision {
             cfg.precision.compute = p;
+        }
+        if let Some(d) = self.save_dtype {
+            cfg.save_dtype = d;
         }
         if let Some(r) = self.recompute {
             cfg.memory.recompute = r;

@@ -341,6 +341,61 @@ fn a_distributed_checkpoint_is_a_hugging_face_directory() {
     assert_eq!(state["settings"]["seq"], 32);
 }
 
+/// The dtype names in a safetensors file's header, and the `torch_dtype` of `config.json`.
+fn saved_dtypes(dir: &Path) -> (Vec<String>, String) {
+    let mut dtypes = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            for (name, t) in header.as_object().unwrap() {
+                if name != "__metadata__" {
+                    dtypes.push(t["dtype"].as_str().unwrap().to_owned());
+                }
+            }
+        }
+    }
+    dtypes.sort();
+    dtypes.dedup();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    (dtypes, config["torch_dtype"].as_str().unwrap_or_default().to_owned())
+}
+
+/// `--save-dtype bf16|f16`: the final model, written by one device or by every worker of a
+/// disaggregated run (GPT-OSS: stacked expert rows written by their holders), is the f32 model
+/// rounded to nearest even, says so in `config.json`, and trains on from `--model-dir`.
+#[test]
+fn the_final_model_saved_in_bf16_or_f16_is_the_f32_model_rounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (placement, name) in [(SINGLE, "single"), (DISAGG, "disagg")] {
+        let out = |dtype: &str| tmp.path().join(format!("{name}-{dtype}"));
+        for dtype in ["f32", "bf16", "f16"] {
+            summary(&train("tiny-gpt-oss", 2, placement, &["--out", path(&out(dtype)), "--save-dtype", dtype]));
+        }
+        let full = tensors(&out("f32").join("final"));
+        for (dtype, header, torch) in [("bf16", "BF16", "bfloat16"), ("f16", "F16", "float16")] {
+            let dir = out(dtype).join("final");
+            assert_eq!(saved_dtypes(&dir), (vec![header.to_owned()], torch.to_owned()), "{name} {dtype}");
+            let low = tensors(&dir);
+            assert_eq!(low.keys().collect::<Vec<_>>(), full.keys().collect::<Vec<_>>(), "{name} {dtype}");
+            for (tensor, values) in &full {
+                let round = |x: f32| match dtype {
+                    "bf16" => half::bf16::from_f32(x).to_f32(),
+                    _ => half::f16::from_f32(x).to_f32(),
+                };
+                let want: Vec<f32> = values.iter().map(|&x| round(x)).collect();
+                assert!(low[tensor] == want, "{name} {dtype}: {tensor} is not the f32 values rounded");
+            }
+        }
+        assert_eq!(saved_dtypes(&out("f32").join("final")), (vec!["F32".to_owned()], "float32".to_owned()));
+        let from = out("bf16").join("final");
+        summary(&train("tiny-gpt-oss", 1, SINGLE, &["--model-dir", path(&from)]));
+    }
+}
+
 /// Under `mpirun`: ignored (and said so) when built without the `mpi` feature or on a machine
 /// without `mpirun` (see build-support/probe.rs).
 mod mpi {

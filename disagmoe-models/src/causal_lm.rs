@@ -13,7 +13,7 @@ use crate::balance::AuxLoss;
 use crate::error::{ModelError, Result};
 use crate::moe::{check_token_ids, RouterStats};
 use crate::nn::{Embedding, Linear};
-use crate::weights::{write_atomically, CheckpointReader, TensorSink};
+use crate::weights::{write_atomically, CheckpointReader, SaveDtype, TensorSink};
 
 /// What a forward pass returns.
 #[derive(Debug, Clone)]
@@ -113,16 +113,19 @@ pub fn causal_lm_loss<B: Backend>(
     LossParts { lm_loss, aux_loss, z_loss, total }
 }
 
-/// Writes a Hugging Face checkpoint directory: the weights (sharded past `max_shard_bytes`) and
-/// `config.json`, each file atomically.
+/// Writes a Hugging Face checkpoint directory: the weights in `dtype` (sharded past
+/// `max_shard_bytes`) and `config.json` (its `torch_dtype` saying `dtype`), each file atomically.
 pub fn write_pretrained(
     dir: &Path,
     weights: &TensorSink,
     config: &serde_json::Value,
     max_shard_bytes: usize,
+    dtype: SaveDtype,
 ) -> Result<()> {
-    weights.write(dir, max_shard_bytes)?;
-    let text = serde_json::to_vec_pretty(config).expect("config serialises");
+    weights.write_as(dir, max_shard_bytes, dtype)?;
+    let mut config = config.clone();
+    dtype.mark_config(&mut config);
+    let text = serde_json::to_vec_pretty(&config).expect("config serialises");
     write_atomically(&dir.join("config.json"), |tmp| std::fs::write(tmp, &text))
 }
 
@@ -176,6 +179,11 @@ pub trait HfCheckpoint<B: Backend>: Sized {
     /// Writes `config.json` and f32 safetensors (sharded past `max_shard_bytes`) that
     /// transformers' `from_pretrained` loads.
     fn save_pretrained(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
-        write_pretrained(dir.as_ref(), &self.state_dict(), &self.hf_config(), max_shard_bytes)
+        self.save_pretrained_as(dir, max_shard_bytes, SaveDtype::F32)
+    }
+
+    /// [`HfCheckpoint::save_pretrained`] with the weights in `dtype`.
+    fn save_pretrained_as(&self, dir: impl AsRef<Path>, max_shard_bytes: usize, dtype: SaveDtype) -> Result<()> {
+        write_pretrained(dir.as_ref(), &self.state_dict(), &self.hf_config(), max_shard_bytes, dtype)
     }
 }

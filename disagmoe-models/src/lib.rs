@@ -73,4 +73,4 @@ pub use kv_cache::{KvCache, LayerCache};
 pub use moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use recompute::{MicroBatchLoss, Recompute};
 pub use rope::RopeScaling;
-pub use weights::{CheckpointReader, TensorSink};
+pub use weights::{CheckpointReader, SaveDtype, TensorSink};

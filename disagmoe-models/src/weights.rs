@@ -1,6 +1,7 @@
 //! Hugging Face safetensors checkpoints: reading (single file or sharded with
-//! `model.safetensors.index.json`; F32, BF16 or F16) and writing (F32, sharded past a size limit,
-//! written to a temporary name and renamed so that a crash never leaves a half-written file).
+//! `model.safetensors.index.json`; F32, BF16 or F16) and writing (F32, or BF16/F16 on request,
+//! [`SaveDtype`]; sharded past a size limit, written to a temporary name and renamed so that a crash
+//! never leaves a half-written file).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -18,6 +19,115 @@ use crate::error::{ModelError, Result};
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// File name of the index of a sharded checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The dtype tensors are written in. Values are held in f32; `bf16` and `f16` round each to
+/// nearest even when writing (half the bytes; the usual dtype of published checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SaveDtype {
+    /// 4 bytes per value, exact.
+    #[default]
+    F32,
+    /// bfloat16: f32's range, 8 bits of mantissa.
+    Bf16,
+    /// float16: 11 bits of mantissa, values beyond +-65504 become infinite (refused).
+    F16,
+}
+
+impl SaveDtype {
+    /// The names the command line accepts.
+    pub const NAMES: [&'static str; 3] = ["f32", "bf16", "f16"];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "f32",
+            SaveDtype::Bf16 => "bf16",
+            SaveDtype::F16 => "f16",
+        }
+    }
+
+    /// Its name in a transformers `config.json` (`torch_dtype`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "float32",
+            SaveDtype::Bf16 => "bfloat16",
+            SaveDtype::F16 => "float16",
+        }
+    }
+
+    /// The safetensors dtype.
+    pub fn safetensors(self) -> Dtype {
+        match self {
+            SaveDtype::F32 => Dtype::F32,
+            SaveDtype::Bf16 => Dtype::BF16,
+            SaveDtype::F16 => Dtype::F16,
+        }
+    }
+
+    /// Its name in a safetensors header (`F32`, `BF16`, `F16`).
+    pub fn header_name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "F32",
+            SaveDtype::Bf16 => "BF16",
+            SaveDtype::F16 => "F16",
+        }
+    }
+
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            SaveDtype::F32 => 4,
+            SaveDtype::Bf16 | SaveDtype::F16 => 2,
+        }
+    }
+
+    /// `values` as little-endian bytes of this dtype; an error names the tensor when a finite
+    /// value does not fit (f16 past 65504).
+    pub fn encode(self, name: &str, values: &[f32]) -> Result<Vec<u8>> {
+        Ok(match self {
+            SaveDtype::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            SaveDtype::Bf16 => values.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+            SaveDtype::F16 => {
+                if let Some(x) = values.iter().find(|x| x.is_finite() && x.abs() > f32::from(half::f16::MAX)) {
+                    return Err(ModelError::InvalidInput(format!(
+                        "`{name}` holds {x}, beyond f16's range (+-65504): save it as f32 or bf16"
+                    )));
+                }
+                values.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect()
+            }
+        })
+    }
+
+    /// Sets `torch_dtype` (and `dtype`, current transformers' spelling, when present) of a
+    /// `config.json` to this dtype.
+    pub fn mark_config(self, config: &mut serde_json::Value) {
+        if let Some(obj) = config.as_object_mut() {
+            obj.insert("torch_dtype".into(), self.torch_name().into());
+            if obj.contains_key("dtype") {
+                obj.insert("dtype".into(), self.torch_name().into());
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for SaveDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SaveDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(SaveDtype::F32),
+            "bf16" => Ok(SaveDtype::Bf16),
+            "f16" => Ok(SaveDtype::F16),
+            _ => Err(format!("unknown save dtype {s:?} (allowed: {})", SaveDtype::NAMES.join(", "))),
+        }
+    }
+}
 
 struct ShardFile {
     path: PathBuf,
@@ -280,14 +390,15 @@ pub struct TensorSink {
     names_only: bool,
 }
 
-struct F32View<'a> {
+struct View<'a> {
+    dtype: Dtype,
     shape: &'a [usize],
     bytes: Vec<u8>,
 }
 
-impl safetensors::View for &F32View<'_> {
+impl safetensors::View for &View<'_> {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        self.dtype
     }
     fn shape(&self) -> &[usize] {
         self.shape
@@ -351,19 +462,26 @@ impl TensorSink {
     /// Writes every tensor into the one safetensors file `path` (f32, atomically); returns the bytes
     /// of tensor data written.
     pub fn write_file(&self, path: &Path) -> Result<usize> {
-        let views: Vec<(String, F32View)> = self
-            .tensors
+        self.write_file_as(path, SaveDtype::F32)
+    }
+
+    /// [`TensorSink::write_file`] in `dtype`.
+    pub fn write_file_as(&self, path: &Path, dtype: SaveDtype) -> Result<usize> {
+        let names: Vec<&String> = self.tensors.keys().collect();
+        write_views(path, &self.views(&names, dtype)?)?;
+        Ok(self.tensors.values().map(|(_, v)| v.len() * dtype.size()).sum())
+    }
+
+    /// The tensors `names` as views of their bytes in `dtype`.
+    fn views(&self, names: &[&String], dtype: SaveDtype) -> Result<Vec<(String, View<'_>)>> {
+        names
             .iter()
-            .map(|(name, (shape, values))| {
-                (name.clone(), F32View { shape, bytes: values.iter().flat_map(|x| x.to_le_bytes()).collect() })
+            .map(|name| {
+                let (shape, values) = &self.tensors[*name];
+                let bytes = dtype.encode(name, values)?;
+                Ok(((*name).clone(), View { dtype: dtype.safetensors(), shape, bytes }))
             })
-            .collect();
-        let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-        let refs = views.iter().map(|(n, v)| (n.clone(), v));
-        write_atomically(path, |tmp| {
-            safetensors::serialize_to_file(refs, Some(meta), tmp).map_err(|e| std::io::Error::other(e.to_string()))
-        })?;
-        Ok(self.tensors.values().map(|(_, v)| v.len() * 4).sum())
+            .collect()
     }
 
     /// Whether the sink holds no tensor.
@@ -375,13 +493,18 @@ impl TensorSink {
     /// `model.safetensors.index.json` when the tensors do not fit in one. Each file is written to a
     /// temporary name, synced, and renamed into place.
     pub fn write(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<Vec<PathBuf>> {
+        self.write_as(dir, max_shard_bytes, SaveDtype::F32)
+    }
+
+    /// [`TensorSink::write`] in `dtype`.
+    pub fn write_as(&self, dir: impl AsRef<Path>, max_shard_bytes: usize, dtype: SaveDtype) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(io_err("cannot create directory", dir))?;
         // Deal tensors to shards in name order.
         let mut shards: Vec<Vec<&String>> = vec![vec![]];
         let mut current = 0usize;
         for (name, (_, v)) in &self.tensors {
-            let size = v.len() * 4;
+            let size = v.len() * dtype.size();
             if current > 0 && current + size > max_shard_bytes {
                 shards.push(vec![]);
                 current = 0;
@@ -395,20 +518,8 @@ impl TensorSink {
         for (i, names) in shards.iter().enumerate() {
             let file_name =
                 if n == 1 { SINGLE_FILE.to_owned() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
-            let views: Vec<(String, F32View)> = names
-                .iter()
-                .map(|name| {
-                    let (shape, values) = &self.tensors[*name];
-                    let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    ((*name).clone(), F32View { shape, bytes })
-                })
-                .collect();
             let path = dir.join(&file_name);
-            let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-            let refs = views.iter().map(|(n, v)| (n.clone(), v));
-            write_atomically(&path, |tmp| {
-                safetensors::serialize_to_file(refs, Some(meta), tmp).map_err(|e| std::io::Error::other(e.to_string()))
-            })?;
+            write_views(&path, &self.views(names, dtype)?)?;
             for name in names {
                 weight_map.insert((*name).clone(), serde_json::Value::String(file_name.clone()));
             }
@@ -416,7 +527,7 @@ impl TensorSink {
         }
         let index_path = dir.join(INDEX_FILE);
         if n > 1 {
-            let total: usize = self.tensors.values().map(|(_, v)| v.len() * 4).sum();
+            let total: usize = self.tensors.values().map(|(_, v)| v.len() * dtype.size()).sum();
             let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
             write_atomically(&index_path, |tmp| std::fs::write(tmp, serde_json::to_vec_pretty(&index).unwrap()))?;
             written.push(index_path);
@@ -427,6 +538,15 @@ impl TensorSink {
         }
         Ok(written)
     }
+}
+
+/// Writes one safetensors file of `views` atomically.
+fn write_views(path: &Path, views: &[(String, View<'_>)]) -> Result<()> {
+    let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    let refs = views.iter().map(|(n, v)| (n.clone(), v));
+    write_atomically(path, |tmp| {
+        safetensors::serialize_to_file(refs, Some(meta), tmp).map_err(|e| std::io::Error::other(e.to_string()))
+    })
 }
 
 /// Writes `path` through `write(tmp)` to `path.tmp`, fsyncs it, then renames it over `path`.
@@ -440,4 +560,23 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Resul
         let _ = std::fs::remove_file(&tmp);
         ModelError::Io { action: "cannot write", path: path.to_path_buf(), source }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn low_dtypes_round_to_nearest_even_and_f16_refuses_what_it_cannot_hold() {
+        // 1 + 2^-8 lies halfway between two bf16 values: to the even one, 1.0.
+        let bytes = SaveDtype::Bf16.encode("w", &[1.0, 1.0 + 1.0 / 256.0, -2.5]).unwrap();
+        let back: Vec<f32> = bytes.chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+        assert_eq!(back, vec![1.0, 1.0, -2.5]);
+        assert_eq!(SaveDtype::F32.encode("w", &[0.1]).unwrap(), 0.1f32.to_le_bytes().to_vec());
+        let e = SaveDtype::F16.encode("model.norm.weight", &[1.0, 70000.0]).unwrap_err().to_string();
+        assert!(e.contains("model.norm.weight") && e.contains("f32 or bf16"), "{e}");
+        assert!(SaveDtype::F16.encode("w", &[f32::INFINITY, 65504.0]).is_ok());
+        assert_eq!("bf16".parse::<SaveDtype>(), Ok(SaveDtype::Bf16));
+        assert!("fp8".parse::<SaveDtype>().unwrap_err().contains("f32, bf16, f16"));
+    }
 }

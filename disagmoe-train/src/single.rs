@@ -13,7 +13,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use disagmoe_models::{HfCheckpoint, MicroBatchLoss, MoeCausalLm, Recompute};
+use disagmoe_models::{HfCheckpoint, MicroBatchLoss, MoeCausalLm, Recompute, SaveDtype};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
@@ -35,6 +35,7 @@ pub struct SingleDevice<B: AutodiffBackend> {
     bias_update_rate: f64,
     on_nonfinite: NonFinitePolicy,
     recompute: Recompute,
+    save_dtype: SaveDtype,
     /// Testing: make one parameter's gradient NaN at one step.
     poison: Option<(usize, ParamId)>,
 }
@@ -119,6 +120,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             bias_update_rate: cfg.model.bias_update_rate(),
             on_nonfinite: cfg.precision.on_nonfinite,
             recompute: cfg.memory.recompute,
+            save_dtype: cfg.save_dtype,
             poison,
         })
     }
@@ -291,7 +293,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
 
     fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {
         if let Some(dir) = out {
-            self.model().valid().save_pretrained(dir, 2 << 30)?;
+            self.model().valid().save_pretrained_as(dir, 2 << 30, self.save_dtype)?;
         }
         Ok(FinalReport {
             param_checksum: sum_of_squares(self.model()),

@@ -2,7 +2,7 @@
 //!
 //! | section | type | keys |
 //! |---|---|---|
-//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `log_every`, `progress` |
+//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `save_dtype`, `log_every`, `progress` |
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
@@ -31,6 +31,7 @@ pub mod precision;
 
 use std::path::{Path, PathBuf};
 
+use disagmoe_models::SaveDtype;
 use serde::{Deserialize, Serialize};
 
 pub use self::checkpoint::CheckpointOptions;
@@ -53,6 +54,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Output directory: `metrics.jsonl` and the final model in `final/`.
     pub out: Option<PathBuf>,
+    /// The dtype of the final model's weights (`f32`, `bf16`, `f16`); training checkpoints keep
+    /// the f32 master weights.
+    pub save_dtype: SaveDtype,
     /// Print a log line every this many steps when there is no terminal for the progress bar.
     pub log_every: usize,
     /// Show the progress bar (when stderr is a terminal) or log lines.
@@ -82,6 +86,7 @@ impl Default for RunConfig {
             steps: 300,
             seed: 42,
             out: None,
+            save_dtype: SaveDtype::F32,
             log_every: 10,
             progress: true,
             model: ModelOptions::default(),
@@ -168,7 +173,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
 ];
 
 /// Top-level keys that are not sections.
-const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "log_every", "progress"];
+const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "save_dtype", "log_every", "progress"];
 
 /// Moves the flat keys of a run config into their sections; refuses unknown keys (naming the
 /// allowed ones) and the test-only fault keys.

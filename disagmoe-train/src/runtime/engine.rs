@@ -386,7 +386,7 @@ fn serve<B, A, R, X>(
             Command::Finish { out, traces } => {
                 let r = guarded(shared, &mut worker, |w| {
                     let config = &shared.hf_config;
-                    let (checksum, peak_rss_mb_per_rank) = w.finish(out.as_deref(), config)?;
+                    let (checksum, peak_rss_mb_per_rank) = w.finish(out.as_deref(), config, shared.cfg.save_dtype)?;
                     let traces = if traces { w.gather_traces()? } else { Vec::new() };
                     Ok(FinalParts { checksum, peak_rss_mb_per_rank, traces })
                 });

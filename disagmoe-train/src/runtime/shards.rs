@@ -18,6 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use disagmoe_models::weights::write_atomically;
+use disagmoe_models::SaveDtype;
 use serde::{Deserialize, Serialize};
 
 use super::part::{NamedParts, StackedRows};
@@ -41,18 +42,18 @@ pub fn stacked_file(layer: usize) -> String {
     format!("model-experts-layer-{layer:04}.safetensors")
 }
 
-/// The safetensors header of a file of tensors with the given names and full shapes (f32, in name
-/// order), and the offset of each tensor's data from the start of the file.
-fn header(tensors: &BTreeMap<String, Vec<usize>>) -> (Vec<u8>, BTreeMap<String, usize>) {
+/// The safetensors header of a file of tensors with the given names and full shapes (in `dtype`,
+/// in name order), and the offset of each tensor's data from the start of the file.
+fn header(tensors: &BTreeMap<String, Vec<usize>>, dtype: SaveDtype) -> (Vec<u8>, BTreeMap<String, usize>) {
     let mut meta = serde_json::Map::new();
     meta.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
     let mut at = 0usize;
     let mut starts = BTreeMap::new();
     for (name, shape) in tensors {
-        let bytes = shape.iter().product::<usize>() * 4;
+        let bytes = shape.iter().product::<usize>() * dtype.size();
         meta.insert(
             name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + bytes]}),
+            serde_json::json!({"dtype": dtype.header_name(), "shape": shape, "data_offsets": [at, at + bytes]}),
         );
         starts.insert(name.clone(), at);
         at += bytes;
@@ -67,25 +68,31 @@ fn header(tensors: &BTreeMap<String, Vec<usize>>) -> (Vec<u8>, BTreeMap<String, 
     (out, starts.into_iter().map(|(n, s)| (n, base + s)).collect())
 }
 
-/// Writes this worker's share of the model into `dir` (see the module docs); `experts` is the number
-/// of routed experts per layer (the rows of a stacked tensor).
-pub fn write_shards(dir: &Path, rank: usize, parts: &NamedParts, experts: usize) -> Result<ShardReport> {
+/// Writes this worker's share of the model into `dir` in `dtype` (see the module docs); `experts` is
+/// the number of routed experts per layer (the rows of a stacked tensor).
+pub fn write_shards(
+    dir: &Path,
+    rank: usize,
+    parts: &NamedParts,
+    experts: usize,
+    dtype: SaveDtype,
+) -> Result<ShardReport> {
     std::fs::create_dir_all(dir).map_err(io("cannot create directory", dir))?;
     let mut report = ShardReport::default();
     if !parts.whole.is_empty() {
         let file = format!("model-rank-{rank:05}.safetensors");
-        report.bytes += parts.whole.write_file(&dir.join(&file))?;
+        report.bytes += parts.whole.write_file_as(&dir.join(&file), dtype)?;
         report.files.extend(parts.whole.names().map(|n| (n.to_owned(), file.clone())));
     }
     for rows in &parts.stacked {
-        report.bytes += write_rows(dir, rows, experts)?;
+        report.bytes += write_rows(dir, rows, experts, dtype)?;
         report.files.extend(rows.sink.names().map(|n| (n.to_owned(), stacked_file(rows.layer))));
     }
     Ok(report)
 }
 
 /// Writes rows `first..` of a layer's stacked tensors into their shared file, header included.
-fn write_rows(dir: &Path, rows: &StackedRows, experts: usize) -> Result<usize> {
+fn write_rows(dir: &Path, rows: &StackedRows, experts: usize, dtype: SaveDtype) -> Result<usize> {
     let full: BTreeMap<String, Vec<usize>> = rows
         .sink
         .names()
@@ -96,7 +103,7 @@ fn write_rows(dir: &Path, rows: &StackedRows, experts: usize) -> Result<usize> {
             (n.to_owned(), shape)
         })
         .collect();
-    let (head, starts) = header(&full);
+    let (head, starts) = header(&full, dtype);
     let path = dir.join(stacked_file(rows.layer));
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -104,14 +111,14 @@ fn write_rows(dir: &Path, rows: &StackedRows, experts: usize) -> Result<usize> {
         .truncate(false)
         .open(&path)
         .map_err(io("cannot open", &path))?;
-    let total = head.len() + full.values().map(|s| s.iter().product::<usize>() * 4).sum::<usize>();
+    let total = head.len() + full.values().map(|s| s.iter().product::<usize>() * dtype.size()).sum::<usize>();
     file.set_len(total as u64).map_err(io("cannot size", &path))?;
     file.write_all_at(&head, 0).map_err(io("cannot write", &path))?;
     let mut written = 0;
     for (name, start) in &starts {
         let (shape, values) = rows.sink.get(name).expect("listed");
-        let row_bytes = shape[1..].iter().product::<usize>() * 4;
-        let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let row_bytes = shape[1..].iter().product::<usize>() * dtype.size();
+        let bytes = dtype.encode(name, values)?;
         file.write_all_at(&bytes, (start + rows.first * row_bytes) as u64).map_err(io("cannot write", &path))?;
         written += bytes.len();
     }
@@ -164,7 +171,7 @@ mod tests {
                 [rows.clone(), rows].concat(),
             );
             let parts = NamedParts { whole: TensorSink::new(), stacked: vec![StackedRows { layer: 0, first, sink }] };
-            write_shards(dir.path(), first, &parts, experts).unwrap();
+            write_shards(dir.path(), first, &parts, experts, SaveDtype::F32).unwrap();
         }
         let mut reader = disagmoe_models::CheckpointReader::open_file(dir.path().join(stacked_file(0))).unwrap();
         let (shape, values) = reader.read_f32("model.layers.0.mlp.experts.down_proj_bias").unwrap();

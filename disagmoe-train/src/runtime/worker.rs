@@ -52,6 +52,8 @@ use crate::config::{CheckpointKill, CheckpointMoment};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW, Moment};
+use disagmoe_models::SaveDtype;
+use disagmoe_models::SaveDtype::F32;
 
 /// Message tags of evaluation passes start here (training steps count from 1), so that an
 /// evaluation's messages never mix with a step's.
@@ -1378,8 +1380,13 @@ where
 
     /// The end of the run: the sum of squares of every parameter (each once) and each worker's peak
     /// resident memory, the same on every worker; with `out`, the model written there by every
-    /// worker ([`super::shards`]), rank 0 writing `config.json` and the index last.
-    pub fn finish(&mut self, out: Option<&Path>, config: &serde_json::Value) -> Result<(f64, Vec<f64>)> {
+    /// worker ([`super::shards`]) in `dtype`, rank 0 writing `config.json` and the index last.
+    pub fn finish(
+        &mut self,
+        out: Option<&Path>,
+        config: &serde_json::Value,
+        dtype: SaveDtype,
+    ) -> Result<(f64, Vec<f64>)> {
         let part = self.part.as_ref().expect("part");
         let mut own = sum_of_squares(&part.experts);
         if self.layout.replicas(self.rank).first() == Some(&self.rank) {
@@ -1387,10 +1394,12 @@ where
         }
         if let Some(dir) = out {
             let parts = part.counted_once(&self.layout, self.rank, self.ffn_name);
-            let report = write_shards(dir, self.rank, &parts, self.layout.experts)?;
+            let report = write_shards(dir, self.rank, &parts, self.layout.experts, dtype)?;
             let reports = self.collect_on_zero(Msg::Shards(vec![report]), "the written files")?;
             if self.rank == 0 {
-                write_index(dir, &nth_reports(&reports, 0), config)?;
+                let mut config = config.clone();
+                dtype.mark_config(&mut config);
+                write_index(dir, &nth_reports(&reports, 0), &config)?;
             }
         }
         let workers = self.layout.workers;
@@ -1432,12 +1441,12 @@ where
         let experts = self.layout.experts;
         let part = self.part.as_ref().expect("part");
         let mut reports =
-            vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts)?];
+            vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts, F32)?];
         hook(CheckpointMoment::Writing);
         for moment in Moment::BOTH {
             let moments = self.opt.moments_as(part.clone(), moment);
             let parts = moments.counted_once(&self.layout, rank, self.ffn_name);
-            reports.push(write_shards(&checkpoint::moment_dir(&partial, moment), rank, &parts, experts)?);
+            reports.push(write_shards(&checkpoint::moment_dir(&partial, moment), rank, &parts, experts, F32)?);
         }
         hook(CheckpointMoment::Written);
         let gathered = self.collect_on_zero(Msg::Shards(reports), "the checkpoint's files")?;
