@@ -146,9 +146,9 @@ pub struct TrainArgs {
     /// overflow is skipped and the scale halves) [default: f32].
     #[arg(long, value_name = "f32|bf16|f16")]
     pub precision: Option<Precision>,
-    /// Activation recomputation: none, experts, attention or full (the chosen blocks keep only
-    /// their input in the forward and run it again in the backward: less memory, one more
-    /// forward of those blocks; --placement single) [default: none].
+    /// Activation recomputation: none, experts, attention or full (the chosen blocks, or the
+    /// workers' stages, keep only their input in the forward and run it again in the backward:
+    /// less memory, one more forward of those blocks) [default: none].
     #[arg(long, value_name = "none|experts|attention|full")]
     pub recompute: Option<Recompute>,
     /// The dtype of the final model's weights in --out's final/: f32, bf16 or f16 (rounded to

@@ -1,5 +1,5 @@
-//! `--recompute`: every setting trains to the losses of keeping every activation (the gradients are
-//! the same up to the order of their sums), and a placement that cannot honour it refuses it.
+//! `--recompute`: every setting trains to the losses of keeping every activation (one device: the
+//! gradients are the same up to the order of their sums; the runtime's workers: bit for bit).
 
 use std::process::{Command, Output};
 
@@ -19,9 +19,14 @@ fn losses(v: &serde_json::Value) -> Vec<f64> {
 }
 
 fn train(preset: &str, recompute: &str, extra: &[&str]) -> Vec<f64> {
+    train_batch(preset, recompute, &["--batch", "4", "--micro-batches", "2"], extra)
+}
+
+fn train_batch(preset: &str, recompute: &str, batch: &[&str], extra: &[&str]) -> Vec<f64> {
     let out = bin()
-        .args(["train", "--model-preset", preset, "--steps", "5", "--batch", "4", "--seq", "24", "--quiet"])
-        .args(["--micro-batches", "2", "--router-z-loss-coef", "1e-3", "--recompute", recompute])
+        .args(["train", "--model-preset", preset, "--steps", "5", "--seq", "24", "--quiet"])
+        .args(batch)
+        .args(["--router-z-loss-coef", "1e-3", "--recompute", recompute])
         .args(extra)
         .output()
         .unwrap();
@@ -52,17 +57,28 @@ fn f16_loss_scaling_goes_through_the_recomputed_backward() {
     }
 }
 
+/// The runtime's workers recompute their stages: the same run, bit for bit, whatever is
+/// recomputed (the first forward computes the values the graph would, without it).
 #[test]
-fn placements_that_cannot_recompute_refuse_it_by_name() {
-    let out = bin()
-        .args(["train", "--model-preset", "tiny-qwen3-moe", "--steps", "1", "--batch", "4", "--seq", "16"])
-        .args(["--quiet", "--placement", "disagg", "--recompute", "full"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("recompute") && err.contains("single"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
+fn workers_that_recompute_their_stages_give_the_same_run() {
+    for (preset, placement) in [
+        (
+            "tiny-qwen3-moe",
+            &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"][..],
+        ),
+        ("tiny-deepseek-v3", &["--placement", "ep", "--workers", "4"][..]),
+        ("tiny-gpt-oss", &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "2"][..]),
+    ] {
+        let batch = ["--batch", "8", "--micro-batches", "4"];
+        let kept = train_batch(preset, "none", &batch, placement);
+        for recompute in ["experts", "attention", "full"] {
+            assert_eq!(train_batch(preset, recompute, &batch, placement), kept, "{preset} {placement:?} {recompute}");
+        }
+    }
+}
+
+#[test]
+fn an_unknown_setting_is_refused_with_the_allowed_ones() {
     let out = bin().args(["train", "--model-preset", "tiny-qwen3-moe", "--recompute", "some"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");

@@ -254,7 +254,6 @@ impl RunConfig {
         self.checkpoint.validate(self.steps)?;
         self.parallel.validate(self.data.batch)?;
         self.precision.validate()?;
-        self.memory.validate(self.parallel.placement)?;
         Ok(())
     }
 

@@ -32,7 +32,7 @@ use std::time::Duration;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use disagmoe_models::{AuxLoss, FamilyConfig, FamilyVisitor, ModelConfig, TrainModule};
+use disagmoe_models::{AuxLoss, FamilyConfig, FamilyVisitor, ModelConfig, Recompute, TrainModule};
 
 use self::layout::Layout;
 use self::part::WeightSource;
@@ -71,10 +71,12 @@ pub(crate) struct Shared<B: AutodiffBackend> {
 
 /// Bytes of activations one micro-batch of `tokens` tokens keeps alive on an attention worker
 /// holding `layers` layers (inputs, norms, projections, attention output and residual of each,
-/// about 16 floats per token and width; the head's logits and their gradient). An estimate: the
-/// memory budget of the in-flight window, documented in ARCHITECTURE.md.
-pub fn activation_bytes(tokens: usize, hidden: usize, layers: usize, vocab: usize) -> usize {
-    tokens * 4 * (16 * hidden * layers.max(1) + 2 * vocab)
+/// about 16 floats per token and width, or only the input, 1, when the attention stages are
+/// recomputed; the head's logits and their gradient). An estimate: the memory budget of the
+/// in-flight window, documented in ARCHITECTURE.md.
+pub fn activation_bytes(tokens: usize, hidden: usize, layers: usize, vocab: usize, recompute: Recompute) -> usize {
+    let per_layer = if recompute.attention() { 1 } else { 16 };
+    tokens * 4 * (per_layer * hidden * layers.max(1) + 2 * vocab)
 }
 
 /// Micro-batches each embedding worker keeps in flight: `in_flight` when given (refused when a
@@ -100,7 +102,7 @@ fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usiz
         return Ok(1);
     }
     let tokens = cfg.data.batch / cfg.micro_batches() * cfg.data.seq;
-    let per_mb = activation_bytes(tokens, hidden, layout.attn_layers(0).len(), vocab).max(1);
+    let per_mb = activation_bytes(tokens, hidden, layout.attn_layers(0).len(), vocab, cfg.memory.recompute).max(1);
     let budget = crate::metrics::available_memory_bytes() / 2 / cfg.parallel.workers_here();
     Ok((budget / per_mb).clamp(1, own))
 }
@@ -119,6 +121,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         own_process: cfg.parallel.transport != TransportKind::Local,
         in_flight,
         routing: cfg.model.routing(),
+        recompute: cfg.memory.recompute,
     }
 }
 

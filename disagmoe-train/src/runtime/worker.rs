@@ -52,8 +52,8 @@ use crate::config::{CheckpointKill, CheckpointMoment};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{grad_norm, sum_of_squares, AdamW, Moment};
-use disagmoe_models::SaveDtype;
 use disagmoe_models::SaveDtype::F32;
+use disagmoe_models::{Recompute, SaveDtype};
 
 /// Message tags of evaluation passes start here (training steps count from 1), so that an
 /// evaluation's messages never mix with a step's.
@@ -81,6 +81,8 @@ pub struct StepSettings {
     pub in_flight: usize,
     /// Router z-loss, capacity and forced balance, applied to every routed layer's decision.
     pub routing: RoutingOptions,
+    /// Which stages keep only their input in the forward and run it again in the backward.
+    pub recompute: Recompute,
     /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
     /// process exits under MPI, the thread ends silently in-process).
     pub fail_at: Option<(usize, usize, bool)>,
@@ -193,38 +195,60 @@ impl BackwardOrder {
     }
 }
 
-struct SentDispatch<B: AutodiffBackend> {
+struct SentDispatch {
     holder: usize,
     /// The holder's place in the canonical order of a token's expert terms.
     key: (u64, u64),
     /// The tokens sent to it, ascending.
     tokens: Vec<u32>,
-    /// Their gate weights (routed layers).
-    w: Option<Tensor<B, 2>>,
+}
+
+/// An attention stage's forward from its input: with its graph (kept for the backward, or run
+/// again there under `--recompute attention|full`), or without one (the first forward of a
+/// recomputed stage).
+struct AttnGraph<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    stage: AttentionStage<B, A, R>,
+    /// Layer 0: the embedding, whose output is the input.
+    ends: Option<Ends<B>>,
+    /// The input of layers past the first.
+    h: Option<Tensor<B, 3>>,
+    residual: Tensor<B, 2>,
+    /// `[T, M]`: the normed layer output the holders are sent rows of.
+    normed: Tensor<B, 2>,
+    /// A routed layer's decision under the run's router options.
+    routed: Option<Routed<B>>,
 }
 
 struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
-    stage: AttentionStage<B, A, R>,
-    ends: Option<Ends<B>>,
-    h: Option<Tensor<B, 3>>,
+    /// The forward's graph; `None` when the stage is recomputed.
+    graph: Option<AttnGraph<B, A, R>>,
+    /// A recomputed stage's input (layer 0 recomputes from the token ids).
+    input: Option<HostTensor>,
     from: Vec<Share>,
-    residual: Tensor<B, 2>,
-    /// `[T, M]`: the normed layer output the holders were sent rows of.
-    normed: Tensor<B, 2>,
-    sent: Vec<SentDispatch<B>>,
-    /// `[B, E]` score sums per sequence of a routed layer, when the balance loss is on.
-    prob_sum: Option<Tensor<B, 2>>,
-    /// The layer's router z-loss (before its coefficient), when on.
-    z: Option<Tensor<B, 1>>,
+    sent: Vec<SentDispatch>,
+}
+
+/// An expert stage's forward on a holder's rows, with or without its graph.
+struct FfnGraph<B: AutodiffBackend, X: Module<B>> {
+    stage: ExpertStage<B, X>,
+    y: Tensor<B, 2>,
+    w: Option<Tensor<B, 2>>,
+    out: Tensor<B, 2>,
+}
+
+/// A recomputed expert stage's input: the rows, their gate weights and expert ids.
+struct FfnInput {
+    y: HostTensor,
+    w: Option<HostTensor>,
+    ids: Vec<usize>,
 }
 
 struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
-    stage: Option<ExpertStage<B, X>>,
     dst: usize,
     rows: usize,
-    y: Option<Tensor<B, 2>>,
-    w: Option<Tensor<B, 2>>,
-    out: Option<Tensor<B, 2>>,
+    /// The forward's graph (`None` without rows, or when the stage is recomputed).
+    graph: Option<FfnGraph<B, X>>,
+    input: Option<FfnInput>,
 }
 
 /// The losses of a step's micro-batches, summed (divided by the micro-batches at the end).
@@ -453,14 +477,17 @@ where
 /// Gives every parameter of a module its own autodiff leaf (and moves it to `device`). Workers fork
 /// their stage for each task, so the graphs of micro-batches in flight at once share no node: Burn
 /// would otherwise join them through the parameters, and a backward of one would disturb another.
+/// With `track: false` the parameters are constants: the forward builds no graph (the first
+/// forward of a recomputed stage).
 pub(crate) struct Fork<'a, B: AutodiffBackend> {
     pub(crate) device: &'a B::Device,
+    pub(crate) track: bool,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Fork<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let require_grad = tensor.is_require_grad();
+        let require_grad = self.track && tensor.is_require_grad();
         let mut t = Tensor::<B, D>::from_inner(tensor.inner().to_device(self.device));
         if require_grad {
             t = t.require_grad();
@@ -864,51 +891,70 @@ where
 
     /// The hidden state entering `layer` (or the head when `layer == layers`): residual plus every
     /// holder's share (N2M, [`LayerInput::assemble`]), as a leaf.
-    fn assemble(&mut self, mb: usize, layer: usize) -> (Tensor<B, 3>, AuxSums, Vec<Share>) {
-        let Assembled { h, aux, from } = self.inputs.remove(&(mb, layer)).expect("ready input").assemble();
+    fn assemble(&mut self, mb: usize, layer: usize) -> Assembled {
+        self.inputs.remove(&(mb, layer)).expect("ready input").assemble()
+    }
+
+    /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
+    fn hidden(&self, h: &HostTensor, track: bool) -> Tensor<B, 3> {
         let m = *h.shape.last().expect("[T, M]");
         let (b, s) = (self.settings.mb_rows, self.settings.seq);
-        let h = Tensor::<B, 3>::from_data(TensorData::new(h.data, [b, s, m]), &self.device).require_grad();
-        (h, aux, from)
+        let t = Tensor::<B, 3>::from_data(TensorData::new(h.data.clone(), [b, s, m]), &self.device);
+        if track {
+            t.require_grad()
+        } else {
+            t
+        }
+    }
+
+    /// Attention stage `layer` of micro-batch `mb` on `input` (layer 0: `None`, the token ids'
+    /// embedding), with its graph or without (`track`), and a routed layer's decision.
+    fn attend(&self, mb: usize, layer: usize, input: Option<&HostTensor>, track: bool) -> Result<AttnGraph<B, A, R>> {
+        let device = self.device.clone();
+        let fork = &mut Fork { device: &device, track };
+        let (h, ends) = match input {
+            None => {
+                let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(fork);
+                (ends.embed(self.ids(mb)?), Some(ends))
+            }
+            Some(h) => (self.hidden(h, track), None),
+        };
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
+        let out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
+        let routed = match (out.route, stage.top_k()) {
+            (Some(decision), Some(k)) => {
+                Some(self.settings.routing.route(decision, self.settings.mb_rows, self.layout.experts, k))
+            }
+            _ => None,
+        };
+        let h = input.is_some().then_some(h);
+        Ok(AttnGraph { stage, ends, h, residual: out.residual, normed: out.normed, routed })
     }
 
     fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
-        let device = self.device.clone();
-        let (h, mut aux, from, ends) = if layer == 0 {
-            let ids = self.ids(mb)?;
-            let ends = self
-                .part()
-                .ends
-                .clone()
-                .expect("the embedding worker holds the ends")
-                .map(&mut Fork { device: &device });
-            (ends.embed(ids), AuxSums::default(), Vec::new(), Some(ends))
+        let (input, mut aux, from) = if layer == 0 {
+            (None, AuxSums::default(), Vec::new())
         } else {
-            let (h, aux, from) = self.assemble(mb, layer);
-            (h, aux, from, None)
+            let Assembled { h, aux, from } = self.assemble(mb, layer);
+            (Some(h), aux, from)
         };
-        let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device });
-        let out = stage.forward(h.clone(), self.cos.clone(), self.sin.clone());
-        let top_k = stage.top_k();
+        let recompute = self.settings.recompute.attention();
+        let out = self.attend(mb, layer, input.as_ref(), !recompute)?;
         let holders = self.layout.ffn_holders(layer);
         let [t, m] = out.normed.dims();
         let mut sent = Vec::with_capacity(holders.len());
-        let (mut prob_sum, mut z) = (None, None);
         let mut msgs = Vec::with_capacity(holders.len());
-        match (out.route, top_k) {
-            (Some(decision), Some(k)) => {
-                let e = self.layout.experts;
-                // The decision under the run's router options, with its statistics per sequence:
-                // the load metrics, the aux-loss-free bias update, (carried to the head) the
-                // balance loss, the copies dropped for capacity, and the z-loss (its value joins
-                // the step's loss here, its gradient this layer's backward).
-                let routing = self.settings.routing;
-                let Routed { route, stats, kept } = routing.route(decision, self.settings.mb_rows, e, k);
+        match &out.routed {
+            Some(Routed { route, stats, kept }) => {
+                let (e, k) = (self.layout.experts, out.stage.top_k().expect("a routed layer has a top-k"));
+                // The decision's statistics per sequence: the load metrics, the aux-loss-free bias
+                // update, (carried to the head) the balance loss, the copies dropped for capacity,
+                // and the z-loss (its value joins the step's loss here, its gradient this layer's
+                // backward).
                 if let Some(loss) = &stats.z_loss {
                     let value = loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
                     self.losses.z += value;
-                    self.losses.total += routing.z_loss_coef * value;
-                    z = Some(loss.clone());
+                    self.losses.total += self.settings.routing.z_loss_coef * value;
                 }
                 *self.dropped.entry(layer).or_default() += stats.dropped;
                 if self.settings.aux.is_some() {
@@ -918,7 +964,6 @@ where
                         routing: stats.routing.clone(),
                         prob_sum: host_ps.iter().map(|&x| x as f64).collect(),
                     });
-                    prob_sum = Some(stats.prob_sum.clone());
                 }
                 let acc = self.counts.entry(layer).or_insert_with(|| vec![0; e]);
                 for (a, c) in acc.iter_mut().zip(&stats.counts) {
@@ -928,32 +973,31 @@ where
                 // dropped for capacity go to no holder).
                 let ranges: Vec<_> =
                     holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
-                let shares = m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer));
+                let shares = m2n_shares(kept, k, t, &ranges, self.holds_all_tokens(layer));
                 // (One share per holder, in the order of `ranges`.)
                 for (share, (_, range)) in shares.into_iter().zip(&ranges) {
-                    let ids = share.ids(&kept, k);
+                    let ids = share.ids(kept, k);
                     let Share { holder, tokens } = share;
                     let key = range_key(range);
                     if tokens.is_empty() {
-                        sent.push(SentDispatch { holder, key, tokens: Vec::new(), w: None });
+                        sent.push(SentDispatch { holder, key, tokens: Vec::new() });
                         let (y, weights) = (empty(m), Some(empty(k)));
                         msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights, ids }));
                         continue;
                     }
                     let idx = index::<B>(&tokens, &self.device);
                     let y = host(&out.normed.clone().select(0, idx.clone()));
-                    let w = route.weights.clone().select(0, idx);
-                    let weights = Some(host(&w));
+                    let weights = Some(host(&route.weights.clone().select(0, idx)));
                     msgs.push((holder, Msg::Dispatch { mb, layer, tokens: tokens.clone(), y, weights, ids }));
-                    sent.push(SentDispatch { holder, key, tokens, w: Some(w) });
+                    sent.push(SentDispatch { holder, key, tokens });
                 }
             }
-            _ => {
+            None => {
                 // A dense layer: every token goes to the first holder, none to the others.
                 for (i, Share { holder, tokens }) in dense_shares(t, &holders).into_iter().enumerate() {
                     let y = if tokens.is_empty() { empty(m) } else { host(&out.normed) };
                     let key = range_key(&self.layout.expert_range(i));
-                    sent.push(SentDispatch { holder, key, tokens: tokens.clone(), w: None });
+                    sent.push(SentDispatch { holder, key, tokens: tokens.clone() });
                     msgs.push((holder, Msg::Dispatch { mb, layer, tokens, y, weights: None, ids: vec![] }));
                 }
             }
@@ -963,11 +1007,12 @@ where
         }
         let next = self.next_attn_worker(mb, layer);
         self.send(next, Msg::Residual { mb, layer, x: host(&out.residual), aux })?;
-        let h = if layer == 0 { None } else { Some(h) };
-        self.attn_saved.insert(
-            (mb, layer),
-            AttnSaved { stage, ends, h, from, residual: out.residual, normed: out.normed, sent, prob_sum, z },
-        );
+        let saved = if recompute {
+            AttnSaved { graph: None, input, from, sent }
+        } else {
+            AttnSaved { graph: Some(out), input: None, from, sent }
+        };
+        self.attn_saved.insert((mb, layer), saved);
         Ok(())
     }
 
@@ -997,6 +1042,23 @@ where
         Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device))
     }
 
+    /// Expert stage `layer` on a holder's rows, with its graph or without (`track`).
+    fn expert(&self, layer: usize, input: &FfnInput, track: bool) -> FfnGraph<B, X> {
+        let device = self.device.clone();
+        let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device, track });
+        let input_tensor = |h: &HostTensor| {
+            if track {
+                leaf::<B, 2>(h, &self.device)
+            } else {
+                constant::<B, 2>(h, &self.device)
+            }
+        };
+        let y = input_tensor(&input.y);
+        let w = input.w.as_ref().map(input_tensor);
+        let out = stage.forward(y.clone(), w.clone(), &input.ids);
+        FfnGraph { stage, y, w, out }
+    }
+
     /// Runs this holder's share of a layer on a `Dispatch` from attention worker `src`.
     fn ffn_forward(&mut self, src: usize, dispatch: Msg) -> Result<()> {
         let Msg::Dispatch { mb, layer, tokens, y, weights: w, ids } = dispatch else {
@@ -1006,18 +1068,19 @@ where
         let dst = self.next_attn_worker(mb, layer);
         let m = y.shape.last().copied().unwrap_or(0);
         if rows == 0 {
-            self.ffn_saved.insert((mb, layer), FfnSaved { stage: None, dst: src, rows, y: None, w: None, out: None });
+            self.ffn_saved.insert((mb, layer), FfnSaved { dst: src, rows, graph: None, input: None });
             return self.send(dst, Msg::Combine { mb, layer, tokens, out: empty(m) });
         }
-        let y = leaf::<B, 2>(&y, &self.device);
-        let w = w.map(|w| leaf::<B, 2>(&w, &self.device));
-        let ids: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
-        let device = self.device.clone();
-        let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device });
-        let out = stage.forward(y.clone(), w.clone(), &ids);
-        self.send(dst, Msg::Combine { mb, layer, tokens, out: host(&out) })?;
-        self.ffn_saved
-            .insert((mb, layer), FfnSaved { stage: Some(stage), dst: src, rows, y: Some(y), w, out: Some(out) });
+        let input = FfnInput { y, w, ids: ids.iter().map(|&e| e as usize).collect() };
+        let recompute = self.settings.recompute.experts();
+        let graph = self.expert(layer, &input, !recompute);
+        self.send(dst, Msg::Combine { mb, layer, tokens, out: host(&graph.out) })?;
+        let saved = if recompute {
+            FfnSaved { dst: src, rows, graph: None, input: Some(input) }
+        } else {
+            FfnSaved { dst: src, rows, graph: Some(graph), input: None }
+        };
+        self.ffn_saved.insert((mb, layer), saved);
         Ok(())
     }
 
@@ -1030,14 +1093,22 @@ where
     fn ffn_backward(&mut self, mb: usize, layer: usize, g: HostTensor) -> Result<()> {
         let saved = self.ffn_saved.remove(&(mb, layer)).expect("expert forward before backward");
         let m = g.shape.last().copied().unwrap_or(0);
-        let (gy, gw) = match &saved.out {
+        let graph = match (saved.graph, &saved.input) {
+            (Some(graph), _) => Some(graph),
+            (None, Some(input)) => Some(self.expert(layer, input, true)),
+            (None, None) => None,
+        };
+        let (gy, gw) = match graph {
             None => (empty(m), None),
-            Some(out) => {
+            Some(FfnGraph { stage, y, w, out }) => {
                 let g = constant::<B, 2>(&g, &self.device);
-                let mut grads = (out.clone() * g).sum().backward();
-                let gy = grad_of(&saved.y, &mut grads, &[saved.rows, m]);
-                let gw = saved.w.as_ref().map(|w| grad_of(&Some(w.clone()), &mut grads, &w.dims()));
-                self.accumulate(&mut grads, saved.stage.as_ref().expect("a stage ran"));
+                let mut grads = (out * g).sum().backward();
+                let gy = grad_of(&Some(y), &mut grads, &[saved.rows, m]);
+                let gw = w.map(|w| {
+                    let shape = w.dims().to_vec();
+                    grad_of(&Some(w), &mut grads, &shape)
+                });
+                self.accumulate(&mut grads, &stage);
                 (gy, gw)
             }
         };
@@ -1066,11 +1137,17 @@ where
 
     fn head(&mut self, mb: usize) -> Result<()> {
         let layers = self.layout.layers;
-        let (h, aux, from) = self.assemble(mb, layers);
+        let Assembled { h, aux, from } = self.assemble(mb, layers);
+        let h = self.hidden(&h, true);
         let ids = self.ids(mb)?;
         let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
-        let ends = self.part().ends.clone().expect("the head worker holds the ends").map(&mut Fork { device: &device });
+        let ends = self
+            .part()
+            .ends
+            .clone()
+            .expect("the head worker holds the ends")
+            .map(&mut Fork { device: &device, track: true });
         let ce = next_token_cross_entropy(ends.logits(h.clone()), ids);
         let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
         // The balance loss from the sums carried along the layers (its one definition, in
@@ -1111,12 +1188,16 @@ where
         let saved = self.attn_saved.remove(&(mb, layer)).expect("attention forward before backward");
         let inp = self.grad_inputs.remove(&(mb, layer)).expect("ready grads");
         let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
-        let mut objective = (saved.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
+        let graph = match saved.graph {
+            Some(graph) => graph,
+            None => self.attend(mb, layer, saved.input.as_ref(), true)?,
+        };
+        let mut objective = (graph.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
         let mut dispatch = inp.dispatch;
         dispatch.sort_by_key(|d| d.holder);
         // The gradient of the normed output: the holders' input gradients added token by token in
         // the canonical order (one device's permute backward adds a token's copies that way).
-        let [t, m] = saved.normed.dims();
+        let [t, m] = graph.normed.dims();
         let mut g_normed = HostTensor { shape: vec![t, m], data: vec![0.0; t * m] };
         let sent_to = |holder: usize| saved.sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
         let rows: Vec<HolderRows> = dispatch
@@ -1127,29 +1208,34 @@ where
             })
             .collect();
         add_token_sums(&mut g_normed.data, m, &rows);
-        objective = objective + (saved.normed.clone() * constant::<B, 2>(&g_normed, &self.device)).sum();
-        for DispatchGrad { holder, gw, .. } in dispatch {
-            if let (Some(w), Some(gw)) = (&sent_to(holder).w, gw) {
-                objective = objective + (w.clone() * constant::<B, 2>(&gw, &self.device)).sum();
+        objective = objective + (graph.normed.clone() * constant::<B, 2>(&g_normed, &self.device)).sum();
+        if let Some(Routed { route, stats, .. }) = &graph.routed {
+            for DispatchGrad { holder, gw, .. } in dispatch {
+                let tokens = &sent_to(holder).tokens;
+                if let (false, Some(gw)) = (tokens.is_empty(), gw) {
+                    let w = route.weights.clone().select(0, index::<B>(tokens, &self.device));
+                    objective = objective + (w * constant::<B, 2>(&gw, &self.device)).sum();
+                }
+            }
+            let coefficients = aux_coef.iter().find(|c| c.layer == layer).filter(|_| self.settings.aux.is_some());
+            if let Some(c) = coefficients {
+                let [b, e] = stats.prob_sum.dims();
+                let c = Tensor::<B, 2>::from_data(TensorData::new(c.values.clone(), [b, e]), &self.device);
+                objective = objective + (stats.prob_sum.clone() * c).sum();
             }
         }
-        if let (Some(ps), Some(c)) = (&saved.prob_sum, aux_coef.iter().find(|c| c.layer == layer)) {
-            let [b, e] = ps.dims();
-            let c = Tensor::<B, 2>::from_data(TensorData::new(c.values.clone(), [b, e]), &self.device);
-            objective = objective + (ps.clone() * c).sum();
-        }
-        if let Some(z) = &saved.z {
+        if let Some(z) = graph.routed.as_ref().and_then(|r| r.stats.z_loss.as_ref()) {
             let scale =
                 term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef) * self.loss_scale as f32;
             objective = objective + z.clone().mul_scalar(scale as f64);
         }
         let mut grads = objective.backward();
-        let gh = saved.h.as_ref().map(|h| {
+        let gh = graph.h.as_ref().map(|h| {
             let shape = h.dims().to_vec();
             grad_of(&Some(h.clone()), &mut grads, &shape)
         });
-        self.accumulate(&mut grads, &saved.stage);
-        if let Some(ends) = &saved.ends {
+        self.accumulate(&mut grads, &graph.stage);
+        if let Some(ends) = &graph.ends {
             self.accumulate(&mut grads, ends);
         }
         self.bwd_left -= 1;
