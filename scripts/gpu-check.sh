@@ -6,7 +6,7 @@
 #    (16K tokens, hidden 4096, expert size 1536, 64 experts, top-8; attention seq 8K, head dim 128).
 #  train: `disagmoe train` on the GPU: the tiny presets of the three families (qwen3-moe, gpt-oss,
 #    deepseek-v3) 100 steps in f32 and in bf16 (final losses side by side), then a ~1.2B-parameter
-#    Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, single and disagg with 4 workers sharing the
+#    Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, single (with and without --recompute full) and disagg with 4 workers sharing the
 #    GPU (--devices cuda:0 x 4): tokens/s, model TFLOP/s and utilisation against the GPU's bf16
 #    dense peak (H100/H200/H800 989, A100 312 TFLOP/s), peak device memory (nvidia-smi, sampled).
 #
@@ -120,5 +120,6 @@ done
 echo "== ~1.2B Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, $steps steps of 8 x 1024 tokens"
 big=(--model-config "$dir/qwen3-moe-1b.json" --steps "$steps" --batch 8 --seq 1024 --precision bf16)
 train "1B single" "${big[@]}" --placement single --devices "$dev"
+train "1B single, --recompute full" "${big[@]}" --placement single --devices "$dev" --recompute full
 train "1B disagg 2+2, 4 workers on 1 GPU" "${big[@]}" --placement disagg --attn-workers 2 --ffn-workers 2 \
   --groups 2 --micro-batches 4 --devices "$dev,$dev,$dev,$dev"

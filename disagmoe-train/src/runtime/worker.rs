@@ -890,16 +890,16 @@ where
     }
 
     /// The hidden state entering `layer` (or the head when `layer == layers`): residual plus every
-    /// holder's share (N2M, [`LayerInput::assemble`]), as a leaf.
+    /// holder's share (N2M, [`LayerInput::assemble`]).
     fn assemble(&mut self, mb: usize, layer: usize) -> Assembled {
         self.inputs.remove(&(mb, layer)).expect("ready input").assemble()
     }
 
     /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
-    fn hidden(&self, h: &HostTensor, track: bool) -> Tensor<B, 3> {
+    fn hidden(&self, h: HostTensor, track: bool) -> Tensor<B, 3> {
         let m = *h.shape.last().expect("[T, M]");
         let (b, s) = (self.settings.mb_rows, self.settings.seq);
-        let t = Tensor::<B, 3>::from_data(TensorData::new(h.data.clone(), [b, s, m]), &self.device);
+        let t = Tensor::<B, 3>::from_data(TensorData::new(h.data, [b, s, m]), &self.device);
         if track {
             t.require_grad()
         } else {
@@ -909,9 +909,10 @@ where
 
     /// Attention stage `layer` of micro-batch `mb` on `input` (layer 0: `None`, the token ids'
     /// embedding), with its graph or without (`track`), and a routed layer's decision.
-    fn attend(&self, mb: usize, layer: usize, input: Option<&HostTensor>, track: bool) -> Result<AttnGraph<B, A, R>> {
+    fn attend(&self, mb: usize, layer: usize, input: Option<HostTensor>, track: bool) -> Result<AttnGraph<B, A, R>> {
         let device = self.device.clone();
         let fork = &mut Fork { device: &device, track };
+        let past_first = input.is_some();
         let (h, ends) = match input {
             None => {
                 let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(fork);
@@ -927,19 +928,21 @@ where
             }
             _ => None,
         };
-        let h = input.is_some().then_some(h);
+        let h = past_first.then_some(h);
         Ok(AttnGraph { stage, ends, h, residual: out.residual, normed: out.normed, routed })
     }
 
     fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
-        let (input, mut aux, from) = if layer == 0 {
+        let (mut input, mut aux, from) = if layer == 0 {
             (None, AuxSums::default(), Vec::new())
         } else {
             let Assembled { h, aux, from } = self.assemble(mb, layer);
             (Some(h), aux, from)
         };
         let recompute = self.settings.recompute.attention();
-        let out = self.attend(mb, layer, input.as_ref(), !recompute)?;
+        // A recomputed stage keeps its input for the backward; a kept one hands it over.
+        let first = if recompute { input.clone() } else { input.take() };
+        let out = self.attend(mb, layer, first, !recompute)?;
         let holders = self.layout.ffn_holders(layer);
         let [t, m] = out.normed.dims();
         let mut sent = Vec::with_capacity(holders.len());
@@ -1138,7 +1141,7 @@ where
     fn head(&mut self, mb: usize) -> Result<()> {
         let layers = self.layout.layers;
         let Assembled { h, aux, from } = self.assemble(mb, layers);
-        let h = self.hidden(&h, true);
+        let h = self.hidden(h, true);
         let ids = self.ids(mb)?;
         let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
@@ -1190,7 +1193,7 @@ where
         let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
         let graph = match saved.graph {
             Some(graph) => graph,
-            None => self.attend(mb, layer, saved.input.as_ref(), true)?,
+            None => self.attend(mb, layer, saved.input, true)?,
         };
         let mut objective = (graph.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
         let mut dispatch = inp.dispatch;
