@@ -35,6 +35,8 @@ pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop
     for d in devices {
         crate::backend::probe::<B>(d)?;
     }
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    disagmoe_kernels::cube::probe::check_env().map_err(|e| TrainError::option("DISAGMOE_EXPERT_PRODUCTS", e))?;
     crate::backend::keep_freed_memory();
     // One device computes on every core unless told otherwise; distributed workers get their own
     // pools (`runtime::engine`).

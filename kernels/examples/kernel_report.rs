@@ -177,7 +177,25 @@ mod report {
             ceiling: mm_tflops,
             target: Some(0.6),
         });
-        drop((xs, g, u, d));
+        // The same experts through CubeCL's (autotuned, tensor-core) matmul one expert after
+        // another: what `cube::probe` weighs our grouped kernels against.
+        let per_expert: Vec<_> = (0..e)
+            .map(|j| {
+                let one = |w: &Tensor<K, 3>, r, c| w.clone().narrow(0, j, 1).reshape([r, c]);
+                (one(&g, i, m), one(&u, i, m), one(&d, m, i))
+            })
+            .collect();
+        let s_mm = time(runs, || disagmoe_kernels::reference::swiglu_experts(xs.clone(), &counts, &per_expert));
+        rows.push(Row {
+            name: format!("expert MLP fwd, matmul per expert ({} faster)", if s_mm < s { "matmul" } else { "grouped" }),
+            shape: format!("T{t} k{k} M{m} I{i} E{e}"),
+            ms: s_mm * 1e3,
+            rate: flops / s_mm / 1e12,
+            unit: "TFLOP/s",
+            ceiling: mm_tflops,
+            target: None,
+        });
+        drop((xs, g, u, d, per_expert));
 
         // Attention forward, causal.
         let (bsz, seq, h, gq, hd) = if args.small { (1, 256, 4, 2, 64) } else { (1, 8192, 32, 8, 128) };

@@ -112,11 +112,11 @@ pub mod fused {
 
     /// Runs the CubeCL kernel `$name` when `B` is a CubeCL backend.
     macro_rules! cube_or_none {
-        ($name:ident($($a:expr),*)) => {{
+        ($($name:ident)::+($($a:expr),*)) => {{
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
             {
                 if cube_available::<B>() {
-                    return crate::cube::$name($($a),*);
+                    return crate::cube::$($name)::+($($a),*);
                 }
             }
             None
@@ -230,7 +230,8 @@ pub mod fused {
     }
 
     /// GPT-OSS's experts (clamped SwiGLU, biases, interleaved gate/up columns) over rows grouped
-    /// by `counts`; CubeCL backends only (`crate::cube::gpt_oss_experts`).
+    /// by `counts`; CubeCL backends only (`crate::cube::gpt_oss_experts` where it is faster than
+    /// CubeCL's matmul expert by expert, measured: `crate::cube::probe`).
     #[allow(clippy::too_many_arguments, unused_variables)]
     pub fn gpt_oss_experts<B: Backend>(
         xs: Tensor<B, 2>,
@@ -242,10 +243,16 @@ pub mod fused {
         alpha: f64,
         limit: f64,
     ) -> Option<Tensor<B, 2>> {
-        if crate::precision::low() {
-            return None;
-        }
-        cube_or_none!(gpt_oss_experts(xs, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit))
+        cube_or_none!(probe::gpt_oss_experts_where_faster(
+            xs,
+            counts,
+            gate_up,
+            gate_up_bias,
+            down,
+            down_bias,
+            alpha,
+            limit
+        ))
     }
     forward!(
         /// See [`crate::cpu::rms_norm`].
@@ -270,22 +277,24 @@ pub mod fused {
         crate::cpu::adamw(param, grad, moments, s)
     }
     /// `E` SwiGLU experts over rows of `xs` grouped by `counts`, per expert
-    /// `(gate [I, M], up [I, M], down [M, I])` (`crate::cpu::swiglu_experts` /
-    /// `crate::cube::swiglu_experts`).
+    /// `(gate [I, M], up [I, M], down [M, I])` (`crate::cpu::swiglu_experts` in f32 /
+    /// `crate::cube::swiglu_experts` where it is faster than CubeCL's matmul expert by expert,
+    /// measured: `crate::cube::probe`).
     #[allow(unused_variables, clippy::type_complexity)]
     pub fn swiglu_experts<B: Backend>(
         xs: Tensor<B, 2>,
         counts: &[usize],
         experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
     ) -> Option<Tensor<B, 2>> {
-        if crate::precision::low() {
-            return None;
-        }
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {
+            // Our CPU experts compute in f32 only.
+            if crate::precision::low() {
+                return None;
+            }
             return crate::cpu::swiglu_experts(xs, counts, experts);
         }
-        cube_or_none!(swiglu_experts(xs, counts, experts))
+        cube_or_none!(probe::swiglu_experts_where_faster(xs, counts, experts))
     }
 
     /// See [`crate::cpu::sum_squares`].

@@ -410,3 +410,78 @@ fn the_switches_turn_the_kernels_off() {
     assert!(disagmoe_kernels::fused::available::<B>());
     assert!(cube::attention(q.clone(), q.clone(), q, None, 1.0, None).is_some());
 }
+
+#[test]
+#[cfg_attr(
+    all(disagmoe_no_vulkan, not(feature = "cuda")),
+    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+)]
+fn the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference() {
+    let _one = runtime_present("the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference");
+    assert_eq!(cube::probe::forced(), None, "{} is set: this test measures", cube::probe::ENV);
+    // A cache of our own (the only test here that goes through the probe): measured afresh, and
+    // the measurement written there.
+    let cache = std::env::temp_dir().join(format!("disagmoe-probe-test-{}", std::process::id()));
+    std::env::set_var("DISAGMOE_CACHE_DIR", &cache);
+    let (m, i, counts) = (48, 80, vec![9usize, 0, 30, 2]);
+    let n: usize = counts.iter().sum();
+    let xs = rand([n, m], 3);
+    let experts: Vec<_> = (0..4u64)
+        .map(|e| (rand([i, m], 5 + e).mul_scalar(0.3), rand([i, m], 9 + e).mul_scalar(0.3), rand([m, i], 13 + e)))
+        .collect();
+    let mut precisions = vec![(disagmoe_kernels::precision::Precision::F32, "f32", 1e-4)];
+    if f16_supported("the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference") {
+        precisions.push((disagmoe_kernels::precision::Precision::F16, "f16", F16_CHAINED_TOL));
+    }
+    for (precision, name, tol) in precisions {
+        disagmoe_kernels::precision::set_precision_for_thread(Some(precision));
+        let want = reference::swiglu_experts(xs.clone(), &counts, &experts);
+        let got = disagmoe_kernels::fused::swiglu_experts(xs.clone(), &counts, &experts);
+        // The class of this layer was measured once, both ways, and the faster one chosen.
+        let measured = cube::probe::measured();
+        let m_class = measured
+            .iter()
+            .find(|r| r.class.contains("SwiGLU experts") && r.class.contains(&format!(", {name}, width {m},")))
+            .unwrap_or_else(|| panic!("no measurement for {name}: {measured:?}"));
+        eprintln!("{m_class:?}");
+        assert!(m_class.grouped_s > 0.0 && m_class.matmul_s > 0.0, "{m_class:?}");
+        let faster = if m_class.grouped_s <= m_class.matmul_s {
+            cube::probe::ExpertProducts::Grouped
+        } else {
+            cube::probe::ExpertProducts::Matmul
+        };
+        assert_eq!(m_class.chosen, faster);
+        // Ours when chosen (in f32 out of the low precision's products), else `None`: the caller's
+        // reference composition, CubeCL's matmul expert by expert.
+        match (m_class.chosen, got) {
+            (cube::probe::ExpertProducts::Grouped, Some(got)) => {
+                assert_eq!(got.dtype(), DType::F32);
+                assert_close(&format!("{name} chosen grouped kernels"), &values(got), &values(want.clone()), tol);
+            }
+            (cube::probe::ExpertProducts::Matmul, None) => {}
+            (chosen, got) => panic!("{name}: chose {chosen:?} but the kernels returned {:?}", got.map(|t| t.dims())),
+        }
+        // Each way on purpose: ours (out in f32 whatever the product dtype), or none.
+        cube::probe::force_for_thread(Some(cube::probe::ExpertProducts::Grouped));
+        let ours = disagmoe_kernels::fused::swiglu_experts(xs.clone(), &counts, &experts).expect("our kernels apply");
+        assert_eq!(ours.dtype(), DType::F32);
+        assert_close(&format!("{name} grouped kernels"), &values(ours), &values(want.clone()), tol);
+        cube::probe::force_for_thread(Some(cube::probe::ExpertProducts::Matmul));
+        assert!(disagmoe_kernels::fused::swiglu_experts(xs.clone(), &counts, &experts).is_none());
+        cube::probe::force_for_thread(None);
+        // Measured once: the same class again is not measured again.
+        let again = disagmoe_kernels::fused::swiglu_experts(xs.clone(), &counts, &experts);
+        assert_eq!(again.is_some(), m_class.chosen == cube::probe::ExpertProducts::Grouped);
+        assert_eq!(cube::probe::measured().len(), measured.len());
+        assert!(!m_class.cached, "measured by this process");
+    }
+    disagmoe_kernels::precision::set_precision_for_thread(None);
+    // Kept for the next process: one line per class measured.
+    let lines = std::fs::read_to_string(cube::probe::cache_file().unwrap()).unwrap();
+    assert_eq!(
+        lines.lines().filter(|l| l.contains("SwiGLU experts")).count(),
+        cube::probe::measured().len(),
+        "{lines}"
+    );
+    let _ = std::fs::remove_dir_all(cache);
+}

@@ -22,6 +22,7 @@
 mod attention;
 mod experts;
 pub mod kernels;
+pub mod probe;
 mod route;
 
 use std::any::TypeId;
