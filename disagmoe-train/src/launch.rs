@@ -40,13 +40,29 @@ pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop
     crate::backend::keep_freed_memory();
     // One device computes on every core unless told otherwise; distributed workers get their own
     // pools (`runtime::engine`).
-    if let (false, Some(threads)) = (cfg.parallel.distributed(), cfg.parallel.threads_per_worker) {
+    let pool = if let (false, Some(threads)) = (cfg.parallel.distributed(), cfg.parallel.threads_per_worker) {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).stack_size(64 << 20).build().map_err(|e| {
             crate::error::TrainError::option("threads_per_worker", format!("cannot start {threads} threads: {e}"))
         })?;
-        return pool.install(|| run::<B>(cfg, devices, stop));
+        Some(pool)
+    } else {
+        None
+    };
+    let out = match pool {
+        Some(pool) => pool.install(|| run::<B>(cfg, devices, stop)),
+        None => run::<B>(cfg, devices, stop),
+    };
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    for m in disagmoe_kernels::cube::probe::measured().into_iter().filter(|m| !m.cached) {
+        tracing::info!(
+            class = %m.class,
+            grouped_ms = m.grouped_s * 1e3,
+            matmul_ms = m.matmul_s * 1e3,
+            chosen = ?m.chosen,
+            "expert products measured"
+        );
     }
-    run::<B>(cfg, devices, stop)
+    out
 }
 
 /// [`train_until`] of a model family given by its configuration type: a family defined outside the
