@@ -3,22 +3,9 @@
 //! the saved model stays f32, f16's loss scale halves on an overflow (and survives a resume), and
 //! what cannot run is refused with the allowed values.
 
-use std::process::{Command, Output};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_disagmoe"))
-}
-
-fn summary(out: &Output) -> serde_json::Value {
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "run failed: {}\n{}", String::from_utf8_lossy(&out.stderr), text);
-    let last = text.lines().last().expect("a summary line");
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
-}
-
-fn losses(v: &serde_json::Value) -> Vec<f64> {
-    v["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
-}
+#[path = "support/cli.rs"]
+mod cli;
+use cli::{bin, losses, summary};
 
 #[test]
 fn bf16_and_f16_train_the_tiny_presets_to_the_loss_of_f32() {

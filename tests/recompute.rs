@@ -1,22 +1,9 @@
 //! `--recompute`: every setting trains to the losses of keeping every activation (one device: the
 //! gradients are the same up to the order of their sums; the runtime's workers: bit for bit).
 
-use std::process::{Command, Output};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_disagmoe"))
-}
-
-fn summary(out: &Output) -> serde_json::Value {
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "run failed: {}\n{}", String::from_utf8_lossy(&out.stderr), text);
-    let last = text.lines().last().expect("a summary line");
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
-}
-
-fn losses(v: &serde_json::Value) -> Vec<f64> {
-    v["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
-}
+#[path = "support/cli.rs"]
+mod cli;
+use cli::{bin, losses, summary};
 
 fn train(preset: &str, recompute: &str, extra: &[&str]) -> Vec<f64> {
     train_batch(preset, recompute, &["--batch", "4", "--micro-batches", "2"], extra)
