@@ -40,9 +40,20 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn every_setting_gives_the_whole_model_gradients_for_every_family() {
     let device = Default::default();
-    let scale = 0.5; // a micro-batch of two: the loss over 2
-    for (name, _) in model_presets().iter().filter(|(n, _)| n.starts_with("tiny-")) {
-        let config = ModelConfig::preset(name).unwrap();
+    // A micro-batch of two: the loss over 2.
+    let scale = 0.5;
+    // Every tiny preset, and one with the head tied to the embedding (its gradient comes from
+    // the head's block and from the embedding's: added).
+    let mut cases: Vec<(String, ModelConfig)> = model_presets()
+        .iter()
+        .filter(|(n, _)| n.starts_with("tiny-"))
+        .map(|(n, _)| (n.to_string(), ModelConfig::preset(n).unwrap()))
+        .collect();
+    let (_, qwen) = model_presets().into_iter().find(|(n, _)| *n == "tiny-qwen3-moe").unwrap();
+    let tied = qwen.replace("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true");
+    assert_ne!(tied, qwen);
+    cases.push(("tiny-qwen3-moe, tied".into(), ModelConfig::from_json_str(&tied).unwrap()));
+    for (name, config) in &cases {
         let mut model = config.init::<B>(11, &device);
         model.set_routing(RoutingOptions { z_loss_coef: 1e-2, ..Default::default() });
         let vocab = config.vocab_size() as i64;
