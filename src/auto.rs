@@ -16,7 +16,7 @@ use disagmoe_core::allocator::search::{local_search, StepTimeOracle};
 use disagmoe_core::allocator::{Allocation, AllocationProblem};
 use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::hardware::{Cluster, GpuSpec, NodeSpec};
-use disagmoe_train::{Placement, RunConfig, TrainBackend};
+use disagmoe_train::{Placement, Recompute, RunConfig, TrainBackend};
 
 /// Steps each measured candidate trains (their mean step time is its score).
 pub const PROBE_STEPS: usize = 2;
@@ -156,12 +156,18 @@ pub fn choose_allocation(cfg: &RunConfig) -> anyhow::Result<RunConfig> {
         // The planner's in-flight window for this allocation (what its memory model admits), at
         // most the micro-batches each embedding worker of the chosen layout owns: a worker cannot
         // keep in flight more than it starts.
-        let (window, _) = disagmoe_core::schedule::afpipe::afpipe_window(&cost, &best);
+        let (window, recompute) = disagmoe_core::schedule::afpipe::afpipe_window(&cost, &best);
         let own = disagmoe_train::runtime::layout_of(&chosen, cost.model.layers, cost.model.moe.experts)?
             .fewest_owned_micro_batches();
         let in_flight = window.clamp(1, own);
         chosen.parallel.in_flight = Some(in_flight);
         tracing::info!(in_flight, planner_window = window, owned = own, "in-flight micro-batches from the planner");
+        // A window the memory holds only with recomputation comes with it (the planner's memory
+        // model keeps each layer's input alone: full recomputation).
+        if recompute && chosen.memory.recompute == Recompute::None {
+            chosen.memory.recompute = Recompute::Full;
+            tracing::info!("--recompute full: the planner's in-flight window fits in memory only with it");
+        }
     }
     Ok(chosen)
 }
