@@ -204,17 +204,16 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         }
         let values = scalars(parts);
         let lm = values[0];
-        let aux_value = aux.map(|_| {
-            let mut at = 1;
-            coefficients
-                .iter()
-                .map(|c| {
-                    let p = &values[at..at + c.len()];
-                    at += c.len();
-                    c.iter().zip(p).map(|(c, p)| c * p).sum::<f64>()
-                })
-                .sum::<f64>()
-        });
+        let mut at = 1;
+        let prob_sums: Vec<Vec<f64>> = routed
+            .iter()
+            .map(|s| {
+                let n = s.prob_sum.dims().iter().product::<usize>();
+                at += n;
+                values[at - n..at].to_vec()
+            })
+            .collect();
+        let aux_value = aux.map(|a| a.kind.value(&routings, &prob_sums));
         let z_value = with_z.then(|| *values.last().expect("the z-loss"));
         let z_coef = self.routing().z_loss_coef;
         let total = lm + aux.zip(aux_value).map_or(0.0, |(a, v)| a.coef * v) + z_value.map_or(0.0, |z| z_coef * z);
