@@ -255,23 +255,21 @@ pub fn swiglu_experts_where_faster<B: Backend>(
             experts.iter().map(|(g, u, d)| (to(g.clone(), low), to(u.clone(), low), to(d.clone(), low))).collect();
         super::swiglu_experts(to(xs, low), counts, &cast).map(|y| y.cast(DType::F32))
     };
-    if forced() != Some(ExpertProducts::Grouped) {
-        let [i, m] = experts.first()?.0.dims();
-        let device = xs.device();
-        let detached: Vec<Swiglu<B>> =
-            experts.iter().map(|(g, u, d)| (g.clone().detach(), u.clone().detach(), d.clone().detach())).collect();
-        let class = class::<B>("SwiGLU experts", &device, low, [xs.dims()[0], m, i, experts.len()]);
-        let choice = choose::<B>(
-            class,
-            &device,
-            || run(xs.clone().detach(), &detached),
-            || crate::reference::swiglu_experts(xs.clone().detach(), counts, &detached),
-        );
-        if choice == ExpertProducts::Matmul {
-            return None;
-        }
+    let [i, m] = experts.first()?.0.dims();
+    let device = xs.device();
+    let detached: Vec<Swiglu<B>> =
+        experts.iter().map(|(g, u, d)| (g.clone().detach(), u.clone().detach(), d.clone().detach())).collect();
+    let class = class::<B>("SwiGLU experts", &device, low, [xs.dims()[0], m, i, experts.len()]);
+    let choice = choose::<B>(
+        class,
+        &device,
+        || run(xs.clone().detach(), &detached),
+        || crate::reference::swiglu_experts(xs.clone().detach(), counts, &detached),
+    );
+    match choice {
+        ExpertProducts::Grouped => run(xs, experts),
+        ExpertProducts::Matmul => None,
     }
-    run(xs, experts)
 }
 
 /// [`super::gpt_oss_experts`] where it is faster than CubeCL's matmul expert by expert, as
@@ -295,30 +293,24 @@ pub fn gpt_oss_experts_where_faster<B: Backend>(
         let (xs, gu, gub, dn, dnb) = (to(xs, low), to(gu, low), to(gub, low), to(dn, low), to(dnb, low));
         super::gpt_oss_experts(xs, counts, gu, gub, dn, dnb, alpha, limit).map(|y| y.cast(DType::F32))
     };
-    if forced() != Some(ExpertProducts::Grouped) {
-        let [e, m, two_i] = gate_up.dims();
-        let device = xs.device();
-        let (gu, gub, dn, dnb) = (
-            gate_up.clone().detach(),
-            gate_up_bias.clone().detach(),
-            down.clone().detach(),
-            down_bias.clone().detach(),
-        );
-        let class = class::<B>("GPT-OSS experts", &device, low, [xs.dims()[0], m, two_i / 2, e]);
-        let choice = choose::<B>(
-            class,
-            &device,
-            || run(xs.clone().detach(), gu.clone(), gub.clone(), dn.clone(), dnb.clone()),
-            || {
-                let (gu, gub, dn, dnb) = (gu.clone(), gub.clone(), dn.clone(), dnb.clone());
-                crate::reference::gpt_oss_experts(xs.clone().detach(), counts, gu, gub, dn, dnb, alpha, limit)
-            },
-        );
-        if choice == ExpertProducts::Matmul {
-            return None;
-        }
+    let [e, m, two_i] = gate_up.dims();
+    let device = xs.device();
+    let (gu, gub, dn, dnb) =
+        (gate_up.clone().detach(), gate_up_bias.clone().detach(), down.clone().detach(), down_bias.clone().detach());
+    let class = class::<B>("GPT-OSS experts", &device, low, [xs.dims()[0], m, two_i / 2, e]);
+    let choice = choose::<B>(
+        class,
+        &device,
+        || run(xs.clone().detach(), gu.clone(), gub.clone(), dn.clone(), dnb.clone()),
+        || {
+            let (gu, gub, dn, dnb) = (gu.clone(), gub.clone(), dn.clone(), dnb.clone());
+            crate::reference::gpt_oss_experts(xs.clone().detach(), counts, gu, gub, dn, dnb, alpha, limit)
+        },
+    );
+    match choice {
+        ExpertProducts::Grouped => run(xs, gate_up, gate_up_bias, down, down_bias),
+        ExpertProducts::Matmul => None,
     }
-    run(xs, gate_up, gate_up_bias, down, down_bias)
 }
 
 #[cfg(test)]
