@@ -86,10 +86,21 @@ struct Flow {
 /// finishes (those connected to its ports through shared ports) are found by a search over that
 /// component alone, and finish times sit in a heap refreshed only for the flows whose rate was
 /// recomputed. An event therefore costs the size of its component, not of the whole network.
+///
+/// While no port carries more than two flows (AF-Pipe's ring almost always: each worker sends
+/// activations and gradients on two streams, to two neighbours), the max-min fair rate of a flow
+/// is local: 1/2 if one of its ports is shared, else 1 (progressive filling freezes every flow
+/// of a shared port at 1/2 in turn, and the flows alone on both ports at 1). An event then
+/// recomputes only the flows through the ports it touched, whose sharing it changed; the rates
+/// are the same, bit for bit, as the component's progressive filling gives.
 struct Network {
     flows: Vec<Flow>,
     free: Vec<usize>,
     by_port: Vec<Vec<usize>>,
+    /// Ports carrying three flows or more.
+    crowded: usize,
+    /// Whether every rate is the local one (no port was crowded at the last rebalance).
+    rates_local: bool,
     finish: BinaryHeap<Reverse<(Time, usize, u64)>>,
     // Scratch of `rebalance`, kept to avoid allocating per event.
     port_seen: Vec<bool>,
@@ -108,6 +119,8 @@ impl Network {
             flows: Vec::new(),
             free: Vec::new(),
             by_port: vec![Vec::new(); n_ports],
+            crowded: 0,
+            rates_local: true,
             finish: BinaryHeap::new(),
             port_seen: vec![false; n_ports],
             flow_seen: Vec::new(),
@@ -138,6 +151,9 @@ impl Network {
         };
         for p in ports {
             self.by_port[p].push(slot);
+            if self.by_port[p].len() == 3 {
+                self.crowded += 1;
+            }
         }
         slot
     }
@@ -145,6 +161,17 @@ impl Network {
     /// Recomputes the rates of the flows connected (through shared ports) to the `touched`
     /// ports; flows elsewhere keep their rates, which are unaffected.
     fn rebalance(&mut self, touched: &[usize], now: f64) {
+        if self.crowded == 0 && self.rates_local {
+            for &p in touched {
+                for i in 0..self.by_port[p].len() {
+                    let k = self.by_port[p][i];
+                    let shared = self.flows[k].ports.iter().any(|&q| self.by_port[q].len() > 1);
+                    self.set_rate(k, if shared { 0.5 } else { 1.0 }, now);
+                }
+            }
+            return;
+        }
+        self.rates_local = self.crowded == 0;
         // 1. The component: breadth-first over ports and the flows through them.
         let (flows, by_port) = (&mut self.flows, &self.by_port);
         let (queue, members) = (&mut self.queue, &mut self.members);
@@ -179,16 +206,25 @@ impl Network {
         old.clear();
         old.extend(members.iter().map(|&k| flows[k].rate));
         fill(flows, members, &mut self.cap, &mut self.count, &mut self.frozen);
-        for (&k, &was) in members.iter().zip(old.iter()) {
-            flow_seen[k] = false;
-            let f = &mut flows[k];
-            if f.rate != was || !f.queued {
-                f.left = (f.left - was * (now - f.since)).max(0.0);
-                f.since = now;
-                f.version += 1;
-                f.queued = true;
-                self.finish.push(Reverse((Time(now + f.left / f.rate), k, f.version)));
-            }
+        for i in 0..members.len() {
+            let (k, was) = (self.members[i], self.old_rates[i]);
+            self.flow_seen[k] = false;
+            let rate = std::mem::replace(&mut self.flows[k].rate, was);
+            self.set_rate(k, rate, now);
+        }
+    }
+
+    /// Gives flow `k` its new `rate` as of `now`: when it changed (or the flow is new), the work
+    /// done at the old rate is counted and the finish time requeued.
+    fn set_rate(&mut self, k: usize, rate: f64, now: f64) {
+        let f = &mut self.flows[k];
+        if f.rate != rate || !f.queued {
+            f.left = (f.left - f.rate * (now - f.since)).max(0.0);
+            f.since = now;
+            f.rate = rate;
+            f.version += 1;
+            f.queued = true;
+            self.finish.push(Reverse((Time(now + f.left / f.rate), k, f.version)));
         }
     }
 
@@ -215,6 +251,9 @@ impl Network {
                 let list = &mut self.by_port[p];
                 if let Some(i) = list.iter().position(|&x| x == k) {
                     list.swap_remove(i);
+                    if list.len() == 2 {
+                        self.crowded -= 1;
+                    }
                 }
             }
             self.free.push(k);
@@ -881,11 +920,81 @@ mod tests {
                 let k = net.start(op, p, 1.0, 0.0);
                 net.flows[k].rate = 0.5;
             }
+            // Rates set by hand, not max-min fair: the component's progressive filling is tested.
+            net.rates_local = false;
             net.rebalance(&touched, 0.0);
             for (f, r) in net.flows.iter().zip(&reference) {
                 assert!((f.rate - r.rate).abs() < 1e-12, "case {case}: flow {} rate {} vs {}", f.op, f.rate, r.rate);
             }
         }
+    }
+
+    /// Flows start and finish at random, mostly on ports that carry fewer than two flows (the
+    /// local rates) and sometimes on any port (a crowded one, then back): after every event
+    /// each rate is the max-min fair rate of the whole network.
+    #[test]
+    fn rates_stay_max_min_fair_through_starts_and_finishes() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let (mut crowded_events, mut local_events) = (0, 0);
+        for case in 0..100 {
+            let n_ports = 4 + next(10);
+            let mut net = Network::new(n_ports);
+            let mut now = 0.0;
+            let mut op = 0;
+            for event in 0..60 {
+                let touched: Vec<usize> = if net.next_finish().is_none() || next(10) < 6 {
+                    let pick = |next: &mut dyn FnMut(usize) -> usize, net: &Network| loop {
+                        let p = next(n_ports);
+                        if next(10) < 2 || net.by_port[p].len() < 2 {
+                            break p;
+                        }
+                    };
+                    let a = pick(&mut next, &net);
+                    let b = loop {
+                        let b = pick(&mut next, &net);
+                        if b != a {
+                            break b;
+                        }
+                    };
+                    net.start(op, [a, b], 0.1 + next(100) as f64 / 100.0, now);
+                    op += 1;
+                    vec![a, b]
+                } else {
+                    now = net.next_finish().unwrap();
+                    let (mut done, mut freed) = (Vec::new(), Vec::new());
+                    net.finish_until(now, &mut done, &mut freed);
+                    freed
+                };
+                if net.crowded > 0 {
+                    crowded_events += 1;
+                } else {
+                    local_events += 1;
+                }
+                net.rebalance(&touched, now);
+                let live: Vec<usize> = (0..net.flows.len()).filter(|&k| net.flows[k].live).collect();
+                let mut reference: Vec<RefFlow> = live
+                    .iter()
+                    .map(|&k| RefFlow { op: net.flows[k].op, ports: net.flows[k].ports, left: 1.0, rate: 0.0 })
+                    .collect();
+                reference_fair_rates(&mut reference, n_ports);
+                for (&k, r) in live.iter().zip(&reference) {
+                    let rate = net.flows[k].rate;
+                    assert!(
+                        (rate - r.rate).abs() < 1e-12,
+                        "case {case} event {event}: flow {} rate {rate} vs {}",
+                        r.op,
+                        r.rate
+                    );
+                }
+            }
+        }
+        assert!(crowded_events > 500 && local_events > 500, "{crowded_events} crowded, {local_events} local");
     }
 
     #[test]
