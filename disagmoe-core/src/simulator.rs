@@ -50,19 +50,11 @@ struct StreamState {
     worker: usize,
     compute: bool,
     ordered: bool,
+    /// Program order (ordered streams only).
     ops: Vec<OpId>,
     pos: usize,
     heap: BinaryHeap<Reverse<(Time, OpId)>>,
     busy: bool,
-}
-
-/// Port index of worker `w`'s egress (`2w`) or ingress (`2w + 1`).
-fn ports(schedule: &Schedule, op: OpId) -> [usize; 2] {
-    let o = &schedule.ops[op];
-    match o.kind {
-        OpKind::Send { to, .. } => [2 * o.worker, 2 * to + 1],
-        _ => [2 * o.worker, 2 * o.worker + 1],
-    }
 }
 
 /// A transfer in flight: its ports, the seconds of work left at full speed as of `since`, and its
@@ -305,13 +297,120 @@ fn fill(flows: &mut [Flow], members: &[usize], cap: &mut [f64], count: &mut [usi
     }
 }
 
-/// Counts `op` as done for each op that depends on it; those left with nothing to wait for are ready.
-fn release(op: OpId, dependents: &Dependents, remaining: &mut [usize], ready: &mut Vec<OpId>) {
-    for &j in dependents.of_op(op) {
-        remaining[j] -= 1;
-        if remaining[j] == 0 {
-            ready.push(j);
+/// What the event loop reads of an op.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct OpInfo {
+    /// Duration (a receive's latency), at least 0.
+    pub secs: f64,
+    /// Index of its stream among all workers' streams (in worker order, then stream order).
+    pub stream: u32,
+    /// The worker whose ingress a transfer uses: the receiver of a send, else its own worker
+    /// (ports: worker `w`'s egress is `2w`, its ingress `2w + 1`).
+    pub peer: u32,
+    /// Whether it is a receive (completes with its send, plus its latency).
+    pub recv: bool,
+}
+
+/// What the simulator runs: workers with their streams, and per op what the event loop reads and
+/// which ops wait for it. A [`Schedule`] lists its ops ([`Listed`]);
+/// [`crate::schedule::afpipe::AfPipe`] computes them from an op's index, so the planner's oracle
+/// simulates AF-Pipe without building millions of ops.
+pub(crate) trait Program {
+    /// The schedule's name, for errors.
+    fn name(&self) -> &str;
+    /// Workers and their streams (the op lists of ordered streams are read; dynamic streams'
+    /// are not).
+    fn workers(&self) -> &[crate::schedule::Worker];
+    /// Number of ops.
+    fn len(&self) -> usize;
+    /// What the event loop reads of `op`.
+    fn op(&self, op: OpId) -> OpInfo;
+    /// Whether every dependency of `op` has completed.
+    fn is_ready(&self, op: OpId) -> bool;
+    /// Counts `op` as done for each op that depends on it, in index order; pushes those left
+    /// with nothing to wait for onto `ready`.
+    fn release(&mut self, op: OpId, ready: &mut Vec<OpId>);
+    /// `op` in words, for errors.
+    fn describe(&self, op: OpId) -> String;
+}
+
+/// A [`Schedule`]'s ops packed for the event loop (the schedule's ops are large and the loop
+/// visits them out of order, a cache miss each), with their dependents.
+pub(crate) struct Listed<'a> {
+    schedule: &'a Schedule,
+    ops: Vec<(OpInfo, u32)>,
+    dependents: Dependents,
+}
+
+impl<'a> Listed<'a> {
+    /// Packs `schedule`; an error for a dependency on a missing op or counts past 32 bits.
+    pub(crate) fn new(schedule: &'a Schedule) -> Result<Self> {
+        let dependents = Dependents::of(schedule)?;
+        let mut first_stream = Vec::with_capacity(schedule.workers.len());
+        let mut streams = 0usize;
+        for w in &schedule.workers {
+            first_stream.push(streams);
+            streams += w.streams.len();
         }
+        let too_many = |what: &str| CoreError::InvalidSchedule {
+            schedule: schedule.name.clone(),
+            detail: format!("more than {} {what}", u32::MAX),
+        };
+        if streams > u32::MAX as usize || schedule.workers.len() > u32::MAX as usize {
+            return Err(too_many("streams or workers"));
+        }
+        let mut ops = Vec::with_capacity(schedule.ops.len());
+        for o in &schedule.ops {
+            let peer = match o.kind {
+                OpKind::Send { to, .. } => to,
+                _ => o.worker,
+            };
+            let info = OpInfo {
+                secs: o.duration_s.max(0.0),
+                stream: (first_stream[o.worker] + o.stream) as u32,
+                peer: u32::try_from(peer).map_err(|_| too_many("workers"))?,
+                recv: matches!(o.kind, OpKind::Recv { .. }),
+            };
+            ops.push((info, o.deps.len() as u32));
+        }
+        Ok(Self { schedule, ops, dependents })
+    }
+}
+
+impl Program for Listed<'_> {
+    fn name(&self) -> &str {
+        &self.schedule.name
+    }
+    fn workers(&self) -> &[crate::schedule::Worker] {
+        &self.schedule.workers
+    }
+    fn len(&self) -> usize {
+        self.ops.len()
+    }
+    fn op(&self, op: OpId) -> OpInfo {
+        self.ops[op].0
+    }
+    fn is_ready(&self, op: OpId) -> bool {
+        self.ops[op].1 == 0
+    }
+    fn release(&mut self, op: OpId, ready: &mut Vec<OpId>) {
+        for &j in self.dependents.of_op(op) {
+            let j = j as usize;
+            self.ops[j].1 -= 1;
+            if self.ops[j].1 == 0 {
+                ready.push(j);
+            }
+        }
+    }
+    fn describe(&self, op: OpId) -> String {
+        let o = &self.schedule.ops[op];
+        format!(
+            "{} of micro-batch {} layer {} on {}",
+            o.kind.label(),
+            o.micro_batch,
+            o.layer,
+            self.schedule.workers[o.worker].name
+        )
     }
 }
 
@@ -323,57 +422,73 @@ fn release(op: OpId, dependents: &Dependents, remaining: &mut [usize], ready: &m
 /// its time alone on idle ports.
 pub fn simulate(schedule: &Schedule) -> Result<Trace> {
     let n = schedule.ops.len();
-    let dependents = Dependents::of(schedule)?;
-    let mut remaining: Vec<usize> = schedule.ops.iter().map(|o| o.deps.len()).collect();
-    let mut stream_index = vec![vec![]; schedule.workers.len()];
+    let mut trace = Trace { start: vec![f64::NAN; n], end: vec![f64::NAN; n], step_s: 0.0 };
+    trace.step_s = run_program(&mut Listed::new(schedule)?, Some(&mut trace))?;
+    Ok(trace)
+}
+
+/// The step time of `program` (the completion time of its last op), and the start and end of
+/// every op into `trace` when given. Fails on a deadlock, naming the first op that never ran.
+pub(crate) fn run_program<P: Program>(program: &mut P, mut trace: Option<&mut Trace>) -> Result<f64> {
+    let n = program.len();
+    let n_workers = program.workers().len();
+    let mut stream_index = vec![vec![]; n_workers];
     let mut streams: Vec<StreamState> = Vec::new();
-    for (w, worker) in schedule.workers.iter().enumerate() {
+    for (w, worker) in program.workers().iter().enumerate() {
         for s in &worker.streams {
             stream_index[w].push(streams.len());
             streams.push(StreamState {
                 worker: w,
                 compute: s.kind.is_compute(),
                 ordered: s.ordered,
-                ops: s.ops.clone(),
+                ops: if s.ordered { s.ops.clone() } else { Vec::new() },
                 pos: 0,
                 heap: BinaryHeap::new(),
                 busy: false,
             });
         }
     }
-    let stream_of = |op: OpId| stream_index[schedule.ops[op].worker][schedule.ops[op].stream];
-    let is_recv = |op: OpId| matches!(schedule.ops[op].kind, OpKind::Recv { .. });
-    let mut gpu_busy = vec![false; schedule.workers.len()];
-    let mut start = vec![f64::NAN; n];
-    let mut end = vec![f64::NAN; n];
+    let mut gpu_busy = vec![false; n_workers];
+    let mut done = vec![false; n];
     let mut compute_events: BinaryHeap<Reverse<(Time, OpId)>> = BinaryHeap::new();
     // Receives with a latency (`duration_s`): they complete that long after their send.
     let mut arrivals: BinaryHeap<Reverse<(Time, OpId)>> = BinaryHeap::new();
-    let mut network = Network::new(2 * schedule.workers.len());
+    let mut network = Network::new(2 * n_workers);
     let mut dirty: Vec<usize> = Vec::new();
     let mut is_dirty = vec![false; streams.len()];
     let mut completed = 0usize;
     let mut now = 0.0f64;
+    let mut step_s = 0.0f64;
     // Scratch reused from event to event.
     let (mut touched, mut finished, mut freed): (Vec<usize>, Vec<OpId>, Vec<usize>) =
         (Vec::new(), Vec::new(), Vec::new());
+    // An op's start and end, into the trace when there is one.
+    let record_start = |trace: &mut Option<&mut Trace>, op: OpId, t: f64| {
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.start[op] = t;
+        }
+    };
 
-    let mut ready_list: Vec<OpId> = (0..n).filter(|&i| remaining[i] == 0).collect();
+    let mut ready_list: Vec<OpId> = (0..n).filter(|&i| program.is_ready(i)).collect();
     loop {
         // 1. Newly ready ops: receives complete at once, others queue in their stream.
         while let Some(i) = ready_list.pop() {
-            if is_recv(i) {
-                start[i] = now;
-                let latency = schedule.ops[i].duration_s.max(0.0);
-                if latency > 0.0 {
-                    arrivals.push(Reverse((Time(now + latency), i)));
+            let info = program.op(i);
+            if info.recv {
+                record_start(&mut trace, i, now);
+                if info.secs > 0.0 {
+                    arrivals.push(Reverse((Time(now + info.secs), i)));
                     continue;
                 }
-                end[i] = now;
+                if let Some(tr) = trace.as_deref_mut() {
+                    tr.end[i] = now;
+                }
+                done[i] = true;
                 completed += 1;
-                release(i, &dependents, &mut remaining, &mut ready_list);
+                step_s = now;
+                program.release(i, &mut ready_list);
             } else {
-                let s = stream_of(i);
+                let s = info.stream as usize;
                 if !streams[s].ordered {
                     streams[s].heap.push(Reverse((Time(now), i)));
                 }
@@ -392,21 +507,21 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                 continue;
             }
             let cand = if st.ordered {
-                st.ops.get(st.pos).copied().filter(|&op| remaining[op] == 0)
+                st.ops.get(st.pos).copied().filter(|&op| program.is_ready(op))
             } else {
                 st.heap.pop().map(|Reverse((_, op))| op)
             };
             let Some(op) = cand else { continue };
             st.busy = true;
-            start[op] = now;
-            let secs = schedule.ops[op].duration_s.max(0.0);
+            record_start(&mut trace, op, now);
+            let info = program.op(op);
             if st.compute {
                 gpu_busy[st.worker] = true;
-                compute_events.push(Reverse((Time(now + secs), op)));
+                compute_events.push(Reverse((Time(now + info.secs), op)));
             } else {
-                let ps = ports(schedule, op);
+                let ps = [2 * st.worker, 2 * info.peer as usize + 1];
                 touched.extend(ps);
-                network.start(op, ps, secs, now);
+                network.start(op, ps, info.secs, now);
             }
         }
         dirty.clear();
@@ -442,15 +557,23 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                 break;
             }
             arrivals.pop();
-            end[op] = now;
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.end[op] = now;
+            }
+            done[op] = true;
             completed += 1;
-            release(op, &dependents, &mut remaining, &mut ready_list);
+            step_s = now;
+            program.release(op, &mut ready_list);
         }
         // 4. Completions: free the stream (and GPU), release dependents.
         for &op in &finished {
-            end[op] = now;
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.end[op] = now;
+            }
+            done[op] = true;
             completed += 1;
-            let s = stream_of(op);
+            step_s = now;
+            let s = program.op(op).stream as usize;
             let st = &mut streams[s];
             st.busy = false;
             if st.ordered {
@@ -468,26 +591,21 @@ pub fn simulate(schedule: &Schedule) -> Result<Trace> {
                     }
                 }
             }
-            release(op, &dependents, &mut remaining, &mut ready_list);
+            program.release(op, &mut ready_list);
         }
     }
     if completed != n {
-        let stuck = (0..n).find(|&i| end[i].is_nan()).unwrap_or(0);
-        let o = &schedule.ops[stuck];
+        let stuck = (0..n).find(|&i| !done[i]).unwrap_or(0);
         return Err(CoreError::InvalidSchedule {
-            schedule: schedule.name.clone(),
+            schedule: program.name().to_string(),
             detail: format!(
-                "deadlock: {} of {n} ops never ran; first: op {stuck} ({} of micro-batch {} layer {} on {})",
+                "deadlock: {} of {n} ops never ran; first: op {stuck} ({})",
                 n - completed,
-                o.kind.label(),
-                o.micro_batch,
-                o.layer,
-                schedule.workers[o.worker].name
+                program.describe(stuck)
             ),
         });
     }
-    let step_s = end.iter().copied().fold(0.0, f64::max);
-    Ok(Trace { start, end, step_s })
+    Ok(step_s)
 }
 
 /// Utilisation of one worker's resources.

@@ -24,6 +24,23 @@ use serde::{Deserialize, Serialize};
 /// Index of an op in [`Schedule::ops`].
 pub type OpId = usize;
 
+/// The dependencies of an op: inline up to two (nearly every op), on the heap beyond.
+pub type Deps = smallvec::SmallVec<[OpId; 2]>;
+
+/// (De)serialises [`Deps`] as a plain list.
+mod deps_as_list {
+    use super::{Deps, OpId};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(deps: &Deps, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(deps.iter())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Deps, D::Error> {
+        Vec::<OpId>::deserialize(d).map(Deps::from_vec)
+    }
+}
+
 /// What a worker does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
@@ -218,7 +235,8 @@ pub struct Op {
     /// Chunk within a chunked op (0 when not chunked).
     pub chunk: u16,
     /// Ops that must complete before this one starts.
-    pub deps: Vec<OpId>,
+    #[serde(with = "deps_as_list")]
+    pub deps: Deps,
     /// Modelled duration, seconds.
     pub duration_s: f64,
     /// FLOPs per GPU (compute ops).
@@ -239,39 +257,42 @@ pub struct Schedule {
 }
 
 /// For each op, the ops that depend on it, in one flat array (two passes, no allocation per op:
-/// a step's schedule at scale has millions of ops).
+/// a step's schedule at scale has millions of ops; 32-bit indices halve what the simulator's
+/// event loop reads).
 pub(crate) struct Dependents {
-    start: Vec<usize>,
-    flat: Vec<OpId>,
+    start: Vec<u32>,
+    flat: Vec<u32>,
 }
 
 impl Dependents {
     /// The dependents of every op of `schedule`, each list in op order; an error naming the first
-    /// dependency on an op that does not exist.
+    /// dependency on an op that does not exist, or for more ops or dependencies than 32 bits
+    /// count.
     pub(crate) fn of(schedule: &Schedule) -> Result<Self> {
         let n = schedule.ops.len();
-        if let Some((i, d)) =
-            schedule.ops.iter().enumerate().find_map(|(i, o)| o.deps.iter().find(|&&d| d >= n).map(|&d| (i, d)))
-        {
-            return Err(CoreError::InvalidSchedule {
-                schedule: schedule.name.clone(),
-                detail: format!("op {i} depends on missing op {d}"),
-            });
-        }
-        let mut start = vec![0usize; n + 1];
-        for o in &schedule.ops {
+        let bad = |detail: String| CoreError::InvalidSchedule { schedule: schedule.name.clone(), detail };
+        let mut start = vec![0u32; n + 1];
+        let mut total = 0u64;
+        for (i, o) in schedule.ops.iter().enumerate() {
             for &d in &o.deps {
+                if d >= n {
+                    return Err(bad(format!("op {i} depends on missing op {d}")));
+                }
                 start[d + 1] += 1;
             }
+            total += o.deps.len() as u64;
+        }
+        if total > u64::from(u32::MAX) || n > u32::MAX as usize {
+            return Err(bad(format!("{n} ops with {total} dependencies: at most {} of each", u32::MAX)));
         }
         for i in 0..n {
             start[i + 1] += start[i];
         }
         let mut next = start.clone();
-        let mut flat = vec![0; start[n]];
+        let mut flat = vec![0u32; total as usize];
         for (i, o) in schedule.ops.iter().enumerate() {
             for &d in &o.deps {
-                flat[next[d]] = i;
+                flat[next[d] as usize] = i as u32;
                 next[d] += 1;
             }
         }
@@ -279,8 +300,8 @@ impl Dependents {
     }
 
     /// The ops that depend on `op`.
-    pub(crate) fn of_op(&self, op: OpId) -> &[OpId] {
-        &self.flat[self.start[op]..self.start[op + 1]]
+    pub(crate) fn of_op(&self, op: OpId) -> &[u32] {
+        &self.flat[self.start[op] as usize..self.start[op + 1] as usize]
     }
 }
 
@@ -313,6 +334,20 @@ impl Schedule {
         if let Some(op) = seen.iter().position(|s| !s) {
             return Err(bad(format!("op {op} is in no stream")));
         }
+        // Builders add ops after their dependencies, so one scan usually proves there is no
+        // cycle; only a schedule with a dependency on a later op (or itself) needs the sort.
+        let mut later = false;
+        for (i, o) in self.ops.iter().enumerate() {
+            for &d in &o.deps {
+                if d >= n {
+                    return Err(bad(format!("op {i} depends on missing op {d}")));
+                }
+                later |= d >= i;
+            }
+        }
+        if !later {
+            return Ok(());
+        }
         let out = Dependents::of(self)?;
         let mut indeg: Vec<usize> = self.ops.iter().map(|o| o.deps.len()).collect();
         let mut stack: Vec<OpId> = (0..n).filter(|&i| indeg[i] == 0).collect();
@@ -320,6 +355,7 @@ impl Schedule {
         while let Some(i) = stack.pop() {
             done += 1;
             for &j in out.of_op(i) {
+                let j = j as usize;
                 indeg[j] -= 1;
                 if indeg[j] == 0 {
                     stack.push(j);
@@ -390,7 +426,7 @@ impl ScheduleBuilder {
         micro_batch: usize,
         layer: u32,
         chunk: u16,
-        deps: Vec<OpId>,
+        deps: impl IntoIterator<Item = OpId>,
         duration_s: f64,
         flops: f64,
         bytes: f64,
@@ -404,7 +440,7 @@ impl ScheduleBuilder {
             micro_batch: micro_batch as u32,
             layer,
             chunk,
-            deps,
+            deps: deps.into_iter().collect(),
             duration_s,
             flops,
             bytes,
@@ -425,7 +461,7 @@ impl ScheduleBuilder {
         backward: bool,
         micro_batch: usize,
         layer: u32,
-        deps: Vec<OpId>,
+        deps: impl IntoIterator<Item = OpId>,
         bytes: f64,
     ) -> OpId {
         let (src, dst) = (self.schedule.workers[from].port_bw, self.schedule.workers[to].port_bw);
@@ -444,7 +480,7 @@ impl ScheduleBuilder {
             0.0,
             bytes,
         );
-        self.op(to, StreamKind::Recv, OpKind::Recv { from }, micro_batch, layer, 0, vec![send], 0.0, 0.0, bytes)
+        self.op(to, StreamKind::Recv, OpKind::Recv { from }, micro_batch, layer, 0, [send], 0.0, 0.0, bytes)
     }
 
     /// Finishes, validating the result.
