@@ -9,8 +9,10 @@
 //!
 //! The layer reads `route -> dispatch -> compute -> combine`, one named step each:
 //! 1. [`TopKRouter::route`]: logits `[T, E]`, softmax in f32, top-k, optional renormalisation;
-//! 2. [`Dispatch::new`]: a stable counting sort of the `N` copies by expert (host side: the group
-//!    sizes decide the shapes of the per-expert matmuls);
+//! 2. [`Dispatch::new`]: a stable counting sort of the `N` copies by expert (the group sizes
+//!    decide the shapes of the per-expert matmuls); on CubeCL backends the router's top-k, this
+//!    sort, the permute and the combine run on the device ([`ExpertIds::Device`]) and only the
+//!    counts per expert and sequence come back to the host;
 //! 3. [`Experts::forward_grouped`]: one matmul chain per expert over its contiguous rows;
 //! 4. [`Dispatch::combine`]: gate-weighted sum of each token's `k` outputs back in token order.
 //!
@@ -334,6 +336,97 @@ pub struct TopKRouter<B: Backend> {
     pub norm_topk_prob: bool,
 }
 
+/// Times [`ExpertIds::to_host`] read ids from the device (all threads): a test of the claim
+/// that routing on CubeCL backends brings back counts, never token ids.
+static DEVICE_ID_READS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many times routed expert ids have been read back from the device so far.
+pub fn device_id_reads() -> usize {
+    DEVICE_ID_READS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// MoE layer forwards whose sort, permute and combine ran on the device (all threads).
+static DEVICE_ROUTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many MoE layer forwards have routed on the device so far.
+pub fn device_routed_layers() -> usize {
+    DEVICE_ROUTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The expert of each routed copy, token-major (`T k`, best first): on the host, or on the
+/// device where the router chose there (CubeCL backends: `disagmoe_kernels::fused::top_k`), so
+/// that the layer sorts, permutes and combines on the device and only counts come back.
+#[derive(Debug, Clone)]
+pub enum ExpertIds<B: Backend> {
+    /// On the host.
+    Host(Vec<usize>),
+    /// `[T k]` on the device (`u32` elements).
+    Device(Tensor<B, 1, Int>),
+}
+
+impl<B: Backend> ExpertIds<B> {
+    /// Routed copies `T k`.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Host(ids) => ids.len(),
+            Self::Device(ids) => ids.dims()[0],
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids on the host (a read from the device, counted by [`device_id_reads`], when they
+    /// are there: for the paths that need them, such as the runtime's host messages).
+    pub fn to_host(&self) -> Vec<usize> {
+        match self {
+            Self::Host(ids) => ids.clone(),
+            Self::Device(ids) => {
+                DEVICE_ID_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                ids.to_data()
+                    .convert::<i64>()
+                    .to_vec::<i64>()
+                    .expect("int ids")
+                    .into_iter()
+                    .map(|e| e as usize)
+                    .collect()
+            }
+        }
+    }
+
+    /// The chosen scores, differentiable: `scores[t, ids[t k + j]]` (a gather on the device
+    /// when the ids are there).
+    ///
+    /// # Shapes
+    /// - scores: `[T, E]` -> `[T, k]`
+    pub fn gather(&self, scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2> {
+        match self {
+            Self::Host(ids) => gather_chosen(scores, ids, k),
+            Self::Device(ids) => {
+                let t = scores.dims()[0];
+                scores.gather(1, ids.clone().reshape([t, k]))
+            }
+        }
+    }
+}
+
+impl<B: Backend> From<Vec<usize>> for ExpertIds<B> {
+    fn from(ids: Vec<usize>) -> Self {
+        Self::Host(ids)
+    }
+}
+
+/// The `k` highest scores of each row of `scores` (`[T, E]`), token-major, best first, ties to
+/// the lower index: chosen on the device on CubeCL backends, else on the host ([`top_k_ids`]).
+pub fn choose_top_k<B: Backend>(scores: &Tensor<B, 2>, k: usize) -> ExpertIds<B> {
+    match disagmoe_kernels::fused::top_k(scores.clone(), k) {
+        Some(ids) => ExpertIds::Device(ids),
+        None => ExpertIds::Host(top_k_ids(scores, k)),
+    }
+}
+
 /// What the router decided for a micro-batch.
 #[derive(Debug, Clone)]
 pub struct RouterOutput<B: Backend> {
@@ -342,8 +435,9 @@ pub struct RouterOutput<B: Backend> {
     pub probs: Tensor<B, 2>,
     /// `[T, k]` gate weights of the chosen experts (renormalised when configured).
     pub weights: Tensor<B, 2>,
-    /// `T * k` chosen expert ids, token-major (`ids[t * k + j]`), best first.
-    pub ids: Vec<usize>,
+    /// `T * k` chosen expert ids, token-major (`ids[t * k + j]`), best first: on the device
+    /// where the router chose there.
+    pub ids: ExpertIds<B>,
     /// `[T, E]` the router's logits (before softmax or sigmoid), what the router z-loss reads.
     pub logits: Tensor<B, 2>,
 }
@@ -379,8 +473,9 @@ pub struct Routed<B: Backend> {
     /// Its statistics, with the z-loss (when on) and the copies dropped for capacity.
     pub stats: RouterStats<B>,
     /// The expert of each routed copy that is computed: `route.ids` with the copies past an
-    /// expert's capacity replaced by [`DROPPED`].
-    pub kept: Vec<usize>,
+    /// expert's capacity replaced by [`DROPPED`] (on the host; dropless routing keeps the
+    /// router's ids where they are).
+    pub kept: ExpertIds<B>,
 }
 
 impl RoutingOptions {
@@ -396,8 +491,14 @@ impl RoutingOptions {
         let route = self.apply(decision);
         let mut stats = RouterStats::new(&route, sequences, experts, top_k);
         stats.z_loss = self.z_loss(&route);
-        let (kept, dropped) = self.keep_within_capacity(&route.ids, experts, top_k);
-        stats.dropped = dropped;
+        let kept = match self.capacity_factor {
+            None => route.ids.clone(),
+            Some(_) => {
+                let (kept, dropped) = self.keep_within_capacity(&route.ids.to_host(), experts, top_k);
+                stats.dropped = dropped;
+                ExpertIds::Host(kept)
+            }
+        };
         Routed { route, stats, kept }
     }
 
@@ -405,7 +506,13 @@ impl RoutingOptions {
     pub fn apply<B: Backend>(&self, mut route: RouterOutput<B>) -> RouterOutput<B> {
         if self.force_balanced {
             let e = route.logits.dims()[1];
-            route.ids = (0..route.ids.len()).map(|slot| slot % e).collect();
+            route.ids = match &route.ids {
+                ExpertIds::Host(ids) => ExpertIds::Host((0..ids.len()).map(|slot| slot % e).collect()),
+                ExpertIds::Device(ids) => {
+                    let slots = Tensor::<B, 1, Int>::arange(0..ids.dims()[0] as i64, &ids.device());
+                    ExpertIds::Device(slots.remainder_scalar(e as i64).cast(ids.dtype()))
+                }
+            };
         }
         route
     }
@@ -466,8 +573,8 @@ impl<B: Backend> Router<B> for TopKRouter<B> {
     fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
         let logits = x.matmul(self.weight.val().transpose()); // [T, E]
         let probs = softmax(logits.clone(), 1); // [T, E]
-        let ids = top_k_ids(&probs, self.top_k);
-        let mut weights = gather_chosen(probs.clone(), &ids, self.top_k); // [T, k]
+        let ids = choose_top_k(&probs, self.top_k);
+        let mut weights = ids.gather(probs.clone(), self.top_k); // [T, k]
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
         }
@@ -653,9 +760,37 @@ impl<B: Backend> RouterStats<B> {
             .reshape([sequences, t / sequences.max(1), experts])
             .sum_dim(1)
             .reshape([sequences, experts]);
-        let routing = LayerRouting::from_ids(&route.ids, sequences, t, experts, top_k);
+        let routing = match &route.ids {
+            ExpertIds::Host(ids) => LayerRouting::from_ids(ids, sequences, t, experts, top_k),
+            ExpertIds::Device(ids) => device_routing(ids, sequences, t, experts, top_k)
+                .unwrap_or_else(|| LayerRouting::from_ids(&route.ids.to_host(), sequences, t, experts, top_k)),
+        };
         Self { prob_sum, counts: routing.per_expert(), routing, z_loss: None, dropped: 0 }
     }
+}
+
+/// [`LayerRouting`] of ids on the device: the per-sequence counts are counted there and only
+/// they come back (`[E, B]`). `None` when the kernel does not apply.
+fn device_routing<B: Backend>(
+    ids: &Tensor<B, 1, Int>,
+    sequences: usize,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> Option<LayerRouting> {
+    let per_sequence = tokens / sequences.max(1) * top_k;
+    if sequences == 0 || per_sequence * sequences != ids.dims()[0] {
+        return None;
+    }
+    let counts = disagmoe_kernels::fused::sequence_counts(ids.clone(), experts, per_sequence)?;
+    let by_expert = counts.to_data().convert::<i64>().to_vec::<i64>().ok()?; // [E, B]
+    let mut counts = vec![0u32; sequences * experts];
+    for e in 0..experts {
+        for b in 0..sequences {
+            counts[b * experts + e] = by_expert[e * sequences + b] as u32;
+        }
+    }
+    Some(LayerRouting { sequences, tokens, experts, top_k, counts })
 }
 
 /// A sparse MoE block: a router of any [`Router`] type, `E` experts of any [`Experts`] type, and
@@ -687,8 +822,14 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
                                           // 1. route
         let (e, k) = (self.experts.num_experts(), self.gate.top_k());
         let Routed { route: routed, stats, kept } = self.routing.route(self.gate.route(flat.clone()), b, e, k);
+        if let ExpertIds::Device(ids) = &kept {
+            if let Some(out) = self.forward_on_device(flat.clone(), ids, routed.weights.clone(), &stats.counts) {
+                DEVICE_ROUTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return (out.reshape([b, s, m]), stats);
+            }
+        }
         // 2. dispatch (the copies within capacity)
-        let dispatch = Dispatch::new(&kept, e, k);
+        let dispatch = Dispatch::new(&kept.to_host(), e, k);
         let (xs, shared_in) = dispatch.permute(flat, self.shared_experts.is_some()); // [N, M], [T, M]
                                                                                      // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
@@ -696,6 +837,35 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         // 4. combine (with the shared experts' output)
         let out = dispatch.combine(ys, routed.weights.clone(), shared); // [T, M]
         (out.reshape([b, s, m]), stats)
+    }
+
+    /// Steps 2-4 with the router's ids on the device: the counting sort, the permute and the
+    /// combine run there; `counts` (already on the host, from the statistics) size the grouped
+    /// products. `None` when a kernel does not apply (the caller sorts on the host).
+    ///
+    /// # Shapes
+    /// - flat: `[T, M]`; ids: `[T k]`; weights: `[T, k]` -> `[T, M]`
+    fn forward_on_device(
+        &self,
+        flat: Tensor<B, 2>,
+        ids: &Tensor<B, 1, Int>,
+        weights: Tensor<B, 2>,
+        counts: &[usize],
+    ) -> Option<Tensor<B, 2>> {
+        let (e, k) = (self.experts.num_experts(), self.gate.top_k());
+        let routing = disagmoe_kernels::fused::route(ids.clone(), e)?;
+        let n = ids.dims()[0];
+        let xs = disagmoe_kernels::fused::permute_routed(flat, &routing, k, self.shared_experts.is_some())?;
+        let (xs, shared_in) = match &self.shared_experts {
+            Some(_) => {
+                let t = xs.dims()[0] - n;
+                (xs.clone().narrow(0, 0, n), Some(xs.narrow(0, n, t)))
+            }
+            None => (xs, None),
+        };
+        let ys = self.experts.forward_grouped(xs, counts); // [N, M]
+        let shared = self.shared_experts.as_ref().zip(shared_in).map(|(shared, x)| shared.forward(x));
+        disagmoe_kernels::fused::combine_routed(ys, weights, &routing, shared)
     }
 
     /// The simple path beside [`SparseMoeBlock::forward`]: token by token, chosen expert by chosen
@@ -708,6 +878,7 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         let flat = x.reshape([b * s, m]);
         let (k, e) = (self.gate.top_k(), self.experts.num_experts());
         let Routed { route: routed, kept, .. } = self.routing.route(self.gate.route(flat.clone()), b, e, k);
+        let kept = kept.to_host();
         let rows: Vec<Tensor<B, 2>> = (0..b * s)
             .map(|t| {
                 let xt = flat.clone().narrow(0, t, 1); // [1, M]

@@ -8,6 +8,7 @@
 
 use burn::backend::Autodiff;
 use disagmoe_kernels::cube::{ops_run, WgpuCube};
+use disagmoe_models::moe::{device_id_reads, device_routed_layers};
 use disagmoe_train::{train, train_on, Placement, RunConfig};
 
 type B = Autodiff<WgpuCube>;
@@ -27,10 +28,20 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
         "a Vulkan driver is installed but no WebGPU/Vulkan device answers ({probe:?})"
     );
     let before = ops_run();
+    let (reads, routed) = (device_id_reads(), device_routed_layers());
     let summary = train::<B>(&cfg, &device).expect("training runs");
     let used = ops_run() - before;
     if kernels {
         assert!(used > 0, "{preset}: the kernels were not used");
+        // Routing stays on the device: the MoE layers sort, permute and combine there and no
+        // token id comes back to the host (DeepSeek's group-limited selection is the host's).
+        assert_eq!(device_id_reads(), reads, "{preset}: expert ids were read back from the device");
+        let routed = device_routed_layers() - routed;
+        if preset == "tiny-deepseek-v3" {
+            assert_eq!(routed, 0, "{preset}: group-limited routing is chosen on the host");
+        } else {
+            assert!(routed > 0, "{preset}: no layer routed on the device");
+        }
     } else {
         assert_eq!(used, 0, "{preset}: the reference run used the kernels");
     }

@@ -75,11 +75,26 @@ pub fn enabled() -> bool {
     }
 }
 
+/// The expert-sorted order of `N = T k` routed copies, computed on the device (see
+/// `cube::route`): what the models keep on the device instead of sorting token ids on the host.
+#[derive(Debug, Clone)]
+pub struct Routing<B: burn::tensor::backend::Backend> {
+    /// Copies per expert, `[E]`.
+    pub counts: burn::tensor::Tensor<B, 1, burn::tensor::Int>,
+    /// Where each expert's rows start, `[E + 1]` (the last entry is `N`).
+    pub offsets: burn::tensor::Tensor<B, 1, burn::tensor::Int>,
+    /// For each token-major slot `t k + j`, its sorted position, `[N]`.
+    pub dest: burn::tensor::Tensor<B, 1, burn::tensor::Int>,
+    /// For each sorted position, the slot it came from, `[N]` (what
+    /// `disagmoe_models::moe::Dispatch::slots` holds).
+    pub src: burn::tensor::Tensor<B, 1, burn::tensor::Int>,
+}
+
 /// The dispatch the models call: each function runs the fused operation when it applies to the
 /// backend `B` (see [`cpu`]) and returns `None` otherwise, so the caller runs its reference.
 pub mod fused {
     use burn::tensor::backend::Backend;
-    use burn::tensor::Tensor;
+    use burn::tensor::{Int, Tensor};
 
     /// Whether the fused CPU operations apply to backend `B` on this thread.
     pub fn cpu_available<B: Backend>() -> bool {
@@ -227,6 +242,64 @@ pub mod fused {
             });
         }
         None
+    }
+
+    /// The `k` largest scores of each row of `[T, E]`, on the device: `[T k]` column ids
+    /// (`u32`), best first, ties to the lower column (`crate::cube::top_k`; CubeCL backends).
+    #[allow(unused_variables)]
+    pub fn top_k<B: Backend>(scores: Tensor<B, 2>, k: usize) -> Option<Tensor<B, 1, Int>> {
+        cube_or_none!(top_k(scores, k))
+    }
+
+    /// A stable counting sort of `[N]` expert ids on the device (`crate::cube::route`; CubeCL
+    /// backends).
+    #[allow(unused_variables)]
+    pub fn route<B: Backend>(ids: Tensor<B, 1, Int>, experts: usize) -> Option<crate::Routing<B>> {
+        cube_or_none!(route(ids, experts))
+    }
+
+    /// Routed copies per expert and sequence of `per_sequence` slots, `[E * sequences]`
+    /// e-major (`crate::cube::sequence_counts`; CubeCL backends).
+    #[allow(unused_variables)]
+    pub fn sequence_counts<B: Backend>(
+        ids: Tensor<B, 1, Int>,
+        experts: usize,
+        per_sequence: usize,
+    ) -> Option<Tensor<B, 1, Int>> {
+        cube_or_none!(sequence_counts(ids, experts, per_sequence))
+    }
+
+    /// [`permute_rows`] in the order of a device-side [`route`] of all copies, followed by `x`
+    /// when `with_base` (`crate::cube::permute_rows_routed`; CubeCL backends).
+    #[allow(unused_variables)]
+    pub fn permute_routed<B: Backend>(
+        x: Tensor<B, 2>,
+        routing: &crate::Routing<B>,
+        k: usize,
+        with_base: bool,
+    ) -> Option<Tensor<B, 2>> {
+        let base = with_base.then(|| x.clone());
+        let xs: Option<Tensor<B, 2>> = (|| cube_or_none!(permute_rows_routed(x, routing, k)))();
+        xs.map(|xs| match base {
+            Some(x) => Tensor::cat(vec![xs, x], 0),
+            None => xs,
+        })
+    }
+
+    /// [`combine_rows`] in the order of a device-side [`route`] of all copies, plus `base` when
+    /// given (`crate::cube::combine_rows_routed`; CubeCL backends).
+    #[allow(unused_variables)]
+    pub fn combine_routed<B: Backend>(
+        ys: Tensor<B, 2>,
+        weights: Tensor<B, 2>,
+        routing: &crate::Routing<B>,
+        base: Option<Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 2>> {
+        let out: Option<Tensor<B, 2>> = (|| cube_or_none!(combine_rows_routed(ys, weights, routing)))();
+        out.map(|out| match base {
+            Some(base) => out + base,
+            None => out,
+        })
     }
 
     /// GPT-OSS's experts (clamped SwiGLU, biases, interleaved gate/up columns) over rows grouped

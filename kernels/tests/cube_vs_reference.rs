@@ -269,6 +269,76 @@ fn token_permute_and_combine_match_the_reference_with_gradients() {
     }
 }
 
+/// The host's top-k order: descending, ties to the lower column.
+fn host_top_k(values: &[f32], cols: usize, k: usize) -> Vec<usize> {
+    values
+        .chunks(cols)
+        .flat_map(|row| {
+            let mut order: Vec<usize> = (0..cols).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.truncate(k);
+            order
+        })
+        .collect()
+}
+
+#[test]
+#[cfg_attr(
+    all(disagmoe_no_vulkan, not(feature = "cuda")),
+    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+)]
+fn routing_on_the_device_chooses_sorts_counts_and_moves_tokens_as_the_host_does() {
+    let _one = runtime_present("routing_on_the_device_chooses_sorts_counts_and_moves_tokens_as_the_host_does");
+    // (sequences, tokens per sequence, experts, k): ties (values rounded to a coarse grid),
+    // k = E, one expert, more slots than a 256-slot block.
+    for (b, s, e, k) in [(2, 5, 4, 2), (3, 7, 6, 6), (1, 3, 1, 1), (4, 97, 16, 4)] {
+        let t = b * s;
+        let scores = rand([t, e], 40 + e as u64);
+        // A coarse grid makes ties between columns of a row (`+ 0`: no -0, which the host's
+        // total order puts below 0 and the kernel's comparison does not).
+        let scores = ((scores * 4.0).round() / 4.0).add_scalar(0.0);
+        let host_scores = values(scores.clone());
+        let ids = cube::top_k(scores.clone(), k).expect("top-k applies");
+        let want_ids = host_top_k(&host_scores, e, k);
+        assert_eq!(ints(ids.clone()), want_ids, "top-k ({b}, {s}, {e}, {k})");
+
+        // Counts per sequence, e-major.
+        let counts = ints(cube::sequence_counts(ids.clone(), e, s * k).expect("counts apply"));
+        for seq in 0..b {
+            for x in 0..e {
+                let want = want_ids[seq * s * k..(seq + 1) * s * k].iter().filter(|&&i| i == x).count();
+                assert_eq!(counts[x * b + seq], want, "count of expert {x} in sequence {seq}");
+            }
+        }
+
+        // Permute and combine in the device sort's order equal the host-slot kernels, gradients
+        // included.
+        let routing = cube::route(ids.clone(), e).expect("route applies");
+        let (_, slots) = reference::route(&want_ids, e);
+        let m = 9;
+        let x = rand([t, m], 41).require_grad();
+        let probe = rand([t * k, m], 42);
+        let got = cube::permute_rows_routed(x.clone(), &routing, k).expect("permute applies");
+        let gd = (got.clone() * probe.clone()).sum().backward();
+        let want = cube::permute_rows(x.clone(), &slots, k).unwrap();
+        let gh = (want.clone() * probe).sum().backward();
+        assert_close("routed permute", &values(got), &values(want), 0.0);
+        assert_close("routed permute dx", &values(x.grad(&gd).unwrap()), &values(x.grad(&gh).unwrap()), 0.0);
+        let ys = rand([t * k, m], 43).require_grad();
+        let w = rand([t, k], 44).require_grad();
+        let probe = rand([t, m], 45);
+        let got = cube::combine_rows_routed(ys.clone(), w.clone(), &routing).expect("combine applies");
+        let gd = (got.clone() * probe.clone()).sum().backward();
+        let want = cube::combine_rows(ys.clone(), w.clone(), &slots).unwrap();
+        let gh = (want.clone() * probe).sum().backward();
+        assert_close("routed combine", &values(got), &values(want), 0.0);
+        assert_close("routed combine dys", &values(ys.grad(&gd).unwrap()), &values(ys.grad(&gh).unwrap()), 0.0);
+        assert_close("routed combine dw", &values(w.grad(&gd).unwrap()), &values(w.grad(&gh).unwrap()), 0.0);
+    }
+    assert!(cube::top_k(rand([3, 4], 46), 5).is_none(), "k above the experts: refused");
+    assert!(cube::top_k(rand([3, 4], 46), 0).is_none(), "k = 0: refused");
+}
+
 /// The gradient of `p`, zeros where autodiff has none (an expert that got no row).
 fn grad_or_zeros<const D: usize>(
     p: &Tensor<B, D>,

@@ -976,10 +976,13 @@ where
                 // dropped for capacity go to no holder).
                 let ranges: Vec<_> =
                     holders.iter().enumerate().map(|(i, &h)| (h, self.layout.expert_range(i))).collect();
-                let shares = m2n_shares(kept, k, t, &ranges, self.holds_all_tokens(layer));
+                // The shares are host messages: the ids come to the host here (on CubeCL
+                // backends the router chose them on the device).
+                let kept = kept.to_host();
+                let shares = m2n_shares(&kept, k, t, &ranges, self.holds_all_tokens(layer));
                 // (One share per holder, in the order of `ranges`.)
                 for (share, (_, range)) in shares.into_iter().zip(&ranges) {
-                    let ids = share.ids(kept, k);
+                    let ids = share.ids(&kept, k);
                     let Share { holder, tokens } = share;
                     let key = range_key(range);
                     if tokens.is_empty() {

@@ -42,6 +42,43 @@ pub fn route_hist<I: Numeric>(
     }
 }
 
+/// The `k` largest of each row of `scores` (`[rows, cols]`): `ids[r k + j]` is the column of the
+/// `j`-th largest, ties to the lower column (the order of the host's `top_k_rows`). One unit per
+/// row; `O(k^2 cols)` comparisons, small next to the router's matmul for the usual `k <= 8`.
+#[cube(launch)]
+pub fn top_k_rows<F: Float>(
+    scores: &Tensor<F>,
+    ids: &mut Tensor<u32>,
+    rows: u32,
+    cols: u32,
+    k: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let r = ABSOLUTE_POS as u32;
+    if r < rows {
+        for j in 0..k {
+            let mut best = 0.0f32;
+            let mut found = false;
+            let mut pick = 0u32;
+            for e in 0..cols {
+                let mut taken = false;
+                for i in 0..j {
+                    if ids[(r * k + i) as usize] == e {
+                        taken = true;
+                    }
+                }
+                let v = f32::cast_from(scores[(r * cols + e) as usize]);
+                if !taken && (!found || v > best) {
+                    best = v;
+                    pick = e;
+                    found = true;
+                }
+            }
+            ids[(r * k + j) as usize] = pick;
+        }
+    }
+}
+
 /// Counting-sort pass 2 (one cube): turns `hist` into each `(e, b)`'s first sorted position and
 /// writes `counts[e]` and `offsets[e]` (`offsets[experts]` = total). At most 1024 experts.
 #[cube(launch)]

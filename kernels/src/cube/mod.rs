@@ -43,7 +43,9 @@ use cubecl::prelude::CubeElement;
 
 pub use attention::attention;
 pub use experts::{gpt_oss_experts, swiglu_experts, swiglu_experts_stacked};
-pub use route::{combine_rows, permute_rows, route, Routing};
+pub use route::{
+    combine_rows, combine_rows_routed, permute_rows, permute_rows_routed, route, sequence_counts, top_k, Routing,
+};
 
 /// Burn's CubeCL backend on WebGPU/Vulkan (what `burn::backend::Wgpu` is without `fusion`).
 #[cfg(feature = "wgpu")]

@@ -3,29 +3,16 @@
 
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{elemwise, empty, finish, kernels, on_cube, take, upload_u32, zeros, Cube, Kind};
+use super::{elemwise, empty, finish, kernels, on_cube, take, upload_u32, zeros, Cube, Input, Kind};
+pub use crate::Routing;
 
 /// Slots per block of the counting sort's histogram pass.
 const BLOCK: usize = 256;
 /// Most experts [`route`] sorts (one cube scans the per-expert totals in shared memory).
 pub const MAX_ROUTED_EXPERTS: usize = 1024;
-
-/// The expert-sorted order of `N = T k` routed copies, computed on the device.
-#[derive(Debug, Clone)]
-pub struct Routing<B: Backend> {
-    /// Copies per expert, `[E]`.
-    pub counts: Tensor<B, 1, Int>,
-    /// Where each expert's rows start, `[E + 1]` (the last entry is `N`).
-    pub offsets: Tensor<B, 1, Int>,
-    /// For each token-major slot `t k + j`, its sorted position, `[N]`.
-    pub dest: Tensor<B, 1, Int>,
-    /// For each sorted position, the slot it came from, `[N]` (what
-    /// `disagmoe_models::moe::Dispatch::slots` holds).
-    pub src: Tensor<B, 1, Int>,
-}
 
 /// A stable counting sort of the router's choices by expert, on the device: from the token-major
 /// expert ids (`ids[t k + j]`, each in `0..experts`) the per-expert counts and offsets and the
@@ -121,6 +108,102 @@ fn route_on<B: Backend, C: Cube>(kind: Kind, ids: Tensor<B, 1, Int>, experts: us
     })
 }
 
+/// The `k` largest scores of each row, on the device: `ids[t k + j]` (`u32` elements) is the
+/// column of row `t`'s `j`-th largest, ties to the lower column, as the host's
+/// `disagmoe_models::moe::top_k_rows` orders them (except that -0 and 0 tie here, and NaN
+/// scores have no order). `None` off CubeCL backends, for an empty batch, or for `k` outside
+/// `1..=E`.
+///
+/// # Shapes
+/// - scores: `[T, E]` -> `[T k]`
+pub fn top_k<B: Backend>(scores: Tensor<B, 2>, k: usize) -> Option<Tensor<B, 1, Int>> {
+    on_cube!(B, top_k_on(scores, k))
+}
+
+fn top_k_on<B: Backend, C: Cube>(kind: Kind, scores: Tensor<B, 2>, k: usize) -> Option<Tensor<B, 1, Int>> {
+    let [t, e] = scores.dims();
+    if t == 0 || k == 0 || k > e || t * e > u32::MAX as usize {
+        return None;
+    }
+    let scores = take::<B, C, 2>(kind, scores.detach())?;
+    let ids = empty(&scores.t, &[t * k], DType::U32);
+    let (count, dim) = elemwise(&scores.t, t);
+    kernels::top_k_rows::launch::<C::R>(
+        &scores.t.client,
+        count,
+        dim,
+        scores.t.clone().into_tensor_arg(),
+        ids.clone().into_tensor_arg(),
+        t as u32,
+        e as u32,
+        k as u32,
+        scores.t.dtype.into(),
+    );
+    Some(int_out::<B, C>(kind, ids))
+}
+
+/// Routed copies per expert and sequence, on the device: `counts[e B + b]` (`u32` elements) is
+/// how many of sequence `b`'s `per_sequence` token-major slots chose expert `e` (the last
+/// sequence may be shorter). What the balance losses and load metrics read, without the ids.
+/// `None` off CubeCL backends or for `per_sequence == 0`.
+///
+/// # Shapes
+/// - ids: `[N]` -> `[E * ceil(N / per_sequence)]`
+pub fn sequence_counts<B: Backend>(
+    ids: Tensor<B, 1, Int>,
+    experts: usize,
+    per_sequence: usize,
+) -> Option<Tensor<B, 1, Int>> {
+    on_cube!(B, sequence_counts_on(ids, experts, per_sequence))
+}
+
+fn sequence_counts_on<B: Backend, C: Cube>(
+    kind: Kind,
+    ids: Tensor<B, 1, Int>,
+    experts: usize,
+    per_sequence: usize,
+) -> Option<Tensor<B, 1, Int>> {
+    let n = ids.dims()[0];
+    if per_sequence == 0 || experts == 0 || n == 0 || n > u32::MAX as usize {
+        return None;
+    }
+    let ids = super::contiguous(int_in::<B, C>(kind, ids));
+    let sequences = n.div_ceil(per_sequence);
+    let counts = empty(&ids, &[experts * sequences], DType::U32);
+    let (count, dim) = elemwise(&ids, experts * sequences);
+    let dtype = ids.dtype;
+    kernels::route_hist::launch::<C::R>(
+        &ids.client.clone(),
+        count,
+        dim,
+        ids.into_tensor_arg(),
+        counts.clone().into_tensor_arg(),
+        n as u32,
+        experts as u32,
+        per_sequence as u32,
+        dtype.into(),
+    );
+    Some(int_out::<B, C>(kind, counts))
+}
+
+/// A routing's permutation both ways as `u32` index tensors (the kernels' index type): `(src,
+/// dest)`, `None` unless every one of the `n` copies is placed.
+fn routed_indices<B: Backend, C: Cube>(
+    kind: Kind,
+    routing: &Routing<B>,
+    n: usize,
+) -> Option<(CubeTensor<C::R>, CubeTensor<C::R>)> {
+    if routing.src.dims()[0] != n || routing.dest.dims()[0] != n {
+        return None;
+    }
+    let as_u32 = |t: &Tensor<B, 1, Int>| {
+        let t = t.clone();
+        let t = if t.dtype() == DType::U32 { t } else { t.cast(burn::tensor::IntDType::U32) };
+        super::contiguous(int_in::<B, C>(kind, t))
+    };
+    Some((as_u32(&routing.src), as_u32(&routing.dest)))
+}
+
 /// `slots` (sorted position -> token-major slot) as `u32`, with its inverse; `None` when it is not
 /// a permutation of `0..n`.
 fn permutation(slots: &[usize], n: usize) -> Option<(Vec<u32>, Vec<u32>)> {
@@ -146,6 +229,15 @@ pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> O
     on_cube!(B, permute_on(x, slots, k))
 }
 
+/// [`permute_rows`] in the order of a device-side [`route`] of all `T k` copies (its `src` and
+/// `dest`): no index crosses to or from the host.
+///
+/// # Shapes
+/// - x: `[T, M]`, routing of `T k` copies -> `[T k, M]`
+pub fn permute_rows_routed<B: Backend>(x: Tensor<B, 2>, routing: &Routing<B>, k: usize) -> Option<Tensor<B, 2>> {
+    on_cube!(B, permute_routed_on(x, routing, k))
+}
+
 fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize], k: usize) -> Option<Tensor<B, 2>> {
     let [t, m] = x.dims();
     let n = t * k;
@@ -154,9 +246,37 @@ fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize],
     }
     let (src, dest) = permutation(slots, n)?;
     let x = take::<B, C, 2>(kind, x)?;
+    let (src, dest) = (upload_u32(&x.t, &src), upload_u32(&x.t, &dest));
+    Some(permute_with::<B, C>(kind, x, src, dest, t, k))
+}
+
+fn permute_routed_on<B: Backend, C: Cube>(
+    kind: Kind,
+    x: Tensor<B, 2>,
+    routing: &Routing<B>,
+    k: usize,
+) -> Option<Tensor<B, 2>> {
+    let [t, m] = x.dims();
+    if k == 0 || t * k == 0 || m == 0 {
+        return None;
+    }
+    let (src, dest) = routed_indices::<B, C>(kind, routing, t * k)?;
+    let x = take::<B, C, 2>(kind, x)?;
+    Some(permute_with::<B, C>(kind, x, src, dest, t, k))
+}
+
+/// The permute kernel and its backward, from `u32` index tensors.
+fn permute_with<B: Backend, C: Cube>(
+    kind: Kind,
+    x: Input<C>,
+    src: CubeTensor<C::R>,
+    dest: CubeTensor<C::R>,
+    t: usize,
+    k: usize,
+) -> Tensor<B, 2> {
+    let m = x.t.meta.shape()[1];
+    let n = t * k;
     let dtype = x.t.dtype;
-    let src = upload_u32(&x.t, &src);
-    let dest = upload_u32(&x.t, &dest);
     let out = empty(&x.t, &[n, m], dtype);
     let (count, dim) = elemwise(&x.t, n * m);
     kernels::permute_rows::launch::<C::R>(
@@ -170,7 +290,7 @@ fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize],
         k as u32,
         dtype.into(),
     );
-    Some(finish::<B, C, 2, 1>(kind, [&x], out, move |dy, wanted| {
+    finish::<B, C, 2, 1>(kind, [&x], out, move |dy, wanted| {
         if !wanted[0] {
             return [None];
         }
@@ -188,7 +308,7 @@ fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize],
             dtype.into(),
         );
         [Some(dx)]
-    }))
+    })
 }
 
 /// Weights each expert output row by its gate and sums each token's `k` rows back in token
@@ -199,6 +319,18 @@ fn permute_on<B: Backend, C: Cube>(kind: Kind, x: Tensor<B, 2>, slots: &[usize],
 /// - ys: `[T k, M]` in expert order; weights: `[T, k]`; slots as in [`permute_rows`] -> `[T, M]`
 pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: &[usize]) -> Option<Tensor<B, 2>> {
     on_cube!(B, combine_on(ys, weights, slots))
+}
+
+/// [`combine_rows`] in the order of a device-side [`route`] of all `T k` copies.
+///
+/// # Shapes
+/// - ys: `[T k, M]` in expert order; weights: `[T, k]` -> `[T, M]`
+pub fn combine_rows_routed<B: Backend>(
+    ys: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    routing: &Routing<B>,
+) -> Option<Tensor<B, 2>> {
+    on_cube!(B, combine_routed_on(ys, weights, routing))
 }
 
 fn combine_on<B: Backend, C: Cube>(
@@ -215,12 +347,44 @@ fn combine_on<B: Backend, C: Cube>(
     let (src, dest) = permutation(slots, n)?;
     let ys = take::<B, C, 2>(kind, ys)?;
     let w = take::<B, C, 2>(kind, weights)?;
-    let dtype = ys.t.dtype;
-    if w.t.dtype != dtype {
+    if w.t.dtype != ys.t.dtype {
         return None;
     }
-    let src = upload_u32(&ys.t, &src);
-    let dest = upload_u32(&ys.t, &dest);
+    let (src, dest) = (upload_u32(&ys.t, &src), upload_u32(&ys.t, &dest));
+    Some(combine_with::<B, C>(kind, ys, w, src, dest))
+}
+
+fn combine_routed_on<B: Backend, C: Cube>(
+    kind: Kind,
+    ys: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    routing: &Routing<B>,
+) -> Option<Tensor<B, 2>> {
+    let [n, m] = ys.dims();
+    let [t, k] = weights.dims();
+    if n != t * k || n == 0 || m == 0 {
+        return None;
+    }
+    let (src, dest) = routed_indices::<B, C>(kind, routing, n)?;
+    let ys = take::<B, C, 2>(kind, ys)?;
+    let w = take::<B, C, 2>(kind, weights)?;
+    if w.t.dtype != ys.t.dtype {
+        return None;
+    }
+    Some(combine_with::<B, C>(kind, ys, w, src, dest))
+}
+
+/// The combine kernel and its backward, from `u32` index tensors.
+fn combine_with<B: Backend, C: Cube>(
+    kind: Kind,
+    ys: Input<C>,
+    w: Input<C>,
+    src: CubeTensor<C::R>,
+    dest: CubeTensor<C::R>,
+) -> Tensor<B, 2> {
+    let (n, m) = (ys.t.meta.shape()[0], ys.t.meta.shape()[1]);
+    let (t, k) = (w.t.meta.shape()[0], w.t.meta.shape()[1]);
+    let dtype = ys.t.dtype;
     let out = empty(&ys.t, &[t, m], dtype);
     let (count, dim) = elemwise(&ys.t, t * m);
     kernels::combine_rows::launch::<C::R>(
@@ -236,7 +400,7 @@ fn combine_on<B: Backend, C: Cube>(
         dtype.into(),
     );
     let (ys_saved, w_saved) = (ys.t.clone(), w.t.clone());
-    Some(finish::<B, C, 2, 2>(kind, [&ys, &w], out, move |dout, wanted| {
+    finish::<B, C, 2, 2>(kind, [&ys, &w], out, move |dout, wanted| {
         let client = dout.client.clone();
         let dys = wanted[0].then(|| {
             let dys = empty(&dout, &[n, m], dtype);
@@ -276,5 +440,5 @@ fn combine_on<B: Backend, C: Cube>(
             dw
         });
         [dys, dw]
-    }))
+    })
 }

@@ -28,7 +28,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::config::ScoringFunc;
 use crate::error::{ModelError, Result};
 use crate::init::Init;
-use crate::moe::{gather_chosen, Router, RouterOutput};
+use crate::moe::{choose_top_k, ExpertIds, Router, RouterOutput};
 use crate::weights::{CheckpointReader, TensorSink};
 
 /// Shape and rule of a [`DeepseekRouter`].
@@ -183,10 +183,17 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
             ScoringFunc::Sigmoid => sigmoid(logits.clone()),
             ScoringFunc::Softmax => softmax(logits.clone(), 1),
         }; // [T, E]
-           // 2-4. selection on the host
-        let ids = self.select(&host(scores.clone()), &self.bias_values(), t);
+        // 2-4. selection: with every group kept (one group, or `topk_group = n_group`) it is the
+        // top-k of the biased scores, on the device on CubeCL backends; group-limited selection
+        // runs on the host.
+        let ids = if self.config.topk_group >= self.config.n_group {
+            let biased = scores.clone() + self.e_score_correction_bias.val().unsqueeze::<2>();
+            choose_top_k(&biased.detach(), k)
+        } else {
+            ExpertIds::Host(self.select(&host(scores.clone()), &self.bias_values(), t))
+        };
         // 5. gate weights from the unbiased scores
-        let mut weights = gather_chosen(scores.clone(), &ids, k); // [T, k]
+        let mut weights = ids.gather(scores.clone(), k); // [T, k]
         if self.config.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1).add_scalar(1e-20);
         }
@@ -272,7 +279,7 @@ mod tests {
         r.update_bias(&[1, 1, 1, 0], 5.0).unwrap(); // bias [0, 0, 0, +5] (mean 0.75: three above, one below)
         assert_eq!(r.bias_values(), vec![-5.0, -5.0, -5.0, 5.0]);
         let out = r.route(Tensor::ones([1, 1], &device));
-        assert_eq!(out.ids, vec![3, 0]);
+        assert_eq!(out.ids.to_host(), vec![3, 0]);
         let s = |x: f32| 1.0 / (1.0 + (-x).exp());
         let (a, b) = (s(-1.0), s(2.0));
         let expected = [2.5 * a / (a + b), 2.5 * b / (a + b)];
@@ -303,7 +310,7 @@ mod tests {
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         }
         // Both experts of each token come from one group of three.
-        for ids in out.ids.chunks(2) {
+        for ids in out.ids.to_host().chunks(2) {
             assert_eq!(ids[0] / 3, ids[1] / 3, "{ids:?}");
         }
     }

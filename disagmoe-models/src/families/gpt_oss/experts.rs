@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::error::{ModelError, Result};
 use crate::init::Init;
-use crate::moe::{gather_chosen, top_k_ids, Experts, Router, RouterOutput};
+use crate::moe::{choose_top_k, Experts, Router, RouterOutput};
 use crate::weights::{CheckpointReader, TensorSink};
 
 /// GPT-OSS router: `logits = x W^T + b`, top-k of the logits, softmax over the k chosen.
@@ -38,8 +38,8 @@ impl<B: Backend> GptOssRouter<B> {
 impl<B: Backend> Router<B> for GptOssRouter<B> {
     fn route(&self, x: Tensor<B, 2>) -> RouterOutput<B> {
         let logits = x.matmul(self.weight.val().transpose()) + self.bias.val().unsqueeze::<2>(); // [T, E]
-        let ids = top_k_ids(&logits, self.top_k);
-        let weights = softmax(gather_chosen(logits.clone(), &ids, self.top_k), 1); // [T, k]
+        let ids = choose_top_k(&logits, self.top_k);
+        let weights = softmax(ids.gather(logits.clone(), self.top_k), 1); // [T, k]
         RouterOutput { probs: softmax(logits.clone(), 1), weights, ids, logits }
     }
     fn top_k(&self) -> usize {
