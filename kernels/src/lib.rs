@@ -157,7 +157,9 @@ pub mod fused {
 
     /// Causal (optionally windowed) grouped-query attention with optional per-head sinks: q
     /// `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]` -> `[B, S, H, E]`
-    /// (`crate::cpu::attention` on flex, `crate::cube::attention` on CubeCL backends).
+    /// (`crate::cpu::attention` on flex, `crate::cube::attention` on CubeCL backends; under a
+    /// low [`crate::precision`], the CubeCL kernel on operands in the low dtype where it measured
+    /// faster than the composition, `crate::cube::probe::attention_where_faster`).
     #[allow(unused_variables)]
     pub fn attention<B: Backend>(
         q: Tensor<B, 4>,
@@ -168,7 +170,9 @@ pub mod fused {
         window: Option<usize>,
     ) -> Option<Tensor<B, 4>> {
         if crate::precision::low() {
-            return None;
+            // The CPU operation is f32 only; the CubeCL kernel runs on operands in the low dtype
+            // where it measured faster than the composition (`crate::cube::probe`).
+            return cube_or_none!(probe::attention_where_faster(q, k, v, sinks, scale, window));
         }
         #[cfg(feature = "flex")]
         if cpu_available::<B>() {

@@ -10,9 +10,12 @@
 //! same casts, so a weight's gradient arrives in f32 and its products' gradients run in the low
 //! dtype too.
 //!
-//! The fused f32 operations that contain products (linear, attention, grouped experts) step
-//! aside under a low precision ([`crate::fused`] returns `None` for them), so the models run
-//! their reference compositions through [`matmul`].
+//! The fused CPU operations that contain products (linear, attention, grouped experts) are f32
+//! only and step aside under a low precision ([`crate::fused`] returns `None` for them), so the
+//! models run their reference compositions through [`matmul`]. On CubeCL backends the grouped
+//! expert kernels and the flash-attention kernel take part on operands cast to the low dtype
+//! (f32 accumulation, softmax in f32, output cast back to f32) where they measured faster than
+//! the composition (`crate::cube::probe`).
 //!
 //! One precision per process ([`set_precision`], what `disagmoe train --precision` sets), with a
 //! per-thread override for tests ([`set_precision_for_thread`]).

@@ -335,6 +335,16 @@ fn routing_on_the_device_chooses_sorts_counts_and_moves_tokens_as_the_host_does(
         assert_close("routed combine dys", &values(ys.grad(&gd).unwrap()), &values(ys.grad(&gh).unwrap()), 0.0);
         assert_close("routed combine dw", &values(w.grad(&gd).unwrap()), &values(w.grad(&gh).unwrap()), 0.0);
     }
+    // A routing of the backend's own int ids (not the `u32` of `top_k`) is cast for the kernels;
+    // the round robin of forced balance is built on the device the same way.
+    let (t, k, e, m) = (6, 2, 3, 5);
+    let robin = Tensor::<B, 1, Int>::arange(0..(t * k) as i64, &device()).remainder_scalar(e as i64);
+    assert_eq!(ints(robin.clone().cast(DType::U32)), (0..t * k).map(|s| s % e).collect::<Vec<_>>());
+    let routing = cube::route(robin, e).expect("route applies");
+    let (_, slots) = reference::route(&(0..t * k).map(|s| s % e).collect::<Vec<_>>(), e);
+    let x = rand([t, m], 47);
+    let got = cube::permute_rows_routed(x.clone(), &routing, k).expect("permute applies");
+    assert_close("permute by int ids", &values(got), &values(cube::permute_rows(x, &slots, k).unwrap()), 0.0);
     assert!(cube::top_k(rand([3, 4], 46), 5).is_none(), "k above the experts: refused");
     assert!(cube::top_k(rand([3, 4], 46), 0).is_none(), "k = 0: refused");
 }
@@ -486,8 +496,8 @@ fn the_switches_turn_the_kernels_off() {
     all(disagmoe_no_vulkan, not(feature = "cuda")),
     ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
 )]
-fn the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference() {
-    let _one = runtime_present("the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference");
+fn the_products_are_chosen_by_measurement_and_either_way_gives_the_reference() {
+    let _one = runtime_present("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference");
     assert_eq!(cube::probe::forced(), None, "{} is set: this test measures", cube::probe::ENV);
     // A cache of our own (the only test here that goes through the probe): measured afresh, and
     // the measurement written there.
@@ -500,7 +510,7 @@ fn the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference(
         .map(|e| (rand([i, m], 5 + e).mul_scalar(0.3), rand([i, m], 9 + e).mul_scalar(0.3), rand([m, i], 13 + e)))
         .collect();
     let mut precisions = vec![(disagmoe_kernels::precision::Precision::F32, "f32", 1e-4)];
-    if f16_supported("the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference") {
+    if f16_supported("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference") {
         precisions.push((disagmoe_kernels::precision::Precision::F16, "f16", F16_CHAINED_TOL));
     }
     for (precision, name, tol) in precisions {
@@ -545,13 +555,49 @@ fn the_expert_products_are_chosen_by_measurement_and_either_gives_the_reference(
         assert_eq!(cube::probe::measured().len(), measured.len());
         assert!(!m_class.cached, "measured by this process");
     }
+    // Attention under a low precision: the flash kernel on f16 operands (f32 out) or the
+    // composition, chosen the same way.
+    if f16_supported("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference") {
+        let (b, s, h, g, d) = (1, 70, 4, 2, 16);
+        let (q, k, v) = (rand([b, s, h, d], 51), rand([b, s, g, d], 52), rand([b, s, g, d], 53));
+        let sinks = Some(rand([h], 54));
+        let attend =
+            || disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9));
+        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9));
+        disagmoe_kernels::precision::set_precision_for_thread(Some(disagmoe_kernels::precision::Precision::F16));
+        let got = attend();
+        let measured = cube::probe::measured();
+        let a_class = measured
+            .iter()
+            .find(|r| r.class.starts_with("attention") && r.class.contains(", f16, 4 heads of 16,"))
+            .unwrap_or_else(|| panic!("no attention measurement: {measured:?}"));
+        eprintln!("{a_class:?}");
+        let faster = if a_class.grouped_s <= a_class.matmul_s {
+            cube::probe::ExpertProducts::Grouped
+        } else {
+            cube::probe::ExpertProducts::Matmul
+        };
+        assert_eq!(a_class.chosen, faster);
+        assert_eq!(got.is_some(), a_class.chosen == cube::probe::ExpertProducts::Grouped);
+        cube::probe::force_for_thread(Some(cube::probe::ExpertProducts::Grouped));
+        let ours = attend().expect("the kernel applies");
+        assert_eq!(ours.dtype(), DType::F32);
+        // q, k, v and the sinks rounded to f16, everything after in f32 (measured 6.3e-4).
+        assert_close("f16 flash attention against f32", &values(ours), &values(want), 2.0 * F16_EPS);
+        cube::probe::force_for_thread(Some(cube::probe::ExpertProducts::Matmul));
+        assert!(attend().is_none(), "the composition: the caller's reference");
+        cube::probe::force_for_thread(None);
+        assert_eq!(cube::probe::measured().len(), measured.len(), "measured once");
+    }
     disagmoe_kernels::precision::set_precision_for_thread(None);
     // Kept for the next process: one line per class measured.
     let lines = std::fs::read_to_string(cube::probe::cache_file().unwrap()).unwrap();
-    assert_eq!(
-        lines.lines().filter(|l| l.contains("SwiGLU experts")).count(),
-        cube::probe::measured().len(),
-        "{lines}"
-    );
+    for what in ["SwiGLU experts", "attention"] {
+        assert_eq!(
+            lines.lines().filter(|l| l.contains(&format!("\t{what} on "))).count(),
+            cube::probe::measured().iter().filter(|m| m.class.starts_with(what)).count(),
+            "{what}: {lines}"
+        );
+    }
     let _ = std::fs::remove_dir_all(cache);
 }

@@ -159,11 +159,11 @@ pub(crate) fn rows_bucket(rows: usize) -> usize {
 
 /// The implementation for `class`: the forced one, the one measured before, or measured now by
 /// running `grouped` (`None`: our kernels do not apply) and `matmul` on `device`.
-pub(crate) fn choose<B: Backend>(
+pub(crate) fn choose<B: Backend, T>(
     class: String,
     device: &B::Device,
-    mut grouped: impl FnMut() -> Option<Tensor<B, 2>>,
-    mut matmul: impl FnMut() -> Tensor<B, 2>,
+    mut grouped: impl FnMut() -> Option<T>,
+    mut matmul: impl FnMut() -> T,
 ) -> ExpertProducts {
     if let Some(f) = forced() {
         return f;
@@ -221,6 +221,12 @@ fn to<B: Backend, const D: usize>(t: Tensor<B, D>, low: Option<DType>) -> Tensor
 /// The class of a layer's expert products (see the module docs).
 fn class<B: Backend>(what: &str, device: &B::Device, low: Option<DType>, dims: [usize; 4]) -> String {
     let [rows, m, i, e] = dims;
+    let sizes = format!("width {m}, intermediate {i}, {e} experts, up to {} rows", rows_bucket(rows));
+    class_of::<B>(what, device, low, &sizes)
+}
+
+/// `{what} on {runtime} {device}, {dtype}, {sizes}`.
+fn class_of<B: Backend>(what: &str, device: &B::Device, low: Option<DType>, sizes: &str) -> String {
     let dtype = low.map_or_else(|| "f32".to_owned(), |d| format!("{d:?}").to_lowercase());
     let name = std::any::type_name::<B>();
     let runtime = if name.contains("Cuda") {
@@ -231,10 +237,7 @@ fn class<B: Backend>(what: &str, device: &B::Device, low: Option<DType>, dims: [
         "cubecl"
     };
     let graph = if name.contains("Autodiff") { " autodiff" } else { "" };
-    format!(
-        "{what} on {runtime}{graph} {device:?}, {dtype}, width {m}, intermediate {i}, {e} experts, up to {} rows",
-        rows_bucket(rows)
-    )
+    format!("{what} on {runtime}{graph} {device:?}, {dtype}, {sizes}")
 }
 
 /// [`super::swiglu_experts`] where it is faster than CubeCL's matmul expert by expert (measured,
@@ -260,7 +263,7 @@ pub fn swiglu_experts_where_faster<B: Backend>(
     let detached: Vec<Swiglu<B>> =
         experts.iter().map(|(g, u, d)| (g.clone().detach(), u.clone().detach(), d.clone().detach())).collect();
     let class = class::<B>("SwiGLU experts", &device, low, [xs.dims()[0], m, i, experts.len()]);
-    let choice = choose::<B>(
+    let choice = choose::<B, _>(
         class,
         &device,
         || run(xs.clone().detach(), &detached),
@@ -298,7 +301,7 @@ pub fn gpt_oss_experts_where_faster<B: Backend>(
     let (gu, gub, dn, dnb) =
         (gate_up.clone().detach(), gate_up_bias.clone().detach(), down.clone().detach(), down_bias.clone().detach());
     let class = class::<B>("GPT-OSS experts", &device, low, [xs.dims()[0], m, two_i / 2, e]);
-    let choice = choose::<B>(
+    let choice = choose::<B, _>(
         class,
         &device,
         || run(xs.clone().detach(), gu.clone(), gub.clone(), dn.clone(), dnb.clone()),
@@ -309,6 +312,53 @@ pub fn gpt_oss_experts_where_faster<B: Backend>(
     );
     match choice {
         ExpertProducts::Grouped => run(xs, gate_up, gate_up_bias, down, down_bias),
+        ExpertProducts::Matmul => None,
+    }
+}
+
+/// Attention under a low product precision: [`super::attention`] (flash attention) on operands
+/// cast to it, where that is faster than the reference composition (`crate::reference::attention`,
+/// whose `q k^T` and `p v` run in the low dtype through `crate::precision::matmul`, on CubeCL's
+/// autotuned, on CUDA tensor-core, matmul), measured and kept as the expert products are (see
+/// the module docs; "grouped" there is our kernel, "matmul" the composition). The kernel keeps
+/// the softmax, its running maximum and sums in f32 (the sinks, one logit per head, are rounded
+/// to the low dtype with the operands); its output is cast back to f32. `None` where the
+/// composition is faster, the precision is f32, or the kernel does not apply.
+///
+/// # Shapes
+/// - as [`super::attention`]
+pub fn attention_where_faster<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    window: Option<usize>,
+) -> Option<Tensor<B, 4>> {
+    let low = crate::precision::precision().dtype()?;
+    let run = |q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, sinks: Option<Tensor<B, 1>>| {
+        let sinks = sinks.map(|x| x.cast(low));
+        super::attention(q.cast(low), k.cast(low), v.cast(low), sinks, scale, window).map(|y| y.cast(DType::F32))
+    };
+    let ([b, s, h, d], [_, _, g, _], e) = (q.dims(), k.dims(), v.dims()[3]);
+    let device = q.device();
+    let sizes = format!(
+        "{h} heads of {d}, {g} key/value heads of {e}, window {}, sinks {}, batch {b}, up to {} positions",
+        window.map_or_else(|| "none".to_owned(), |w| w.to_string()),
+        if sinks.is_some() { "yes" } else { "no" },
+        rows_bucket(s)
+    );
+    let class = class_of::<B>("attention", &device, Some(low), &sizes);
+    let (qd, kd, vd, sd) =
+        (q.clone().detach(), k.clone().detach(), v.clone().detach(), sinks.clone().map(|x| x.detach()));
+    let choice = choose::<B, Tensor<B, 4>>(
+        class,
+        &device,
+        || run(qd.clone(), kd.clone(), vd.clone(), sd.clone()),
+        || crate::reference::attention(qd.clone(), kd.clone(), vd.clone(), sd.clone(), scale, window),
+    );
+    match choice {
+        ExpertProducts::Grouped => run(q, k, v, sinks),
         ExpertProducts::Matmul => None,
     }
 }
