@@ -13,7 +13,8 @@
 //! 5. gate weights = `scores` of the chosen experts, divided by their sum (+1e-20) when
 //!    `norm_topk_prob`, times `routed_scaling_factor`.
 //!
-//! Steps 2-4 run on the host (they decide shapes); ties go to the lower index.
+//! Steps 2-4 run on the device on CubeCL backends ([`DeepseekRouter::select_on_device`]), else on
+//! the host ([`DeepseekRouter::select`]); ties go to the lower index.
 //!
 //! # Aux-loss-free balancing (DeepSeek-V3 paper, section 2.1.2)
 //! After each step, [`DeepseekRouter::update_bias`] moves each expert's bias by `rate` towards
@@ -23,7 +24,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::ScoringFunc;
 use crate::error::{ModelError, Result};
@@ -132,6 +133,36 @@ impl<B: Backend> DeepseekRouter<B> {
         Ok(())
     }
 
+    /// Steps 3-4 on the device (CubeCL backends), from the biased scores `choice` `[T, E]`: each
+    /// group's score is the sum of its two best choices (the top-k kernel on `[T G, E / G]`), the
+    /// `topk_group` best groups are kept (the top-k kernel again, ties to the lower group), and
+    /// the `k` best choices among their experts are chosen (the others masked below every
+    /// score). The same experts as [`DeepseekRouter::select`], `[T k]` token-major, best first;
+    /// `None` where the kernels do not apply.
+    pub fn select_on_device(&self, choice: Tensor<B, 2>) -> Option<Tensor<B, 1, Int>> {
+        let DeepseekRouterConfig { experts: e, top_k: k, n_group: g, topk_group: keep, .. } = self.config;
+        let (t, per) = (choice.dims()[0], e / g);
+        let device = choice.device();
+        let grouped = choice.clone().reshape([t * g, per]);
+        let best = per.min(2);
+        let top_ids = disagmoe_kernels::fused::top_k(grouped.clone(), best)?.reshape([t * g, best]);
+        let top = grouped.gather(1, top_ids); // [T G, best], best first
+        let group_scores = match best {
+            2 => top.clone().narrow(1, 0, 1) + top.narrow(1, 1, 1),
+            _ => top,
+        }
+        .reshape([t, g]);
+        let kept = disagmoe_kernels::fused::top_k(group_scores, keep)?; // [T keep]
+        let group_of = Tensor::<B, 1, Int>::arange(0..e as i64, &device).div_scalar(per as i64).cast(kept.dtype());
+        let allowed = kept
+            .reshape([t, keep, 1])
+            .expand([t, keep, e])
+            .equal(group_of.reshape([1, 1, e]).expand([t, keep, e]))
+            .any_dim(1)
+            .reshape([t, e]);
+        disagmoe_kernels::fused::top_k(choice.mask_fill(allowed.bool_not(), f32::MIN), k)
+    }
+
     /// Steps 2-4: the chosen experts of each token from host scores `[T, E]` and bias `[E]`,
     /// token-major, best first.
     pub fn select(&self, scores: &[f32], bias: &[f32], tokens: usize) -> Vec<usize> {
@@ -183,14 +214,16 @@ impl<B: Backend> Router<B> for DeepseekRouter<B> {
             ScoringFunc::Sigmoid => sigmoid(logits.clone()),
             ScoringFunc::Softmax => softmax(logits.clone(), 1),
         }; // [T, E]
-        // 2-4. selection: with every group kept (one group, or `topk_group = n_group`) it is the
-        // top-k of the biased scores, on the device on CubeCL backends; group-limited selection
-        // runs on the host.
+        // 2-4. selection, on the device on CubeCL backends (with every group kept, one group or
+        // `topk_group = n_group`, it is the top-k of the biased scores), else on the host.
+        let choice = (scores.clone() + self.e_score_correction_bias.val().unsqueeze::<2>()).detach();
         let ids = if self.config.topk_group >= self.config.n_group {
-            let biased = scores.clone() + self.e_score_correction_bias.val().unsqueeze::<2>();
-            choose_top_k(&biased.detach(), k)
+            choose_top_k(&choice, k)
         } else {
-            ExpertIds::Host(self.select(&host(scores.clone()), &self.bias_values(), t))
+            match self.select_on_device(choice) {
+                Some(ids) => ExpertIds::Device(ids),
+                None => ExpertIds::Host(self.select(&host(scores.clone()), &self.bias_values(), t)),
+            }
         };
         // 5. gate weights from the unbiased scores
         let mut weights = ids.gather(scores.clone(), k); // [T, k]
