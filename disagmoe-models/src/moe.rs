@@ -853,8 +853,13 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         counts: &[usize],
     ) -> Option<Tensor<B, 2>> {
         let (e, k) = (self.experts.num_experts(), self.gate.top_k());
-        let routing = disagmoe_kernels::fused::route(ids.clone(), e)?;
         let n = ids.dims()[0];
+        // The routed kernels trust the routing to place every copy: the counts (on the host
+        // already, counted on the device from the same ids) say whether each id was an expert.
+        if counts.len() != e || counts.iter().sum::<usize>() != n {
+            return None;
+        }
+        let routing = disagmoe_kernels::fused::route(ids.clone(), e)?;
         let xs = disagmoe_kernels::fused::permute_routed(flat, &routing, k, self.shared_experts.is_some())?;
         let (xs, shared_in) = match &self.shared_experts {
             Some(_) => {

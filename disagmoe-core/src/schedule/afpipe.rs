@@ -538,4 +538,50 @@ mod tests {
         assert!(checked >= 25 && windowed > 0 && recomputed > 0 && ffn_all_reduces > 0,
             "{checked} allocations, {windowed} windowed, {recomputed} recomputed, {ffn_all_reduces} with expert all-reduces");
     }
+
+    /// A schedule's fingerprint: its op count and the FNV-1a hash of its JSON (every op's worker,
+    /// stream, kind, micro-batch, layer, chunk, dependencies, duration, FLOPs and bytes).
+    fn fingerprint(schedule: &Schedule) -> (usize, u64) {
+        let json = serde_json::to_string(schedule).unwrap();
+        let hash = json.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        (schedule.ops.len(), hash)
+    }
+
+    /// Pinned to what the first AF-Pipe builder (the one that pushed ops one by one, before
+    /// `AfPipe`, at commit b084daa) listed and simulated for these allocations, so a change to
+    /// `AfPipe::op` or `AfPipe::deps` cannot pass by changing both sides of the test above.
+    /// A deliberate change to the schedule updates these values and says why.
+    #[test]
+    fn the_program_is_the_schedule_of_the_first_builder() {
+        let cases = [
+            ("qwen3-30b-a3b", "h100x4", 4096, 2, 16, GOLDEN[0]),
+            ("deepseek-moe-16b", "h100x4", 4096, 4, 64, GOLDEN[1]),
+            ("mixtral-8x7b", "h100x4", 8192, 1, 48, GOLDEN[2]),
+        ];
+        for (model, cluster, seq, micro_batch, micro_batches, (ops, hash, step_bits)) in cases {
+            let w = Workload { seq, micro_batch, global_batch: micro_batch * micro_batches };
+            let cost =
+                CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
+            let problem = AllocationProblem::new(&cost, None).unwrap();
+            let pairs: Vec<_> = problem
+                .attention
+                .iter()
+                .flat_map(|a| problem.ffn.iter().filter(|f| problem.compatible(a, f)).map(move |f| (*a, *f)))
+                .collect();
+            let (a, f) = pairs[pairs.len() / 2];
+            let alloc = AllocationProblem::allocation(&a, &f);
+            let schedule = build_afpipe(&cost, &alloc).unwrap();
+            let step = simulate(&schedule).unwrap().step_s;
+            assert_eq!(fingerprint(&schedule), (ops, hash), "{model} {alloc:?}");
+            assert_eq!(step.to_bits(), step_bits, "{model} {alloc:?}: step {step} s");
+            assert_eq!(AfPipe::new(&cost, &alloc).unwrap().step_time().unwrap().to_bits(), step_bits);
+        }
+    }
+
+    /// (ops, hash, step time's bits) per case, from b084daa's builder.
+    const GOLDEN: [(usize, u64, u64); 3] = [
+        (9250, 0xca7e_9c89_4fda_4d35, 0x3ff4_80e2_dcb6_b13e),
+        (21636, 0x3182_22b8_8a41_00cb, 0x401c_d15a_d1db_b3d5),
+        (18531, 0x700d_01cb_504f_f9de, 0x4017_e07f_ffcf_3176),
+    ];
 }

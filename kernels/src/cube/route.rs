@@ -47,10 +47,15 @@ fn route_on<B: Backend, C: Cube>(kind: Kind, ids: Tensor<B, 1, Int>, experts: us
     if experts == 0 || experts > MAX_ROUTED_EXPERTS {
         return None;
     }
-    let ids = super::contiguous(int_in::<B, C>(kind, ids));
-    let n = ids.meta.shape().num_elements();
-    let dtype = ids.dtype;
+    let n = ids.dims()[0];
     let nblocks = n.div_ceil(BLOCK).max(1);
+    // The kernels' u32 arithmetic: a slot plus one block, and every (expert, block) count.
+    let fits = |x: Option<usize>| x.is_some_and(|x| x <= u32::MAX as usize);
+    if !fits(n.checked_add(BLOCK)) || !fits(experts.checked_mul(nblocks)) {
+        return None;
+    }
+    let ids = super::contiguous(int_in::<B, C>(kind, ids));
+    let dtype = ids.dtype;
     let hist = empty(&ids, &[experts * nblocks], burn::tensor::DType::U32);
     let counts = empty(&ids, &[experts], dtype);
     let offsets = empty(&ids, &[experts + 1], dtype);
@@ -164,11 +169,16 @@ fn sequence_counts_on<B: Backend, C: Cube>(
     per_sequence: usize,
 ) -> Option<Tensor<B, 1, Int>> {
     let n = ids.dims()[0];
-    if per_sequence == 0 || experts == 0 || n == 0 || n > u32::MAX as usize {
+    // The kernel's u32 arithmetic: a slot plus one sequence, and every (expert, sequence) count.
+    let fits = |x: Option<usize>| x.is_some_and(|x| x <= u32::MAX as usize);
+    if per_sequence == 0 || experts == 0 || n == 0 || !fits(n.checked_add(per_sequence)) {
+        return None;
+    }
+    let sequences = n.div_ceil(per_sequence);
+    if !fits(experts.checked_mul(sequences)) {
         return None;
     }
     let ids = super::contiguous(int_in::<B, C>(kind, ids));
-    let sequences = n.div_ceil(per_sequence);
     let counts = empty(&ids, &[experts * sequences], DType::U32);
     let (count, dim) = elemwise(&ids, experts * sequences);
     let dtype = ids.dtype;
@@ -187,7 +197,9 @@ fn sequence_counts_on<B: Backend, C: Cube>(
 }
 
 /// A routing's permutation both ways as `u32` index tensors (the kernels' index type): `(src,
-/// dest)`, `None` unless every one of the `n` copies is placed.
+/// dest)`, `None` unless both hold `n` entries. Whether every copy was placed (every id in
+/// `0..experts`) is not checked here, as it would read the device back: the callers know it from
+/// the counts.
 fn routed_indices<B: Backend, C: Cube>(
     kind: Kind,
     routing: &Routing<B>,
@@ -231,6 +243,9 @@ pub fn permute_rows<B: Backend>(x: Tensor<B, 2>, slots: &[usize], k: usize) -> O
 
 /// [`permute_rows`] in the order of a device-side [`route`] of all `T k` copies (its `src` and
 /// `dest`): no index crosses to or from the host.
+///
+/// The routing must place every copy (its ids all in `0..experts`, so its counts sum to `T k`);
+/// for one that does not, rows are read from unplaced entries and the result is meaningless.
 ///
 /// # Shapes
 /// - x: `[T, M]`, routing of `T k` copies -> `[T k, M]`
@@ -321,7 +336,8 @@ pub fn combine_rows<B: Backend>(ys: Tensor<B, 2>, weights: Tensor<B, 2>, slots: 
     on_cube!(B, combine_on(ys, weights, slots))
 }
 
-/// [`combine_rows`] in the order of a device-side [`route`] of all `T k` copies.
+/// [`combine_rows`] in the order of a device-side [`route`] of all `T k` copies, which must all
+/// be placed, as for [`permute_rows_routed`].
 ///
 /// # Shapes
 /// - ys: `[T k, M]` in expert order; weights: `[T, k]` -> `[T, M]`

@@ -138,9 +138,13 @@ impl<B: Backend> DeepseekRouter<B> {
     /// `topk_group` best groups are kept (the top-k kernel again, ties to the lower group), and
     /// the `k` best choices among their experts are chosen (the others masked below every
     /// score). The same experts as [`DeepseekRouter::select`], `[T k]` token-major, best first;
-    /// `None` where the kernels do not apply.
+    /// `None` where the kernels do not apply, or for a configuration whose groups do not split
+    /// the scores' columns evenly (one built by hand rather than checked from JSON).
     pub fn select_on_device(&self, choice: Tensor<B, 2>) -> Option<Tensor<B, 1, Int>> {
         let DeepseekRouterConfig { experts: e, top_k: k, n_group: g, topk_group: keep, .. } = self.config;
+        if g == 0 || e % g != 0 || choice.dims()[1] != e || !(1..=g).contains(&keep) {
+            return None;
+        }
         let (t, per) = (choice.dims()[0], e / g);
         let device = choice.device();
         let grouped = choice.clone().reshape([t * g, per]);
