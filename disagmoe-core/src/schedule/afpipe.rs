@@ -492,6 +492,28 @@ mod tests {
     use crate::schedule::Dependents;
     use crate::simulator::simulate;
 
+    /// A setting's cost model and every allocation its planner considers (attention and expert
+    /// options with the same groups that fit the cluster).
+    fn allocations(
+        model: &str,
+        cluster: &str,
+        seq: usize,
+        micro_batch: usize,
+        micro_batches: usize,
+    ) -> (CostModel, Vec<Allocation>) {
+        let w = Workload { seq, micro_batch, global_batch: micro_batch * micro_batches };
+        let cost = CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
+        let problem = AllocationProblem::new(&cost, None).unwrap();
+        let allocations = problem
+            .attention
+            .iter()
+            .flat_map(|a| {
+                problem.ffn.iter().filter(|f| problem.compatible(a, f)).map(|f| AllocationProblem::allocation(a, f))
+            })
+            .collect();
+        (cost, allocations)
+    }
+
     /// Every model family (with shared experts and dense layers: expert all-reduces), windows
     /// below and at the step's micro-batches, with and without recomputation, one group to many.
     #[test]
@@ -505,17 +527,8 @@ mod tests {
         ];
         let (mut checked, mut windowed, mut recomputed, mut ffn_all_reduces) = (0, 0, 0, 0);
         for (model, cluster, seq, micro_batch, micro_batches) in settings {
-            let w = Workload { seq, micro_batch, global_batch: micro_batch * micro_batches };
-            let cost =
-                CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
-            let problem = AllocationProblem::new(&cost, None).unwrap();
-            let pairs: Vec<_> = problem
-                .attention
-                .iter()
-                .flat_map(|a| problem.ffn.iter().filter(|f| problem.compatible(a, f)).map(move |f| (*a, *f)))
-                .collect();
-            for (a, f) in pairs.iter().step_by((pairs.len() / 6).max(1)) {
-                let alloc = AllocationProblem::allocation(a, f);
+            let (cost, allocations) = allocations(model, cluster, seq, micro_batch, micro_batches);
+            for &alloc in allocations.iter().step_by((allocations.len() / 6).max(1)) {
                 let program = AfPipe::new(&cost, &alloc).unwrap();
                 let schedule = program.build().unwrap();
                 assert_eq!(schedule.ops.len(), program.len());
@@ -559,17 +572,8 @@ mod tests {
             ("mixtral-8x7b", "h100x4", 8192, 1, 48, GOLDEN[2]),
         ];
         for (model, cluster, seq, micro_batch, micro_batches, (ops, hash, step_bits)) in cases {
-            let w = Workload { seq, micro_batch, global_batch: micro_batch * micro_batches };
-            let cost =
-                CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
-            let problem = AllocationProblem::new(&cost, None).unwrap();
-            let pairs: Vec<_> = problem
-                .attention
-                .iter()
-                .flat_map(|a| problem.ffn.iter().filter(|f| problem.compatible(a, f)).map(move |f| (*a, *f)))
-                .collect();
-            let (a, f) = pairs[pairs.len() / 2];
-            let alloc = AllocationProblem::allocation(&a, &f);
+            let (cost, allocations) = allocations(model, cluster, seq, micro_batch, micro_batches);
+            let alloc = allocations[allocations.len() / 2];
             let schedule = build_afpipe(&cost, &alloc).unwrap();
             let step = simulate(&schedule).unwrap().step_s;
             assert_eq!(fingerprint(&schedule), (ops, hash), "{model} {alloc:?}");
