@@ -306,6 +306,17 @@ mod tests {
         assert_eq!(r.select(&scores, &bias, 1), vec![0, 2, 3]);
     }
 
+    /// A configuration built by hand (the JSON path refuses it) whose groups do not split the
+    /// experts, or scores of another width: the device selection declines, it does not panic.
+    #[test]
+    fn device_selection_declines_groups_that_do_not_split_the_scores() {
+        let device = Default::default();
+        let uneven = router(10, 2, 4, 2, ScoringFunc::Sigmoid);
+        assert!(uneven.select_on_device(Tensor::<Flex, 2>::zeros([3, 10], &device)).is_none());
+        let even = router(8, 2, 4, 2, ScoringFunc::Sigmoid);
+        assert!(even.select_on_device(Tensor::<Flex, 2>::zeros([3, 6], &device)).is_none());
+    }
+
     #[test]
     fn gate_weights_come_from_unbiased_scores_normalised_and_scaled() {
         let device = Default::default();
