@@ -378,20 +378,22 @@ impl<B: Backend> ExpertIds<B> {
         self.len() == 0
     }
 
-    /// The ids on the host (a read from the device, counted by [`device_id_reads`], when they
-    /// are there: for the paths that need them, such as the runtime's host messages).
-    pub fn to_host(&self) -> Vec<usize> {
+    /// The ids on the host: borrowed when they are there, else read from the device (counted by
+    /// [`device_id_reads`]: for the paths that need them, such as the runtime's host messages).
+    pub fn to_host(&self) -> std::borrow::Cow<'_, [usize]> {
         match self {
-            Self::Host(ids) => ids.clone(),
+            Self::Host(ids) => std::borrow::Cow::Borrowed(ids),
             Self::Device(ids) => {
                 DEVICE_ID_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                ids.to_data()
-                    .convert::<i64>()
-                    .to_vec::<i64>()
-                    .expect("int ids")
-                    .into_iter()
-                    .map(|e| e as usize)
-                    .collect()
+                std::borrow::Cow::Owned(
+                    ids.to_data()
+                        .convert::<i64>()
+                        .to_vec::<i64>()
+                        .expect("int ids")
+                        .into_iter()
+                        .map(|e| e as usize)
+                        .collect(),
+                )
             }
         }
     }
