@@ -29,7 +29,7 @@ impl Summable for f32 {}
 impl Summable for f64 {}
 
 /// The values of an all-reduce as they travel between workers.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum ReduceData {
     /// Gradients and counts.
     F32(Vec<f32>),

@@ -23,6 +23,8 @@ pub mod predict;
 pub mod shards;
 pub mod trace;
 pub mod transport;
+#[cfg(feature = "wire")]
+pub mod wire_samples;
 pub mod worker;
 
 use std::path::PathBuf;

@@ -25,7 +25,7 @@ use super::part::{NamedParts, StackedRows};
 use crate::error::{Result, TrainError};
 
 /// What a worker wrote: the file of each tensor, and the bytes of tensor data it wrote.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ShardReport {
     /// `(tensor name, file name)`.
     pub files: Vec<(String, String)>,

@@ -13,7 +13,7 @@ pub const COMPUTE: u32 = 0;
 pub const COMM: u32 = 1;
 
 /// A complete event (`"ph": "X"`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceEvent {
     /// What happened (`fwd attn L2 mb1`, `wait`, `send dispatch -> 3`).
     pub name: String,

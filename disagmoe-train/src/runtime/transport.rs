@@ -37,7 +37,7 @@ pub fn now_us() -> u64 {
 }
 
 /// A dense f32 tensor on the host, as it travels.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct HostTensor {
     /// Dimensions.
     pub shape: Vec<usize>,
@@ -54,7 +54,7 @@ impl HostTensor {
 
 /// One routed layer's share of the balance loss of a micro-batch: its routing and the sums of its
 /// router's scores per sequence.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct LayerAux {
     /// The layer.
     pub layer: usize,
@@ -65,7 +65,7 @@ pub struct LayerAux {
 }
 
 /// What the balance loss needs, carried along the layers of a micro-batch's forward pass.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct AuxSums {
     /// The routed layers so far, in order.
     pub layers: Vec<LayerAux>,
@@ -73,7 +73,7 @@ pub struct AuxSums {
 
 /// The gradient of the loss with respect to one routed layer's score sums (`[B, E]`), the
 /// coefficient and the micro-batch weight included.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct LayerCoefficients {
     /// The layer.
     pub layer: usize,
@@ -82,7 +82,7 @@ pub struct LayerCoefficients {
 }
 
 /// What workers send each other.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
     /// Attention -> expert holder (M2N): the tokens of micro-batch `mb` this holder serves at
     /// `layer`, each once, with the gate weights and expert ids of all `k` choices.
@@ -280,7 +280,7 @@ impl Msg {
 }
 
 /// A message with its routing and timing.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope {
     /// Sending worker.
     pub src: usize,
@@ -304,25 +304,31 @@ impl Envelope {
     /// An envelope from [`Envelope::to_bytes`]; the decoder's complaint if the bytes are not one,
     /// or if what they decode to is malformed ([`Msg::check`]).
     ///
-    /// Memory is bounded by the message, whatever its length fields claim: strings are decoded
-    /// under a limit of the next power of 16 above the message's size (at least 64 KiB), so their
-    /// declared lengths together cannot reserve more; a sequence reserves at most serde's cautious
-    /// 1 MiB before its elements arrive, and every element consumes input bytes.
+    /// Every well-formed envelope decodes, whatever its size and content, and memory stays bounded
+    /// by the message whatever its length fields claim. bincode's limit counts the bytes each
+    /// decoded value takes in memory, not the bytes read: a small `usize` or `u64` is one byte on
+    /// the wire (a varint) and claims 8. So the limit is [`CLAIM_PER_BYTE`] times the message's
+    /// size (rounded up to a power of 4) plus [`CLAIM_SLACK`], at most `32 n + 1 MiB` for `n`
+    /// bytes: a string's declared length (allocated before its bytes are read) cannot reserve more,
+    /// a sequence reserves at most serde's cautious 1 MiB before its elements arrive, and every
+    /// element consumes input bytes.
     pub fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
         fn limited<const L: usize>(
             bytes: &[u8],
         ) -> std::result::Result<(Envelope, usize), bincode::error::DecodeError> {
             bincode::serde::decode_from_slice(bytes, bincode::config::standard().with_limit::<L>())
         }
-        let decoded = match bytes.len() {
-            n if n <= 1 << 16 => limited::<{ 1 << 16 }>(bytes),
-            n if n <= 1 << 20 => limited::<{ 1 << 20 }>(bytes),
-            n if n <= 1 << 24 => limited::<{ 1 << 24 }>(bytes),
-            n if n <= 1 << 28 => limited::<{ 1 << 28 }>(bytes),
-            n if n <= 1 << 32 => limited::<{ 1 << 32 }>(bytes),
-            n if n <= 1 << 36 => limited::<{ 1 << 36 }>(bytes),
-            _ => limited::<{ 1 << 40 }>(bytes),
-        };
+        /// One monomorphised decoder per size class (bincode's limit is a type-level constant).
+        macro_rules! by_size {
+            ($($log4:literal)+) => {
+                match bytes.len() {
+                    $(n if n <= 1 << (2 * $log4) => limited::<{ CLAIM_PER_BYTE * (1 << (2 * $log4)) + CLAIM_SLACK }>(bytes),)+
+                    // Over 16 TiB: the bytes themselves are already more than any claim.
+                    _ => limited::<{ usize::MAX }>(bytes),
+                }
+            };
+        }
+        let decoded = by_size!(6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22);
         match decoded {
             Ok((env, used)) if used == bytes.len() => env.msg.check().map(|()| env),
             Ok((_, used)) => Err(format!("{} bytes left over after an envelope of {used}", bytes.len() - used)),
@@ -330,6 +336,17 @@ impl Envelope {
         }
     }
 }
+
+/// The most bytes of memory a decoded envelope's values claim per byte on the wire: the widest
+/// element any message holds is 8 bytes (`usize`, `u64`, `f64`), and the narrowest encoding of one
+/// is a single varint byte. (No message holds a `u128` or a zero-sized element; a new field of
+/// either kind must raise this.)
+#[cfg(feature = "wire")]
+pub const CLAIM_PER_BYTE: usize = 8;
+
+/// What a decode may claim beyond [`CLAIM_PER_BYTE`] per byte.
+#[cfg(feature = "wire")]
+pub const CLAIM_SLACK: usize = 1 << 20;
 
 /// Tag of a message sent whole.
 #[cfg(feature = "wire")]
@@ -787,6 +804,60 @@ mod tests {
             let e = Envelope::from_bytes(&env(msg).to_bytes()).expect_err(what);
             assert!(e.contains("for"), "{what}: {e}");
         }
+    }
+
+    /// Every well-formed envelope decodes to itself: thousands of random ones of every kind, with
+    /// values and sizes over their whole range (`wire_samples`), multi-MiB tensors among them.
+    #[test]
+    #[cfg(feature = "wire")]
+    fn every_well_formed_envelope_of_every_kind_decodes_to_itself() {
+        use super::super::wire_samples::{Sampler, KINDS};
+        use rand::{rngs::StdRng, RngCore, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(29);
+        let mut sampler = Sampler::new(move || rng.next_u64());
+        let (mut kinds, mut largest) = (std::collections::BTreeSet::new(), 0);
+        for i in 0..(KINDS * 150) {
+            let env = sampler.envelope(i);
+            env.msg.check().unwrap_or_else(|e| panic!("sample {i} is malformed: {e}"));
+            let bytes = env.to_bytes();
+            let back = Envelope::from_bytes(&bytes).unwrap_or_else(|e| {
+                panic!("sample {i} ({}, {} bytes) does not decode: {e}", env.msg.kind(), bytes.len())
+            });
+            assert!(back == env, "sample {i} ({}) decodes to another envelope", env.msg.kind());
+            kinds.insert(env.msg.kind());
+            largest = largest.max(bytes.len());
+        }
+        assert_eq!(kinds.len(), KINDS, "every kind sampled: {kinds:?}");
+        assert!(largest > 4 << 20, "a multi-MiB envelope among the samples (largest {largest} bytes)");
+    }
+
+    /// The envelopes `--placement ep` failed on under MPI (issue 29): token and expert ids of one
+    /// varint byte each claim 4 bytes when decoded, so a message just under 64 KiB claimed more
+    /// than a 64 KiB limit. Every size around each of the decoder's size classes decodes.
+    #[test]
+    #[cfg(feature = "wire")]
+    fn messages_of_small_ids_decode_at_every_size() {
+        for n in [100, 4000, 6000, 16_000, 16_383, 16_384, 20_000, 70_000, 300_000] {
+            let tokens: Vec<u32> = (0..n).map(|i| (i % 100) as u32).collect();
+            let msg = Msg::Dispatch {
+                mb: 0,
+                layer: 1,
+                ids: tokens.iter().flat_map(|&t| [t % 8, 7 - t % 8]).collect(),
+                weights: Some(HostTensor { shape: vec![n, 2], data: vec![0.5; 2 * n] }),
+                y: HostTensor { shape: vec![n, 0], data: Vec::new() },
+                tokens,
+            };
+            let env = Envelope { src: 1, step: 2, sent_us: 3, deliver_us: 4, msg };
+            let bytes = env.to_bytes();
+            let back =
+                Envelope::from_bytes(&bytes).unwrap_or_else(|e| panic!("{n} tokens, {} bytes: {e}", bytes.len()));
+            assert!(back == env, "{n} tokens");
+        }
+        // A shape of small dimensions (8 bytes each when decoded) and a long trace of empty names.
+        let x = HostTensor { shape: vec![1; 60_000], data: vec![2.0] };
+        let env =
+            Envelope { src: 0, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::GradCombine { mb: 0, layer: 0, g: x } };
+        assert!(Envelope::from_bytes(&env.to_bytes()).unwrap() == env);
     }
 
     #[test]
