@@ -40,10 +40,24 @@ fn declared(metadata: &Value, krate: &str) -> BTreeSet<String> {
     pkg["dependencies"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
 }
 
-/// The workspace's resolved graph with every feature on (what a `--features nccl,wgpu` build sees).
+/// The platform this test runs on (`rustc -vV`'s host), for `--filter-platform`.
+fn host() -> String {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let out = Command::new(rustc).arg("-vV").output().expect("rustc -vV runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find_map(|l| l.strip_prefix("host: ")).expect("rustc -vV names its host").trim().to_string()
+}
+
+/// The workspace's resolved graph on this platform with every feature on (what a
+/// `--features nccl,wgpu` build sees), exactly as the lock file pins it.
+///
+/// Not `--offline`: the packages of features this build did not use (the CUDA and NCCL crates)
+/// were never fetched, and `cargo metadata` needs their manifests, so it fetches them, as `cargo
+/// build` would (a fresh clone runs the README's test command and nothing else first).
 fn metadata() -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let args = ["metadata", "--format-version", "1", "--offline", "--all-features"];
+    let platform = host();
+    let args = ["metadata", "--format-version", "1", "--locked", "--all-features", "--filter-platform", &platform];
     let out =
         Command::new(cargo).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().expect("cargo metadata runs");
     assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
