@@ -30,10 +30,16 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-12)
 }
 
-/// Per-step losses and the final parameter checksum agree within 1e-5 relative.
+/// Per-step losses of a 5-step run and the final parameter checksum agree within 1e-5 relative.
 fn assert_same_run(what: &str, got: &serde_json::Value, want: &serde_json::Value) {
+    assert_same_run_of(what, got, want, 5)
+}
+
+/// Per-step losses of a `steps`-step run and the final parameter checksum agree within 1e-5
+/// relative.
+fn assert_same_run_of(what: &str, got: &serde_json::Value, want: &serde_json::Value, steps: usize) {
     let (g, w) = (got["losses"].as_array().unwrap(), want["losses"].as_array().unwrap());
-    assert_eq!(g.len(), 5, "{what}: {got}");
+    assert_eq!(g.len(), steps, "{what}: {got}");
     assert_eq!(g.len(), w.len(), "{what}");
     for (i, (a, b)) in g.iter().zip(w).enumerate() {
         let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
@@ -617,6 +623,71 @@ mod mpi {
             let what = format!("{preset} disagg from a checkpoint under mpirun");
             assert_same_run(&what, &summary(&out), &single_from);
             assert_same_weights(&what, &out_dir.join("final"), &want_from.join("final"));
+        }
+    }
+
+    /// The largest token-exchange payload any worker sent (sums' chunks left out), from a run's
+    /// trace.
+    fn largest_send(trace: &std::path::Path) -> u64 {
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(trace).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        let exchange =
+            |e: &&serde_json::Value| e["cat"] == "send" && !e["name"].as_str().unwrap().starts_with("reduce");
+        events.iter().filter(exchange).filter_map(|e| e["args"]["bytes"].as_u64()).max().unwrap_or(0)
+    }
+
+    /// disagg 2+2 and ep 4 under `mpirun -np 4` at the tiny presets' default batch (8 x 128 tokens:
+    /// ep's messages are near 64 KiB and over, where they once failed to decode) and at a size
+    /// whose messages exceed 1 MiB (checked from the trace), for two families: each reproduces
+    /// one device (losses and every tensor within 1e-5).
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_placements_at_the_default_size_and_with_messages_over_1_mib_reproduce_single() {
+        let dir = tempfile::tempdir().unwrap();
+        let sizes: [(&str, &[&str], u64); 2] = [
+            ("default size", &[], 1 << 16),
+            ("16 x 1024 tokens", &["--batch", "16", "--seq", "1024", "--micro-batches", "4"], 1 << 20),
+        ];
+        const STEPS: usize = 2;
+        let run = |preset: &str, size: &[&str], placement: &[&str], out: &std::path::Path, mpi: bool| {
+            let mut cmd = if mpi { mpirun_np(workers(placement)) } else { bin() };
+            if mpi {
+                cmd.arg(env!("CARGO_BIN_EXE_disagmoe"));
+            }
+            cmd.args(["train", "--quiet", "--steps", &STEPS.to_string(), "--model-preset", preset])
+                .args(size)
+                .args(placement)
+                .args(["--out", out.to_str().unwrap()]);
+            if mpi {
+                cmd.args(["--transport", "mpi", "--trace", out.with_extension("trace.json").to_str().unwrap()]);
+            }
+            summary(&cmd.output().unwrap())
+        };
+        for preset in ["tiny-qwen3-moe", "tiny-deepseek-v3"] {
+            for (size_name, size, over) in sizes {
+                let out = |name: &str| dir.path().join(format!("{preset}-{size_name}-{name}"));
+                // One device in the placements' micro-batches (at the default size: disagg's
+                // default 4 and ep's, one per worker).
+                let single_args: &[&str] = if size.is_empty() {
+                    &["--placement", "single", "--micro-batches", "4"]
+                } else {
+                    &["--placement", "single"]
+                };
+                let single = run(preset, size, single_args, &out("single"), false);
+                for (name, placement) in [PLACEMENTS[0], PLACEMENTS[3]] {
+                    let what = format!("{preset} {name} at {size_name} under mpirun");
+                    let got = run(preset, size, placement, &out(name), true);
+                    assert_same_run_of(&what, &got, &single, STEPS);
+                    assert_same_weights(&what, &out(name).join("final"), &out("single").join("final"));
+                    let largest = largest_send(&out(name).with_extension("trace.json"));
+                    assert!(largest > over, "{what}: the largest message is {largest} bytes (over {over} wanted)");
+                    eprintln!("{what}: largest message {largest} bytes");
+                }
+            }
         }
     }
 
