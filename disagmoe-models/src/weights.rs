@@ -129,6 +129,14 @@ impl std::str::FromStr for SaveDtype {
     }
 }
 
+/// Whether `name` is a plain file name (one normal path component: not empty, not absolute, no
+/// separator, not `.` or `..`), so that joining it to a directory stays inside that directory.
+fn is_plain_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(p)), None) if p == name)
+        && !name.contains(['/', '\\', '\0'])
+}
+
 struct ShardFile {
     path: PathBuf,
     map: Mmap,
@@ -155,24 +163,45 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Erro
 
 impl CheckpointReader {
     /// Opens `dir/model.safetensors.index.json` if present, else `dir/model.safetensors`.
+    ///
+    /// An index is followed exactly: every shard it names must be a plain file name inside `dir`
+    /// (no path, no `..`: a hostile index never reads a file elsewhere), each tensor is read from
+    /// the shard the index names, and a shard holding a tensor the index places elsewhere (or
+    /// nowhere), or missing one the index places in it, is refused.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX_FILE);
-        let file_names: Vec<String> = if index_path.exists() {
+        if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(io_err("cannot read", &index_path))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| ModelError::ConfigParse {
                 path: index_path.clone(),
                 field: String::new(),
                 source,
             })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
-                path: index_path.clone(),
-                message: "index has no `weight_map` object".into(),
-            })?;
-            let mut names: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
+            let bad = |message: String| ModelError::Safetensors { path: index_path.clone(), message };
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| bad("index has no `weight_map` object".into()))?;
+            let mut placed = HashMap::with_capacity(map.len());
+            for (tensor, file) in map {
+                let file = file
+                    .as_str()
+                    .ok_or_else(|| bad(format!("`weight_map` places `{tensor}` in {file}, not a file name")))?;
+                if !is_plain_file_name(file) {
+                    return Err(bad(format!(
+                        "`weight_map` places `{tensor}` in {file:?}: a shard must be a plain file name inside the \
+                         checkpoint directory (no `/`, no `..`, not absolute)"
+                    )));
+                }
+                placed.insert(tensor.clone(), file.to_owned());
+            }
+            let mut names: Vec<String> = placed.values().cloned().collect();
             names.sort();
             names.dedup();
-            names
+            let reader = Self::from_files(dir, names)?;
+            reader.check_placement(&index_path, &placed)?;
+            Ok(reader)
         } else {
             let single = dir.join(SINGLE_FILE);
             if !single.exists() {
@@ -182,9 +211,8 @@ impl CheckpointReader {
                     source: std::io::Error::from(std::io::ErrorKind::NotFound),
                 });
             }
-            vec![SINGLE_FILE.to_owned()]
-        };
-        Self::from_files(dir, file_names)
+            Self::from_files(dir, vec![SINGLE_FILE.to_owned()])
+        }
     }
 
     /// Opens one safetensors file (any name).
@@ -195,8 +223,9 @@ impl CheckpointReader {
         Self::from_files(dir, vec![name])
     }
 
+    /// Opens the named files of `dir`; a tensor held by two of them is refused.
     fn from_files(dir: PathBuf, file_names: Vec<String>) -> Result<Self> {
-        let mut files = Vec::new();
+        let mut files: Vec<ShardFile> = Vec::new();
         let mut index = HashMap::new();
         for name in file_names {
             let path = dir.join(&name);
@@ -207,11 +236,43 @@ impl CheckpointReader {
             let (header_len, meta) = SafeTensors::read_metadata(&map)
                 .map_err(|e| ModelError::Safetensors { path: path.clone(), message: e.to_string() })?;
             for tensor_name in meta.tensors().keys() {
-                index.insert(tensor_name.clone(), files.len());
+                if let Some(other) = index.insert(tensor_name.clone(), files.len()) {
+                    let other: &ShardFile = &files[other];
+                    return Err(ModelError::Safetensors {
+                        path: path.clone(),
+                        message: format!(
+                            "`{tensor_name}` is also in {}: a tensor must be in one shard",
+                            other.path.display()
+                        ),
+                    });
+                }
             }
             files.push(ShardFile { path, map, header_len, meta });
         }
         Ok(Self { dir, files, index, taken: HashSet::new(), largest_read: 0 })
+    }
+
+    /// Every tensor is in the shard `placed` (the index's `weight_map`) names, and every tensor the
+    /// index names is there.
+    fn check_placement(&self, index_path: &Path, placed: &HashMap<String, String>) -> Result<()> {
+        let bad = |message: String| ModelError::Safetensors { path: index_path.to_path_buf(), message };
+        let file_name = |fi: usize| self.files[fi].path.file_name().map(|n| n.to_string_lossy().to_string());
+        for (tensor, &fi) in &self.index {
+            let found = file_name(fi).unwrap_or_default();
+            match placed.get(tensor) {
+                Some(want) if *want == found => {}
+                Some(want) => {
+                    return Err(bad(format!("`{tensor}` is in {found}, but the index places it in {want}")));
+                }
+                None => return Err(bad(format!("`{tensor}` is in {found}, but the index does not name it"))),
+            }
+        }
+        for (tensor, want) in placed {
+            if !self.index.contains_key(tensor) {
+                return Err(bad(format!("the index places `{tensor}` in {want}, which does not hold it")));
+            }
+        }
+        Ok(())
     }
 
     /// The checkpoint directory.
@@ -565,6 +626,72 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes a shard `name` holding the tensors `names` (one value each) into `dir`.
+    fn shard(dir: &Path, name: &str, names: &[&str]) {
+        let mut sink = TensorSink::new();
+        for (i, n) in names.iter().enumerate() {
+            sink.put_raw((*n).into(), vec![1], vec![i as f32]);
+        }
+        sink.write_file(&dir.join(name)).unwrap();
+    }
+
+    /// Writes an index placing each `(tensor, file)`; opens the directory, returning the error.
+    fn open_with_index(dir: &Path, placed: &[(&str, &str)]) -> std::result::Result<CheckpointReader, String> {
+        let map: serde_json::Map<String, serde_json::Value> =
+            placed.iter().map(|(t, f)| ((*t).to_string(), serde_json::Value::from(*f))).collect();
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
+        CheckpointReader::open(dir).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn an_index_is_followed_exactly_and_never_outside_the_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ck");
+        std::fs::create_dir_all(&dir).unwrap();
+        shard(tmp.path(), "outside.safetensors", &["a"]);
+        shard(&dir, "a.safetensors", &["a", "b"]);
+        shard(&dir, "c.safetensors", &["c"]);
+        let mut ok =
+            open_with_index(&dir, &[("a", "a.safetensors"), ("b", "a.safetensors"), ("c", "c.safetensors")]).unwrap();
+        assert_eq!(ok.names(), ["a", "b", "c"]);
+        assert_eq!(ok.read_f32("b").unwrap().1, [1.0]);
+        let outside = tmp.path().join("outside.safetensors");
+        let outside = outside.to_str().unwrap();
+        for (file, what) in [
+            ("../outside.safetensors", "a parent directory"),
+            (outside, "an absolute path"),
+            ("sub/a.safetensors", "a subdirectory"),
+            ("./a.safetensors", "a dotted path"),
+            ("..", "the parent itself"),
+            ("", "an empty name"),
+        ] {
+            let e = open_with_index(&dir, &[("a", file), ("b", "a.safetensors"), ("c", "c.safetensors")])
+                .err()
+                .unwrap_or_else(|| panic!("{what} ({file:?}) was followed"));
+            assert!(e.contains("plain file name"), "{what}: {e}");
+        }
+        // The index's placement is the truth: a tensor elsewhere, unnamed, missing or in two shards.
+        let e = open_with_index(&dir, &[("a", "a.safetensors"), ("b", "c.safetensors"), ("c", "c.safetensors")])
+            .err()
+            .unwrap();
+        assert!(e.contains("`b` is in a.safetensors, but the index places it in c.safetensors"), "{e}");
+        let e = open_with_index(&dir, &[("a", "a.safetensors"), ("c", "c.safetensors")]).err().unwrap();
+        assert!(e.contains("`b` is in a.safetensors, but the index does not name it"), "{e}");
+        let e = open_with_index(
+            &dir,
+            &[("a", "a.safetensors"), ("b", "a.safetensors"), ("c", "c.safetensors"), ("d", "c.safetensors")],
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("places `d` in c.safetensors, which does not hold it"), "{e}");
+        shard(&dir, "c.safetensors", &["c", "a"]);
+        let e = open_with_index(&dir, &[("a", "a.safetensors"), ("b", "a.safetensors"), ("c", "c.safetensors")])
+            .err()
+            .unwrap();
+        assert!(e.contains("`a` is also in") && e.contains("one shard"), "{e}");
+    }
 
     #[test]
     fn low_dtypes_round_to_nearest_even_and_f16_refuses_what_it_cannot_hold() {
