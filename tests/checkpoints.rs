@@ -539,7 +539,7 @@ mod mpi {
 
     /// Chaos: a disagg 2+2 job of 60 steps under `mpirun`, checkpointing every 5, loses a random
     /// rank (SIGKILL) at a random moment, resumes from the newest checkpoint, and so on until it
-    /// ends, with at least 5 kills; its final model equals the uninterrupted run's. Seeded
+    /// ends, with at least 5 kills; its losses and final model equal the uninterrupted run's, bit for bit. Seeded
     /// (`DISAGMOE_CHAOS_SEED`, default 7): the kill plan is printed and reproducible.
     #[test]
     #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
@@ -562,7 +562,7 @@ mod mpi {
         };
         let tmp = tempfile::tempdir().unwrap();
         let straight_out = tmp.path().join("straight");
-        summary(&Launch::Mpi.train(preset, STEPS, DISAGG, &["--out", path(&straight_out)]));
+        let straight = summary(&Launch::Mpi.train(preset, STEPS, DISAGG, &["--out", path(&straight_out)]));
 
         let (ck, out_dir) = (tmp.path().join("ck"), tmp.path().join("out"));
         let ck_args = ["--checkpoint-dir", path(&ck), "--checkpoint-every", "5", "--out", path(&out_dir)];
@@ -613,7 +613,11 @@ mod mpi {
         eprintln!("seed {seed}: {} kills in {launches} launches: {kills:?}", kills.len());
         assert!(kills.len() >= KILLS, "only {} kills: {kills:?}", kills.len());
         assert_eq!(last["steps"], STEPS as u64);
-        assert_close("chaos vs straight", &out_dir.join("final"), &straight_out.join("final"), 1e-5);
+        // A same-placement resume is bit-identical, so after every kill and resume as well: the
+        // same losses of every step, every tensor to the bit, each step's metrics once.
+        assert_eq!(last["losses"], straight["losses"], "chaos vs straight: losses of steps 1-{STEPS}");
+        assert_bit_identical("chaos vs straight", &out_dir.join("final"), &straight_out.join("final"));
+        assert_eq!(metric_steps(&out_dir), (1..=STEPS as u64).collect::<Vec<_>>(), "every step's metrics once");
     }
 
     /// The last step in a metrics file, if any.

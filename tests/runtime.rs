@@ -107,6 +107,17 @@ fn assert_same_weights_within(what: &str, got: &std::path::Path, want: &std::pat
     eprintln!("{what}: {} tensors, worst relative error {:.2e} ({})", w.len(), worst.0, worst.1);
 }
 
+/// Every parameter tensor of two saved models is the same, bit for bit.
+fn assert_bit_identical_weights(what: &str, got: &std::path::Path, want: &std::path::Path) {
+    let (g, w) = (saved_tensors(got), saved_tensors(want));
+    assert_eq!(g.keys().collect::<Vec<_>>(), w.keys().collect::<Vec<_>>(), "{what}: the same tensors");
+    for (name, b) in &w {
+        let a = &g[name];
+        let differ = a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits());
+        assert!(!differ, "{what}: {name} is not bit-identical to one device's");
+    }
+}
+
 fn assert_same_weights(what: &str, got: &std::path::Path, want: &std::path::Path) {
     assert_same_weights_within(what, got, want, 1e-5)
 }
@@ -123,8 +134,8 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
             let (got, want) = (out(name).join("final"), out("single").join("final"));
             if name == "disagg 2+2" {
                 // One attention worker per layer, no data parallelism: every sum in one device's
-                // order, so one device's weights (to the bit here; a few ulps of slack).
-                assert_same_weights_within(&format!("{preset} {name}"), &got, &want, 1e-7);
+                // order, so one device's weights, to the bit.
+                assert_bit_identical_weights(&format!("{preset} {name}"), &got, &want);
             } else {
                 assert_same_weights(&format!("{preset} {name}"), &got, &want);
             }
