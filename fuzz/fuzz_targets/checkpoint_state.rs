@@ -14,6 +14,7 @@ fn settings() -> RunSettings {
         batch: 8,
         data: "bundled".into(),
         tokenizer: "bytes".into(),
+        eval_fraction: 0.02,
         steps: 10,
         lr: 3e-3,
         min_lr: 3e-4,
