@@ -370,7 +370,7 @@ pub fn run_train(args: &TrainArgs) -> anyhow::Result<TrainSummary> {
             .and_then(|_| signal_hook::flag::register(signal, Arc::clone(&stop)))
             .map_err(|e| anyhow::anyhow!("cannot install the handler of signal {signal}: {e}"))?;
     }
-    let cfg = if cfg.parallel.allocation == AllocationMode::Auto { crate::auto::choose_allocation(&cfg)? } else { cfg };
+    // `allocation = auto` is resolved by the library (`disagmoe_train::allocate`).
     let summary = disagmoe_train::train_on::<TrainBackend>(&cfg, &devices, &stop)?;
     // Under mpirun every rank knows the summary; one prints it: JSON for scripts (stdout is not a
     // terminal, or --json), a few lines for people otherwise (and on a terminal's stderr). Under

@@ -17,8 +17,7 @@ pub use disagmoe_kernels as kernels;
 pub use disagmoe_models as models;
 pub use disagmoe_train as train;
 
-/// `--allocation auto`: the planner's choice of workers, refined by measured step times.
-pub mod auto;
+/// `train`, `forward`, `compare`: clap arguments mapped onto `RunConfig`.
 pub mod cli;
 /// `generate`: text from a checkpoint through the KV cache.
 pub mod cli_generate;

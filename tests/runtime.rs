@@ -387,6 +387,36 @@ fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
     assert_eq!(s["losses"].as_array().unwrap().len(), 5);
 }
 
+/// `train_on` and `train_family` resolve `allocation = auto` themselves: a library caller trains
+/// the planner's (measured) choice. The counts given (3 attention and 1 expert worker in 3
+/// groups) cannot run as they are, so a run that trains at all trained the choice.
+#[test]
+fn the_library_plans_auto_allocations_and_trains_the_choice() {
+    use disagmoe::models::{ModelConfig, Qwen3MoeConfig};
+    use disagmoe::train::{train_family, train_on, AllocationMode, Placement, RunConfig, TrainBackend};
+    use std::sync::atomic::AtomicBool;
+    let mut cfg = RunConfig { steps: 3, progress: false, ..Default::default() };
+    cfg.model.preset = Some("tiny-qwen3-moe".into());
+    (cfg.data.batch, cfg.data.seq) = (8, 32);
+    cfg.parallel.micro_batches = Some(4);
+    cfg.parallel.placement = Placement::Disagg;
+    (cfg.parallel.attn_workers, cfg.parallel.ffn_workers, cfg.parallel.groups) = (3, 1, 3);
+    let (device, stop) = (Default::default(), AtomicBool::new(false));
+    let e = train_on::<TrainBackend>(&cfg, std::slice::from_ref(&device), &stop).expect_err("3+1 in 3 groups");
+    assert!(e.to_string().contains("ffn_workers"), "{e}");
+    cfg.parallel.allocation = AllocationMode::Auto;
+    let on = train_on::<TrainBackend>(&cfg, std::slice::from_ref(&device), &stop).expect("auto plans a runnable split");
+    let Ok(ModelConfig::Qwen3Moe(family)) = cfg.model.resolve() else { panic!("tiny-qwen3-moe is a Qwen3-MoE") };
+    let family: Qwen3MoeConfig = family;
+    let fam = train_family::<TrainBackend, _>(&cfg, family, &device, &stop).expect("auto through train_family");
+    for s in [&on, &fam] {
+        assert_eq!(s.placement, "disagg");
+        assert!((2..=4).contains(&s.workers), "within the budget of 4 workers: {}", s.workers);
+        assert!(s.in_flight.is_some(), "the planner's in-flight window");
+        assert_eq!(s.losses.len(), 3);
+    }
+}
+
 /// A run config with a short time-out, and the test-only fault plan (set through the environment)
 /// in which worker 2 fails at step 2 after 3 tasks.
 fn fault_config(dir: &std::path::Path, exit: bool) -> (std::path::PathBuf, String) {

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use burn::tensor::backend::AutodiffBackend;
 use disagmoe_models::{FamilyConfig, TrainModule};
 
-use crate::config::{Precision, RunConfig};
+use crate::config::{AllocationMode, Precision, RunConfig};
 use crate::error::{Result, TrainError};
 use crate::runtime::predict::{Calibrated, Calibration};
 use crate::single::SingleDevice;
@@ -27,10 +27,19 @@ pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop
 /// [`train_until`] on several devices (`--devices`): one device's run computes on the first;
 /// distributed workers take them round-robin by rank (an MPI rank: the one of its node-local
 /// rank). `devices` must not be empty.
+///
+/// With `allocation = auto` the worker counts are the planner's choice, refined by measuring short
+/// runs of the candidates on these devices ([`crate::allocate`]); the run trains that choice.
 pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
     if devices.is_empty() {
         return Err(TrainError::option("devices", "needs at least one device"));
+    }
+    if cfg.parallel.allocation == AllocationMode::Auto {
+        let shape = cfg.model.resolve()?.model_shape("the run's model");
+        let probe = AtomicBool::new(false);
+        let chosen = crate::allocate::choose::<B>(cfg, shape, &devices[0], |c| train_on::<B>(c, devices, &probe))?;
+        return train_on::<B>(&chosen, devices, stop);
     }
     for d in devices {
         crate::backend::probe::<B>(d)?;
@@ -69,7 +78,9 @@ pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop
 /// crates (a new expert, router or attention type behind the traits of `disagmoe_models`) trains
 /// with the same loop, data, checkpoints and metrics. `config` replaces the run's model option;
 /// the placement must be `disagg` or `ep` (the runtime builds each worker's part from `C`), and
-/// `--resume` and `--model-dir` read tensors under the names `C`'s types save.
+/// `--resume` and `--model-dir` read tensors under the names `C`'s types save. With
+/// `allocation = auto` the worker counts are chosen as in [`train_on`], each candidate measured
+/// on family `C`.
 pub fn train_family<B, C>(cfg: &RunConfig, config: C, device: &B::Device, stop: &AtomicBool) -> Result<TrainSummary>
 where
     B: AutodiffBackend,
@@ -88,6 +99,14 @@ where
                 C::MODEL_TYPE
             ),
         ));
+    }
+    if cfg.parallel.allocation == AllocationMode::Auto {
+        let shape = config.model_shape("the run's model");
+        let probe = AtomicBool::new(false);
+        let chosen = crate::allocate::choose::<B>(cfg, shape, device, |c| {
+            train_family::<B, C>(c, config.clone(), device, &probe)
+        })?;
+        return train_family::<B, C>(&chosen, config, device, stop);
     }
     check_precision::<B>(cfg, device)?;
     crate::backend::keep_freed_memory();

@@ -4,12 +4,13 @@
 //! Entry points: [`RunConfig`] (every option of a run by section, TOML or flags, validated once)
 //! and [`train`] (returns a [`TrainSummary`]). The loop ([`trainer`]) runs any [`StepEngine`]:
 //! [`single::SingleDevice`] or the distributed runtime ([`runtime`]); [`launch`] picks one for the
-//! run's placement. The backend is chosen at build time in [`backend`].
+//! run's placement (after [`allocate`] has chosen the worker counts of `allocation = auto`). The backend is chosen at build time in [`backend`].
 //!
 //! **Only this crate communicates** (the runtime's workers and transports); models come from
 //! `disagmoe-models` and know nothing about where they run. **The loop does not know the runtime,
 //! and the runtime knows the loop only through the step-engine trait.**
 
+pub mod allocate;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
