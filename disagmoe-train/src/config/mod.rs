@@ -3,17 +3,18 @@
 //! | section | type | keys |
 //! |---|---|---|
 //! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `save_dtype`, `log_every`, `progress` |
-//! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate` |
-//! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq` |
+//! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor` |
+//! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
-//! A TOML run config (`--run-config`) may use the sections, or the flat keys of earlier versions,
-//! which keep working: every key above at the top level, with these spellings for the ones that
-//! were renamed inside their section: `model_config` (`model.config`), `model_dir` (`model.dir`),
+//! A TOML run config (`--run-config`) may use the sections, or flat keys: every key above at the
+//! top level (a test checks that every field of every section is reachable both ways), with these
+//! spellings for the ones that were renamed inside their section (the flat keys of earlier
+//! versions): `model_config` (`model.config`), `model_dir` (`model.dir`),
 //! `model_preset` (`model.preset`), `data` (`data.path`), `checkpoint_dir` (`checkpoint.dir`),
 //! `checkpoint_every` (`checkpoint.every`), `keep_checkpoints` (`checkpoint.keep`). Command-line flags
 //! keep their names (`--lr`, `--checkpoint-dir`, ...) and override the file.
@@ -112,9 +113,23 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("model_preset", "preset"),
             ("aux_loss", "aux_loss"),
             ("bias_update_rate", "bias_update_rate"),
+            ("router_z_loss_coef", "router_z_loss_coef"),
+            ("force_balanced_routing", "force_balanced_routing"),
+            ("capacity_factor", "capacity_factor"),
         ],
     ),
-    ("data", &[("data", "path"), ("tokenizer", "tokenizer"), ("batch", "batch"), ("seq", "seq")]),
+    (
+        "data",
+        &[
+            ("data", "path"),
+            ("tokenizer", "tokenizer"),
+            ("batch", "batch"),
+            ("seq", "seq"),
+            ("eval_fraction", "eval_fraction"),
+            ("eval_every", "eval_every"),
+            ("eval_batches", "eval_batches"),
+        ],
+    ),
     (
         "optimizer",
         &[
@@ -287,6 +302,49 @@ mod tests {
         assert_eq!(flat.data.path.as_deref(), Some(Path::new("c.txt")));
         assert_eq!(flat.parallel.placement, Placement::Ep);
         assert_eq!(flat.precision.on_nonfinite, NonFinitePolicy::Abort);
+    }
+
+    /// Every field of every section is reachable as `[section] key` and as its flat key, and both
+    /// set the same value (a value other than the default where one can be made).
+    #[test]
+    fn every_field_is_reachable_in_its_section_and_as_a_flat_key() {
+        let json = serde_json::to_value(RunConfig::default()).unwrap();
+        let mut fields = 0;
+        for (key, value) in json.as_object().unwrap() {
+            let Some(section) = value.as_object() else {
+                assert!(TOP_LEVEL.contains(&key.as_str()), "top-level `{key}` is not listed in TOP_LEVEL");
+                continue;
+            };
+            let flat_keys =
+                SECTIONS.iter().find(|(s, _)| s == key).unwrap_or_else(|| panic!("[{key}] is not listed")).1;
+            for (inner, v) in section {
+                let flat = flat_keys
+                    .iter()
+                    .find(|(_, i)| i == inner)
+                    .map(|(f, _)| *f)
+                    .unwrap_or_else(|| panic!("`{key}.{inner}` has no flat key"));
+                // A value of the field's type, changed from the default where possible.
+                let candidates: Vec<String> = match v {
+                    serde_json::Value::Bool(b) => vec![(!b).to_string()],
+                    serde_json::Value::Number(n) if n.is_u64() => vec![(n.as_u64().unwrap() + 1).to_string()],
+                    serde_json::Value::Number(n) => vec![format!("{:?}", n.as_f64().unwrap() + 0.5)],
+                    serde_json::Value::String(s) => vec![format!("{s:?}")],
+                    _ => vec!["1".into(), "0.5".into(), "\"x\"".into(), "[]".into(), "true".into()],
+                };
+                let (nested, text) = candidates
+                    .iter()
+                    .find_map(|t| RunConfig::from_toml_str(&format!("[{key}]\n{inner} = {t}\n")).ok().map(|c| (c, t)))
+                    .unwrap_or_else(|| panic!("no value of `{key}.{inner}` parses: {candidates:?}"));
+                let flat_cfg = RunConfig::from_toml_str(&format!("{flat} = {text}\n"))
+                    .unwrap_or_else(|e| panic!("flat `{flat}` = {text} is refused: {e}"));
+                assert_eq!(flat_cfg, nested, "`{flat}` and `{key}.{inner}` = {text}");
+                if !matches!(v, serde_json::Value::String(_) | serde_json::Value::Array(_)) {
+                    assert_ne!(nested, RunConfig::default(), "`{key}.{inner}` = {text} changes nothing");
+                }
+                fields += 1;
+            }
+        }
+        assert!(fields > 40, "{fields} fields checked");
     }
 
     #[test]
