@@ -7,7 +7,9 @@
 //! against exhaustive enumeration, then local search driven by a
 //! [`allocator::search::StepTimeOracle`]), builds schedules ([`schedule`]: AF-Pipe and the
 //! Megatron 1F1B / Tutel / Comet / DualPipe baselines) and runs them in a discrete-event
-//! [`simulator`] whose timelines [`report`] draws. [`plan`] holds the two entry points behind
+//! [`simulator`] whose timelines [`report`] draws. [`layout`] is the placement of a distributed run
+//! (who holds which layer, expert range and micro-batch), the one rule the schedule builders and
+//! the runtime of `disagmoe-train` share. [`plan`] holds the two entry points behind
 //! `disagmoe plan` and `disagmoe simulate`; [`reproduce`] writes `docs/paper-reproduction.md`.
 //!
 //! ```
@@ -39,6 +41,7 @@ pub mod allocator;
 pub mod cost;
 pub mod error;
 pub mod hardware;
+pub mod layout;
 pub mod model_shape;
 pub mod plan;
 pub mod report;

@@ -9,7 +9,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use disagmoe_train::runtime::transport::{Envelope, Reassembly};
+use disagmoe_train::runtime::msg::Envelope;
+use disagmoe_train::runtime::transport::Reassembly;
 use disagmoe_train::runtime::wire_samples::Sampler;
 use libfuzzer_sys::fuzz_target;
 

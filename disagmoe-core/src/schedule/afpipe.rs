@@ -13,6 +13,7 @@ use super::{Deps, Op, OpId, OpKind, Schedule, Stream, StreamKind as K, Transfer,
 use crate::allocator::Allocation;
 use crate::cost::CostModel;
 use crate::error::{CoreError, Result};
+use crate::layout::layer_group;
 use crate::simulator::{run_program, OpInfo, Program};
 use smallvec::smallvec;
 
@@ -262,12 +263,12 @@ impl AfPipe {
 
     /// Attention worker of layer `l` (`l = L`: the head's).
     fn aw(&self, l: usize) -> usize {
-        2 * (l % self.p)
+        2 * layer_group(l, self.p)
     }
 
     /// Expert worker of layer `l`.
     fn fw(&self, l: usize) -> usize {
-        2 * (l % self.p) + 1
+        2 * layer_group(l, self.p) + 1
     }
 
     /// Op `id` without its dependencies (see [`Self::deps`]).
@@ -341,7 +342,7 @@ impl AfPipe {
                 Some(g) => (g, 5),
                 None => (self.ffn_all_reduce.iter().position(|&x| x == Some(t)).expect("an all-reduce"), 2),
             };
-            let layers: Vec<usize> = (0..self.layers.len()).rev().filter(|l| l % self.p == g).collect();
+            let layers: Vec<usize> = (0..self.layers.len()).rev().filter(|&l| layer_group(l, self.p) == g).collect();
             return (0..self.micro_batches)
                 .flat_map(|mb| layers.iter().map(move |&l| (mb, l)))
                 .map(|(mb, l)| self.id(mb, Slot::Backward(l, k)))
@@ -369,7 +370,7 @@ impl AfPipe {
             }
             Slot::Backward(l, 2) => {
                 f(id + 1);
-                if let Some(t) = self.ffn_all_reduce[l % self.p] {
+                if let Some(t) = self.ffn_all_reduce[layer_group(l, self.p)] {
                     f(self.tail() + t);
                 }
             }
@@ -379,7 +380,7 @@ impl AfPipe {
                 } else if mb + self.window < self.micro_batches {
                     f(self.id(mb + self.window, Slot::Forward(0, 0)));
                 }
-                f(self.tail() + self.attn_all_reduce[l % self.p]);
+                f(self.tail() + self.attn_all_reduce[layer_group(l, self.p)]);
             }
             _ => f(id + 1),
         }
@@ -390,7 +391,7 @@ impl AfPipe {
         if id >= self.tail() {
             let t = id - self.tail();
             let g = self.all_reduces[t].worker / 2;
-            let layers = (0..self.layers.len()).filter(|l| l % self.p == g).count();
+            let layers = (0..self.layers.len()).filter(|&l| layer_group(l, self.p) == g).count();
             return (self.micro_batches * layers) as u32;
         }
         match self.slot(id) {

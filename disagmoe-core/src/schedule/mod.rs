@@ -369,8 +369,9 @@ impl Schedule {
     }
 
     /// Turns every dynamic stream into an ordered one, in the order the simulator starts its ops.
-    /// Simulating the frozen schedule reproduces the same timeline; the runtime executes the
-    /// frozen order.
+    /// Simulating the frozen schedule reproduces the same timeline. (The runtime of
+    /// `disagmoe-train` does not execute a frozen order: its workers are event driven, by the
+    /// rules of its scheduler, which its prediction of a run shares.)
     pub fn freeze(&mut self) -> Result<()> {
         let trace = crate::simulator::simulate(self)?;
         for worker in &mut self.workers {

@@ -39,29 +39,7 @@ fn node_ranks() -> usize {
         .max(1)
 }
 
-/// How a run is placed on workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Placement {
-    /// The plain model on one device.
-    #[default]
-    Single,
-    /// Attention and experts on disjoint workers, pipelined (AF-Pipe).
-    Disagg,
-    /// Every worker holds attention and a shard of the experts; all-to-all dispatch (EP baseline).
-    Ep,
-}
-
-impl Placement {
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Placement::Single => "single",
-            Placement::Disagg => "disagg",
-            Placement::Ep => "ep",
-        }
-    }
-}
+pub use disagmoe_core::layout::Placement;
 
 /// How a disaggregated run's workers are split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

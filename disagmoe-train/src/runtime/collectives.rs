@@ -1,9 +1,10 @@
 //! Collective sums of a distributed run: the gradients of an attention group's copies, and the
 //! step's global sums (squared gradient norm, losses, expert load, timings).
 //!
-//! Each transport reduces with the engine built for it:
-//! - `local` (threads): a **ring all-reduce** (reduce-scatter, then all-gather) over the in-process
-//!   transport, in chunks ([`ring_all_reduce`] over any [`RingLink`]);
+//! A worker sums through an [`AllReduce`]; each transport reduces with the engine built for it
+//! (the engine picks it, `engine.rs`), and this module knows none of them but its own ring:
+//! - `local` (threads): [`Ring`], a **ring all-reduce** (reduce-scatter, then all-gather) over the
+//!   worker's port, in chunks ([`ring_all_reduce`] over any [`RingLink`]);
 //! - `mpi`: MPI's `MPI_Allreduce` on a sub-communicator per group (`mpi.rs`), in chunks of at most
 //!   [`max_chunk_elements`] so that no single call exceeds MPI's 2 GiB (`i32` count) limit;
 //! - `nccl`: `ncclAllReduce` on device buffers, one communicator per group (`nccl.rs`), in the same
@@ -11,6 +12,12 @@
 //!
 //! Every member of a group ends with the same bits: in the ring each chunk's sum is formed once,
 //! along the ring, and then copied to the others.
+
+use std::collections::HashMap;
+
+use super::msg::ReduceData;
+use super::transport::Pulse;
+use crate::error::{Result, TrainError};
 
 /// Elements of one message or one collective call: `DISAGMOE_MAX_CHUNK_BYTES` (tests force it
 /// small to exercise the chunking) divided by the element size, else 256 MiB worth.
@@ -28,41 +35,14 @@ pub trait Summable: Copy + Default + std::ops::AddAssign + Send + 'static {}
 impl Summable for f32 {}
 impl Summable for f64 {}
 
-/// The values of an all-reduce as they travel between workers.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub enum ReduceData {
-    /// Gradients and counts.
-    F32(Vec<f32>),
-    /// Losses, norms, timings.
-    F64(Vec<f64>),
-}
-
-impl ReduceData {
-    /// Bytes a real transfer moves.
-    pub fn bytes(&self) -> usize {
-        match self {
-            ReduceData::F32(v) => v.len() * 4,
-            ReduceData::F64(v) => v.len() * 8,
-        }
-    }
-}
-
-/// A number type an all-reduce carries: how it travels, and how MPI sums it.
+/// A number type an all-reduce carries: how it travels, and which of a reducer's sums adds it.
 pub trait ReduceValues: Summable + Sized {
     /// Wraps values for a message.
     fn wrap(values: Vec<Self>) -> ReduceData;
     /// The values of a message of this type.
     fn unwrap(data: ReduceData) -> Option<Vec<Self>>;
-    /// Sums over `group` with MPI.
-    #[cfg(feature = "mpi")]
-    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()>;
-    /// Sums over `group` with NCCL.
-    #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(
-        groups: &super::nccl::NcclGroups,
-        group: &[usize],
-        data: &mut [Self],
-    ) -> crate::error::Result<()>;
+    /// Sums `data` over `group` with `reducer`.
+    fn sum_with(reducer: &mut dyn AllReduce, via: &mut dyn Transit, group: &[usize], data: &mut [Self]) -> Result<()>;
 }
 
 impl ReduceValues for f32 {
@@ -75,17 +55,8 @@ impl ReduceValues for f32 {
             ReduceData::F64(_) => None,
         }
     }
-    #[cfg(feature = "mpi")]
-    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
-        groups.all_reduce(group, data)
-    }
-    #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(
-        groups: &super::nccl::NcclGroups,
-        group: &[usize],
-        data: &mut [Self],
-    ) -> crate::error::Result<()> {
-        groups.all_reduce(group, data)
+    fn sum_with(reducer: &mut dyn AllReduce, via: &mut dyn Transit, group: &[usize], data: &mut [Self]) -> Result<()> {
+        reducer.sum_f32(via, group, data)
     }
 }
 
@@ -99,38 +70,102 @@ impl ReduceValues for f64 {
             ReduceData::F32(_) => None,
         }
     }
-    #[cfg(feature = "mpi")]
-    fn mpi_all_reduce(groups: &super::mpi::MpiGroups, group: &[usize], data: &mut [Self]) -> crate::error::Result<()> {
-        groups.all_reduce(group, data)
-    }
-    #[cfg(feature = "nccl")]
-    fn nccl_all_reduce(
-        groups: &super::nccl::NcclGroups,
-        group: &[usize],
-        data: &mut [Self],
-    ) -> crate::error::Result<()> {
-        groups.all_reduce(group, data)
+    fn sum_with(reducer: &mut dyn AllReduce, via: &mut dyn Transit, group: &[usize], data: &mut [Self]) -> Result<()> {
+        reducer.sum_f64(via, group, data)
     }
 }
 
-/// How a worker's groups sum.
-pub enum Reducer {
-    /// A ring all-reduce over the worker's own transport (`local`).
-    Ring,
-    /// MPI collectives on sub-communicators (`mpi`).
-    #[cfg(feature = "mpi")]
-    Mpi(super::mpi::MpiGroups),
-    /// NCCL all-reduces on device buffers (`nccl`).
-    #[cfg(feature = "nccl")]
-    Nccl(super::nccl::NcclGroups),
+/// The worker's side of an all-reduce: its messages (chunks of a ring, through the worker's
+/// port, told apart by the all-reduce's number `op` and the chunk's `seq`), and its pulse (a
+/// collective that blocks on the peers marks the worker waiting, see [`Pulse`]).
+pub trait Transit {
+    /// Hands chunk `seq` of all-reduce `op` to `dst`.
+    fn send_chunk(&mut self, dst: usize, op: u64, seq: u64, data: ReduceData) -> Result<()>;
+    /// Chunk `seq` of all-reduce `op` from `src` (other messages that come meanwhile are kept).
+    fn recv_chunk(&mut self, src: usize, op: u64, seq: u64) -> Result<ReduceData>;
+    /// The worker's pulse.
+    fn pulse(&self) -> &Pulse;
+}
+
+/// How a worker's groups sum: f32 (gradients, counts) and f64 (losses, norms, timings) values over
+/// a group of ranks it belongs to, in place, every member ending with the same bits. [`Ring`] over
+/// the worker's own transport (`local`), MPI sub-communicators (`mpi`), NCCL (`nccl`); the engine
+/// makes the one of its transport (`engine.rs`).
+pub trait AllReduce {
+    /// Sums f32 values over `group`.
+    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
+    /// Sums f64 values over `group`.
+    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()>;
+}
+
+/// The ring all-reduce over the worker's port ([`ring_all_reduce`]): each of a group's
+/// all-reduces gets the next number of that group (its members count alike), which tags its
+/// chunks apart from any other's.
+#[derive(Debug)]
+pub struct Ring {
+    me: usize,
+    /// All-reduces run so far per group (first rank, size).
+    counts: HashMap<(usize, usize), u64>,
+}
+
+impl Ring {
+    /// The ring reducer of worker `me`.
+    pub fn new(me: usize) -> Self {
+        Self { me, counts: HashMap::new() }
+    }
+
+    /// The number of the next all-reduce over `group`: first rank, size and count packed in 64
+    /// bits (16, 16 and 32).
+    fn next_op(&mut self, group: &[usize]) -> u64 {
+        let count = self.counts.entry((group[0], group.len())).or_insert(0);
+        *count += 1;
+        ((group[0] as u64) << 48) | ((group.len() as u64) << 32) | *count
+    }
+
+    fn sum<T: ReduceValues>(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [T]) -> Result<()> {
+        if group.len() <= 1 {
+            return Ok(());
+        }
+        let op = self.next_op(group);
+        let chunk = max_chunk_elements(std::mem::size_of::<T>());
+        ring_all_reduce(&mut Tagged { via, op }, group, self.me, data, chunk)
+    }
+}
+
+impl AllReduce for Ring {
+    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.sum(via, group, data)
+    }
+    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
+        self.sum(via, group, data)
+    }
+}
+
+/// One all-reduce's chunks over a [`Transit`].
+struct Tagged<'a> {
+    via: &'a mut dyn Transit,
+    op: u64,
+}
+
+impl<T: ReduceValues> RingLink<T> for Tagged<'_> {
+    fn send_chunk(&mut self, dst: usize, seq: u64, data: Vec<T>) -> Result<()> {
+        self.via.send_chunk(dst, self.op, seq, T::wrap(data))
+    }
+    fn recv_chunk(&mut self, src: usize, seq: u64) -> Result<Vec<T>> {
+        let op = self.op;
+        T::unwrap(self.via.recv_chunk(src, op, seq)?).ok_or_else(|| TrainError::Worker {
+            worker: src,
+            cause: format!("sent all-reduce {op} values of another type"),
+        })
+    }
 }
 
 /// How the ring talks: send a chunk to a member, receive the next chunk from one.
 pub trait RingLink<T: Summable> {
     /// Hands `data` (chunk `seq` of this all-reduce) to `dst`.
-    fn send_chunk(&mut self, dst: usize, seq: u64, data: Vec<T>) -> crate::error::Result<()>;
+    fn send_chunk(&mut self, dst: usize, seq: u64, data: Vec<T>) -> Result<()>;
     /// The chunk `seq` from `src`.
-    fn recv_chunk(&mut self, src: usize, seq: u64) -> crate::error::Result<Vec<T>>;
+    fn recv_chunk(&mut self, src: usize, seq: u64) -> Result<Vec<T>>;
 }
 
 /// The `part`-th of `parts` contiguous pieces of `0..len` (sizes differ by at most one).
@@ -147,7 +182,7 @@ pub fn ring_all_reduce<T: Summable, L: RingLink<T>>(
     me: usize,
     data: &mut [T],
     chunk: usize,
-) -> crate::error::Result<()> {
+) -> Result<()> {
     let n = group.len();
     if n <= 1 || data.is_empty() {
         return Ok(());
@@ -175,7 +210,7 @@ pub fn ring_all_reduce<T: Summable, L: RingLink<T>>(
             let got = link.recv_chunk(prev, seq(round, c))?;
             let end = (start + chunk).min(recv_piece.end);
             if got.len() != end - start {
-                return Err(crate::error::TrainError::Worker {
+                return Err(TrainError::Worker {
                     worker: me,
                     cause: format!(
                         "all-reduce: a chunk of {} values from worker {prev}, expected {}",

@@ -1,5 +1,6 @@
 //! The distributed step engine: this process's workers, each on a thread of its own, driven one
-//! step at a time by the training loop.
+//! step at a time by the training loop; and the factories of what a worker talks through, side by
+//! side: its endpoint ([`local_endpoints`], MPI's or NCCL's) and its reducer ([`AllReduce`]).
 //!
 //! Under `local` every worker of the run is a thread here; under `mpi`/`nccl` this process runs its
 //! rank's one worker. Each step the engine hands every thread the step's batch and waits for their
@@ -19,19 +20,19 @@ use burn::tensor::backend::AutodiffBackend;
 use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::{Experts, FamilyConfig, Router, TrainModule};
 
-use super::collectives::Reducer;
+use super::collectives::{AllReduce, Ring};
 use super::layout::Layout;
 use super::part::{build_part, WeightSource};
 use super::trace::{write_chrome_trace, TraceEvent};
 use super::transport::{local_endpoints, Endpoint, Port};
-use super::worker::{StepOutcome, Worker};
+use super::worker::Worker;
 use super::{link_model, Shared};
 use crate::checkpoint::TrainState;
 use crate::config::TransportKind;
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{AdamW, Moment};
-use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
+use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport};
 
 /// What the engine reports about the model.
 pub(crate) struct RunFacts {
@@ -80,7 +81,7 @@ pub(crate) struct FinalParts {
 
 enum Reply {
     Start(Result<StartReport>),
-    Step(Result<StepOutcome>),
+    Step(Result<StepReport>),
     Checkpoint(Result<PathBuf>),
     Finish(Result<FinalParts>),
 }
@@ -128,7 +129,7 @@ impl Distributed {
             #[cfg(feature = "mpi")]
             TransportKind::Mpi | TransportKind::Nccl => {
                 let p = super::mpi::Process::start(cfg, layout.workers)?;
-                let endpoint = p.endpoint(cfg.parallel.transport);
+                let endpoint = process_endpoint(&p, cfg.parallel.transport);
                 process = Some(p);
                 vec![endpoint]
             }
@@ -186,25 +187,13 @@ impl Distributed {
                                 return;
                             }
                         };
-                        let reducer = match shared.cfg.parallel.transport {
-                            #[cfg(feature = "nccl")]
-                            TransportKind::Nccl => {
-                                let mpi = super::mpi::MpiGroups::new(&shared.layout.replicas(rank));
-                                match super::nccl::NcclGroups::new(&mpi, rank) {
-                                    Ok(groups) => Reducer::Nccl(groups),
-                                    Err(e) => {
-                                        let _ = rx.recv();
-                                        let _ = reply_tx.send((rank, Reply::Start(Err(e))));
-                                        return;
-                                    }
-                                }
+                        let reducer = match reducer_of(shared.cfg.parallel.transport, &shared.layout, rank) {
+                            Ok(reducer) => reducer,
+                            Err(e) => {
+                                let _ = rx.recv();
+                                let _ = reply_tx.send((rank, Reply::Start(Err(e))));
+                                return;
                             }
-                            #[cfg(feature = "mpi")]
-                            TransportKind::Mpi => {
-                                Reducer::Mpi(super::mpi::MpiGroups::new(&shared.layout.replicas(rank)))
-                            }
-                            // `nccl` without the feature is refused before any worker starts.
-                            _ => Reducer::Ring,
                         };
                         let port = Port::new(endpoint, link_model(&shared.cfg), shared.settings.timeout);
                         let mut settings = shared.settings.clone();
@@ -334,6 +323,38 @@ impl Distributed {
     }
 }
 
+/// This process's endpoint under `mpirun`: MPI's, or NCCL's (bootstrapped over MPI; a failure to
+/// bring it up ends the job, as the other ranks wait in theirs).
+#[cfg(feature = "mpi")]
+fn process_endpoint(process: &super::mpi::Process, transport: TransportKind) -> Box<dyn Endpoint> {
+    match transport {
+        #[cfg(feature = "nccl")]
+        TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&process.world()) {
+            Ok(e) => Box::new(e),
+            Err(e) => process.abort(&e),
+        },
+        _ => Box::new(super::mpi::MpiEndpoint::start()),
+    }
+}
+
+/// How worker `rank` sums under `transport`: the ring over its port (`local`), MPI
+/// sub-communicators (`mpi`), NCCL communicators bootstrapped over them (`nccl`). Every worker of
+/// an MPI job calls it at the same point (the communicators are made collectively).
+#[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
+fn reducer_of(transport: TransportKind, layout: &Layout, rank: usize) -> Result<Box<dyn AllReduce>> {
+    Ok(match transport {
+        #[cfg(feature = "nccl")]
+        TransportKind::Nccl => {
+            let mpi = super::mpi::MpiGroups::new(&layout.replicas(rank));
+            Box::new(super::nccl::NcclGroups::new(&mpi, rank)?)
+        }
+        #[cfg(feature = "mpi")]
+        TransportKind::Mpi => Box::new(super::mpi::MpiGroups::new(&layout.replicas(rank))),
+        // `nccl` without the feature is refused before any worker starts.
+        _ => Box::new(Ring::new(rank)),
+    })
+}
+
 /// The order in which failures explain a run's end: a worker's own failure (or a hung worker,
 /// named by the one that noticed) first, then any other error, then the time-outs of workers left
 /// waiting, then errors that only relay another's.
@@ -445,30 +466,13 @@ impl StepEngine for Distributed {
         let stop = stop.load(Ordering::SeqCst);
         let replies =
             self.round(|| Command::Step { step, batch: batch.clone(), lr, loss_scale, stop, update: true })?;
-        let Some((_, Reply::Step(Ok(out)))) = replies.into_iter().next() else {
+        let Some((_, Reply::Step(Ok(report)))) = replies.into_iter().next() else {
             unreachable!("every worker replied to the step")
         };
-        if !out.skipped {
+        if !report.skipped {
             self.optimizer_steps += 1;
         }
-        Ok(StepReport {
-            loss: out.loss,
-            lm_loss: out.lm_loss,
-            aux_loss: out.aux_loss,
-            z_loss: out.z_loss,
-            grad_norm: out.grad_norm,
-            skipped: out.skipped,
-            expert_counts: out.expert_counts,
-            dropped: out.dropped,
-            timing: StepTiming {
-                exposed_comm_s: out.exposed_comm_s,
-                in_flight_wait_s: out.in_flight_wait_s,
-                compute_s: out.compute_s,
-                link_s: out.link_s,
-                bytes_sent: out.bytes_sent,
-            },
-            stop: out.stop,
-        })
+        Ok(report)
     }
 
     fn optimizer_steps(&self) -> u64 {

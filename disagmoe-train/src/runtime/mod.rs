@@ -6,7 +6,9 @@
 //! [`layout::Layout`] and starts every worker of this process ([`engine::Distributed`]): all of
 //! them as threads (`local`), or this process's one under `mpirun` (`mpi`, `nccl`). Each worker
 //! builds (or reads) only what it holds ([`part`]). Each step, every worker runs its message loop
-//! ([`worker::Worker`]) with the token exchange of [`exchange`] and the sums of [`collectives`];
+//! ([`worker::Worker`]): messages of [`msg`]'s vocabulary through its [`transport`] port, the order
+//! of its tasks from the [`scheduler`], the token exchange of [`exchange`] and the sums of
+//! [`collectives`];
 //! every worker sees the same step outcome after the step's global reduction, so the loop's report
 //! is the same whoever prints it. The final model is written by every worker ([`shards`]).
 
@@ -16,10 +18,12 @@ pub mod exchange;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod msg;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod part;
 pub mod predict;
+pub mod scheduler;
 pub mod shards;
 pub mod trace;
 pub mod transport;
@@ -51,8 +55,10 @@ pub fn layout_of(cfg: &RunConfig, layers: usize, experts: usize) -> Result<Layou
     let p = &cfg.parallel;
     let mbs = cfg.micro_batches();
     match p.placement {
-        Placement::Disagg => Layout::disagg(layers, experts, mbs, p.attn_workers, p.ffn_workers, p.groups),
-        Placement::Ep => Layout::ep(layers, experts, mbs, p.workers),
+        Placement::Disagg => {
+            Layout::disagg(layers, experts, mbs, p.attn_workers, p.ffn_workers, p.groups).map_err(layout::option_error)
+        }
+        Placement::Ep => Layout::ep(layers, experts, mbs, p.workers).map_err(layout::option_error),
         Placement::Single => Err(TrainError::option("placement", "the runtime runs `disagg` or `ep`")),
     }
 }

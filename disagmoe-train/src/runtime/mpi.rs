@@ -1,6 +1,7 @@
 //! The `mpi` transport: one process per worker, started by `mpirun -np <workers>` (any MPI; CI uses
 //! Debian's OpenMPI). MPI rank = worker rank. The `nccl` transport starts the same way and only
-//! moves the envelopes differently ([`super::nccl`]).
+//! moves the envelopes differently ([`super::nccl`]); the engine picks the endpoint and the
+//! reducer of the run's transport (`engine.rs`).
 //!
 //! Each process builds the model from the seed, keeps its own part and drops the rest. Its endpoint
 //! has two communication threads: one sends (so a large send never holds up compute), one receives
@@ -22,16 +23,13 @@ use mpi::topology::Color;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use super::collectives::max_chunk_elements;
-use super::transport::{
-    receive_within, Beacon, Delivery, Endpoint, Envelope, Msg, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE,
-};
-use crate::config::{RunConfig, TransportKind};
+use super::collectives::{max_chunk_elements, AllReduce, Transit};
+use super::msg::{Envelope, Msg};
+use super::transport::{receive_within, Beacon, Delivery, Endpoint, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE};
+use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(0);
-
-/// MPI tags: a whole envelope, the length of a long one, a piece of a long one.
 
 /// Bytes queued for the send thread, bounded by `DISAGMOE_OUTBOX_BYTES` (default 1 GiB; a message
 /// larger than the bound goes alone).
@@ -82,7 +80,8 @@ pub struct MpiEndpoint {
 }
 
 impl MpiEndpoint {
-    fn start() -> Self {
+    /// This rank's endpoint: its send and receive threads on the world communicator.
+    pub fn start() -> Self {
         let world = SimpleCommunicator::world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let (outbox, outgoing) = channel::<(usize, Vec<u8>)>();
@@ -282,6 +281,16 @@ impl MpiGroups {
     }
 }
 
+/// Blocked on the peers inside the collective: the worker is not busy (see the port's heartbeat).
+impl AllReduce for MpiGroups {
+    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().waiting(|| self.all_reduce(group, data))
+    }
+    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
+        via.pulse().waiting(|| self.all_reduce(group, data))
+    }
+}
+
 /// This process's place in an MPI job: the MPI environment (finalised when dropped) and its rank.
 pub struct Process {
     universe: Universe,
@@ -314,19 +323,9 @@ impl Process {
         self.rank
     }
 
-    /// This rank's endpoint of the transport.
-    pub fn endpoint(&self, transport: TransportKind) -> Box<dyn Endpoint> {
-        match transport {
-            #[cfg(feature = "nccl")]
-            TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&self.universe.world()) {
-                Ok(e) => Box::new(e),
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    self.universe.world().abort(2);
-                }
-            },
-            _ => Box::new(MpiEndpoint::start()),
-        }
+    /// The world communicator of the job.
+    pub fn world(&self) -> SimpleCommunicator {
+        self.universe.world()
     }
 
     /// Ends the whole job: prints the error and aborts every process (the others have been told, so

@@ -26,7 +26,9 @@ use cudarc::nccl::safe::{Comm, Id};
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use super::transport::{receive_within, Beacon, Delivery, Endpoint, Envelope, Msg};
+use super::collectives::{max_chunk_elements, AllReduce, Transit};
+use super::msg::{Envelope, Msg};
+use super::transport::{receive_within, Beacon, Delivery, Endpoint};
 use crate::error::{Result, TrainError};
 
 fn nccl_error(rank: usize, what: String) -> TrainError {
@@ -235,7 +237,7 @@ impl Endpoint for NcclEndpoint {
 /// worker's own thread, after [`super::mpi::MpiGroups`] (whose communicators carry the unique ids).
 ///
 /// Values are host slices (the gradients of a worker are read to the host for the optimizer
-/// anyway): each chunk of at most [`super::collectives::max_chunk_elements`] goes host -> device,
+/// anyway): each chunk of at most [`max_chunk_elements`] goes host -> device,
 /// `ncclAllReduce(sum)` in place on the device, device -> host. Untested: no machine with several
 /// GPUs has been lent to this project (see the module's status).
 pub struct NcclGroups {
@@ -292,7 +294,7 @@ impl NcclGroups {
         };
         let err = |e: String| nccl_error(self.rank, e);
         let stream = comm.stream();
-        for part in data.chunks_mut(super::collectives::max_chunk_elements(std::mem::size_of::<T>())) {
+        for part in data.chunks_mut(max_chunk_elements(std::mem::size_of::<T>())) {
             let mut buf = stream.clone_htod(&*part).map_err(|e| err(format!("{e:?}")))?;
             comm.all_reduce_in_place(&mut buf, &cudarc::nccl::safe::ReduceOp::Sum)
                 .map_err(|e| err(format!("all-reduce: {e:?}")))?;
@@ -300,5 +302,15 @@ impl NcclGroups {
             stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
         }
         Ok(())
+    }
+}
+
+/// Blocked on the peers inside the collective: the worker is not busy (see the port's heartbeat).
+impl AllReduce for NcclGroups {
+    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().waiting(|| self.all_reduce(group, data))
+    }
+    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
+        via.pulse().waiting(|| self.all_reduce(group, data))
     }
 }

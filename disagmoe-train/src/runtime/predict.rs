@@ -3,11 +3,11 @@
 //!
 //! [`schedule`] builds, from a run's [`Layout`], the [`Schedule`] that `run_step` executes:
 //! - per worker, its tasks on three compute streams in the runtime's priority: backward tasks
-//!   (the head's and each layer's, micro-batches in increasing order per layer, as
-//!   `BackwardOrder` allows them), then expert forward, then attention forward, each
-//!   earliest-ready first;
+//!   (the head's and each layer's, micro-batches in increasing order per [`BackwardKind`] key, the
+//!   keys of the scheduler's backward order, [`Task::backward_key`]), then expert forward, then
+//!   attention forward, each earliest-ready first (the rules of [`super::scheduler`]);
 //! - the in-flight window: micro-batch `i + K` of an embedding worker starts when the layer-0
-//!   backward of its micro-batch `i` ends;
+//!   backward of its micro-batch `i` ends ([`Task::releases_window`]);
 //! - one send per message that leaves a worker (dispatch, combine, residual and their gradients),
 //!   on the sender's port one at a time at the link's rate, received the link's latency after its
 //!   last byte (the emulated link of `--link-gbps`/`--link-latency-us`); messages to oneself
@@ -28,6 +28,7 @@ use disagmoe_core::schedule::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKin
 use disagmoe_core::simulator;
 
 use super::layout::Layout;
+use super::scheduler::{BackwardKind, Task};
 use super::transport::LinkModel;
 use crate::config::Placement;
 use crate::error::{Result, TrainError};
@@ -218,15 +219,14 @@ struct Build<'a> {
 }
 
 impl Build<'_> {
-    fn task(
-        &mut self,
-        w: usize,
-        stream: StreamKind,
-        kind: OpKind,
-        mb: usize,
-        layer: u32,
-        name: String,
-    ) -> Result<OpId> {
+    /// Worker `w`'s `task` on `stream`, as op `kind` with its calibrated duration.
+    fn task(&mut self, w: usize, stream: StreamKind, kind: OpKind, task: Task) -> Result<OpId> {
+        let (mb, layer) = match task {
+            Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } => (mb, layer as u32),
+            Task::FfnBwd { mb, layer } | Task::AttnBwd { mb, layer } => (mb, layer as u32),
+            Task::Head { mb } => (mb, NO_LAYER),
+        };
+        let name = task.name();
         let secs = *self.cal.tasks.get(&(w, name.clone())).ok_or_else(|| {
             TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
         })?;
@@ -285,9 +285,9 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
         x.b.worker(layout.worker_name(w), role, 1, 1, rate.unwrap_or(0.0), &streams);
     }
     let (fwd, xfwd, bwd) = (StreamKind::ForwardCompute, StreamKind::ExpertForwardCompute, StreamKind::BackwardCompute);
-    // The last backward task per (worker, kind, layer) so far: `BackwardOrder` runs them in
-    // micro-batch order. Layer-0 backward per micro-batch: the in-flight window.
-    let mut last_bwd: HashMap<(usize, u8, usize), OpId> = HashMap::new();
+    // The last backward task per (worker, backward key) so far: the scheduler runs each key's
+    // micro-batches in order. Layer-0 backward per micro-batch: the in-flight window.
+    let mut last_bwd: HashMap<(usize, (BackwardKind, usize)), OpId> = HashMap::new();
     let mut layer0_bwd: HashMap<usize, OpId> = HashMap::new();
     let mut all_bwd = Vec::new();
     let owned: Vec<Vec<usize>> = (0..workers).map(|w| layout.own_micro_batches(w)).collect();
@@ -300,27 +300,28 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             if pos >= in_flight { vec![layer0_bwd[&owned[head_w][pos - in_flight]]] } else { Vec::new() };
         for l in 0..layers {
             let a = layout.attn_worker(m, l);
-            let af = x.task(a, fwd, OpKind::AttentionForward, m, l as u32, format!("fwd attn L{l} mb{m}"))?;
+            let af = x.task(a, fwd, OpKind::AttentionForward, Task::AttnFwd { mb: m, layer: l })?;
             x.after(af, inputs);
             let next = if l + 1 < layers { layout.attn_worker(m, l + 1) } else { head_w };
             let mut next_inputs = Vec::new();
             for h in layout.ffn_holders(l) {
                 let d = x.message("dispatch", m, l, a, h, af)?;
-                let ff = x.task(h, xfwd, OpKind::ExpertForward, m, l as u32, format!("fwd experts L{l} mb{m}"))?;
+                let ff = x.task(h, xfwd, OpKind::ExpertForward, Task::FfnFwd { mb: m, layer: l, src: a })?;
                 x.after(ff, [d]);
                 next_inputs.push(x.message("combine", m, l, h, next, ff)?);
             }
             next_inputs.push(x.message("residual", m, l, a, next, af)?);
             inputs = next_inputs;
         }
-        let head = x.task(head_w, bwd, OpKind::HeadBackward, m, NO_LAYER, format!("head mb{m}"))?;
+        let head = x.task(head_w, bwd, OpKind::HeadBackward, Task::Head { mb: m })?;
         x.after(head, inputs);
-        let mut ordered = |x: &mut Build, op: OpId, key: (usize, u8, usize)| {
-            if let Some(prev) = last_bwd.insert(key, op) {
+        let mut ordered = |x: &mut Build, op: OpId, w: usize, task: Task| {
+            let (key, _) = task.backward_key().expect("a backward task");
+            if let Some(prev) = last_bwd.insert((w, key), op) {
                 x.after(op, [prev]);
             }
         };
-        ordered(&mut x, head, (head_w, 0, 0));
+        ordered(&mut x, head, head_w, Task::Head { mb: m });
         all_bwd.push(head);
         // Backward: the gradient of each layer's output goes to its attention worker (residual)
         // and to its holders (their rows); their input gradients back to the attention worker.
@@ -330,15 +331,17 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             let mut deps = vec![x.message("grad-residual", m, l, src_w, a, src)?];
             for h in layout.ffn_holders(l) {
                 let gc = x.message("grad-combine", m, l, src_w, h, src)?;
-                let fb = x.task(h, bwd, OpKind::ExpertBackward, m, l as u32, format!("bwd experts L{l} mb{m}"))?;
+                let task = Task::FfnBwd { mb: m, layer: l };
+                let fb = x.task(h, bwd, OpKind::ExpertBackward, task)?;
                 x.after(fb, [gc]);
-                ordered(&mut x, fb, (h, 2, l));
+                ordered(&mut x, fb, h, task);
                 all_bwd.push(fb);
                 deps.push(x.message("grad-dispatch", m, l, h, a, fb)?);
             }
-            let ab = x.task(a, bwd, OpKind::AttentionBackward, m, l as u32, format!("bwd attn L{l} mb{m}"))?;
+            let task = Task::AttnBwd { mb: m, layer: l };
+            let ab = x.task(a, bwd, OpKind::AttentionBackward, task)?;
             x.after(ab, deps);
-            ordered(&mut x, ab, (a, 1, l));
+            ordered(&mut x, ab, a, task);
             all_bwd.push(ab);
             (src, src_w) = (ab, a);
         }
@@ -473,5 +476,160 @@ mod tests {
         let e = Calibration::from_trace(&path, 1).unwrap_err().to_string();
         assert!(e.contains("an event of worker 1 in a run of 1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A calibration that times every task of `layout` at 1 s and sizes every message at 1000
+    /// bytes (more entries than the schedule asks for).
+    fn uniform(layout: &Layout) -> Calibration {
+        let w = layout.workers;
+        let mut cal = Calibration {
+            end_of_step_s: vec![0.25; w],
+            reduce_messages: vec![0.0; w],
+            reduce_bytes: vec![0.0; w],
+            ..Default::default()
+        };
+        for worker in 0..w {
+            for mb in 0..layout.micro_batches {
+                cal.tasks.insert((worker, Task::Head { mb }.name()), 1.0);
+                for layer in 0..layout.layers {
+                    for t in [
+                        Task::AttnFwd { mb, layer },
+                        Task::FfnFwd { mb, layer, src: 0 },
+                        Task::FfnBwd { mb, layer },
+                        Task::AttnBwd { mb, layer },
+                    ] {
+                        cal.tasks.insert((worker, t.name()), 1.0);
+                    }
+                    for to in 0..w {
+                        for kind in
+                            ["dispatch", "combine", "residual", "grad-combine", "grad-residual", "grad-dispatch"]
+                        {
+                            cal.messages.insert((worker, format!("{kind} L{layer} mb{mb} -> {to}")), 1000.0);
+                        }
+                    }
+                }
+            }
+        }
+        cal
+    }
+
+    /// The order the prediction assumes is the scheduler's: on three layouts, each worker's
+    /// backward ops of one [`BackwardKind`] key run its micro-batches in the order of the
+    /// scheduler's [`super::super::scheduler::BackwardOrder`], each after the one before, and an
+    /// embedding worker's micro-batch `i + K` starts after the layer-0 backward of its `i`.
+    #[test]
+    fn the_predicted_schedule_orders_tasks_by_the_scheduler_s_rules() {
+        use super::super::scheduler::BackwardOrder;
+        for (layout, window) in [
+            (Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2),
+            (Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 1),
+            (Layout::ep(3, 4, 4, 2).unwrap(), 1),
+        ] {
+            let sched = schedule(&layout, &uniform(&layout), window, None).unwrap();
+            let task_of = |op: &disagmoe_core::schedule::Op| {
+                let (mb, layer) = (op.micro_batch as usize, op.layer as usize);
+                match op.kind {
+                    OpKind::AttentionForward => Some(Task::AttnFwd { mb, layer }),
+                    OpKind::HeadBackward => Some(Task::Head { mb }),
+                    OpKind::ExpertBackward => Some(Task::FfnBwd { mb, layer }),
+                    OpKind::AttentionBackward => Some(Task::AttnBwd { mb, layer }),
+                    _ => None,
+                }
+            };
+            for w in 0..layout.workers {
+                let order = BackwardOrder::of(&layout, w);
+                let mine: Vec<(usize, Task)> = (sched.ops.iter().enumerate())
+                    .filter(|(_, op)| op.worker == w)
+                    .filter_map(|(i, op)| task_of(op).map(|t| (i, t)))
+                    .collect();
+                let mut by_key: HashMap<(BackwardKind, usize), Vec<(usize, usize)>> = HashMap::new();
+                for &(i, t) in &mine {
+                    if let Some((key, mb)) = t.backward_key() {
+                        by_key.entry(key).or_default().push((mb, i));
+                    }
+                }
+                for (key, mut ops) in by_key {
+                    ops.sort_unstable();
+                    let mbs: Vec<usize> = ops.iter().map(|&(mb, _)| mb).collect();
+                    assert_eq!(mbs, order.queue(key), "worker {w} {key:?}: the scheduler's micro-batches");
+                    for pair in ops.windows(2) {
+                        assert!(sched.ops[pair[1].1].deps.contains(&pair[0].1), "worker {w} {key:?}: {pair:?} chained");
+                    }
+                }
+                let own = layout.own_micro_batches(w);
+                let op_of = |t: Task| mine.iter().find(|&&(_, x)| x == t).map(|&(i, _)| i).unwrap();
+                for (i, &mb) in own.iter().enumerate().skip(window) {
+                    let released = op_of(Task::AttnBwd { mb: own[i - window], layer: 0 });
+                    let start = op_of(Task::AttnFwd { mb, layer: 0 });
+                    assert!(sched.ops[start].deps.contains(&released), "worker {w}: the window before mb {mb}");
+                }
+            }
+        }
+    }
+
+    /// The traced runs of `fixtures/predict/` (`benches/afpipe-compare.json`, 8 x 32 tokens in 4
+    /// micro-batches, 2 steps), their layouts and in-flight windows.
+    fn traced_runs() -> Vec<(&'static str, Layout, usize)> {
+        vec![
+            ("disagg-2-2-groups-2", Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 4),
+            ("disagg-1-1", Layout::disagg(4, 8, 4, 1, 1, 1).unwrap(), 4),
+            ("ep-2", Layout::ep(4, 8, 4, 2).unwrap(), 1),
+        ]
+    }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/predict").join(format!("{name}.json"))
+    }
+
+    const LINKS: [Option<LinkModel>; 3] =
+        [None, Some(LinkModel { gbps: 0.2, latency_us: 20.0 }), Some(LinkModel { gbps: 1.0, latency_us: 5.0 })];
+
+    /// Same traces in, same predictions out: the traced runs' calibrations give, at every window
+    /// and over three links, the predictions the code before the runtime's split into layers gave
+    /// (`fixtures/predict/expected.json`, bit for bit, with the same number of ops).
+    #[test]
+    fn compare_predict_gives_the_predictions_of_before_from_the_same_traces() {
+        let text = std::fs::read_to_string(fixture("expected")).unwrap();
+        let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let rows = expected["predictions"].as_array().unwrap();
+        let mut checked = 0;
+        for (name, layout, window) in traced_runs() {
+            let cal = Calibration::from_trace(&fixture(name), layout.workers).unwrap();
+            let cal = cal.with_overhead(&layout, window).unwrap();
+            for link in LINKS {
+                for w in 1..=window {
+                    let want = rows
+                        .iter()
+                        .find(|r| {
+                            let l = &r["link"];
+                            r["run"] == name
+                                && r["in_flight"] == w
+                                && link.map(|k| (k.gbps, k.latency_us))
+                                    == l["gbps"].as_f64().map(|g| (g, l["latency_us"].as_f64().unwrap()))
+                        })
+                        .unwrap_or_else(|| panic!("{name} {link:?} {w}: no expected prediction"));
+                    let p = predict(&layout, &cal, w, link).unwrap();
+                    let bits = |key: &str| f64::from_bits(want[key].as_u64().unwrap());
+                    let at = format!("{name}, link {link:?}, {w} in flight");
+                    assert_eq!(
+                        p.step_s.to_bits(),
+                        want["step_s_bits"].as_u64().unwrap(),
+                        "{at}: step {} vs {}",
+                        p.step_s,
+                        bits("step_s_bits")
+                    );
+                    assert_eq!(
+                        p.exposed_comm_s.to_bits(),
+                        want["exposed_comm_s_bits"].as_u64().unwrap(),
+                        "{at}: exposed"
+                    );
+                    assert_eq!(p.compute_s.to_bits(), want["compute_s_bits"].as_u64().unwrap(), "{at}: compute");
+                    let ops = schedule(&layout, &cal, w, link).unwrap().ops.len() as u64;
+                    assert_eq!(ops, want["ops"].as_u64().unwrap(), "{at}: ops");
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, rows.len(), "every expected prediction checked");
     }
 }

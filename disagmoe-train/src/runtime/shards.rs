@@ -19,19 +19,10 @@ use std::path::Path;
 
 use disagmoe_models::weights::write_atomically;
 use disagmoe_models::SaveDtype;
-use serde::{Deserialize, Serialize};
 
+use super::msg::ShardReport;
 use super::part::{NamedParts, StackedRows};
 use crate::error::{Result, TrainError};
-
-/// What a worker wrote: the file of each tensor, and the bytes of tensor data it wrote.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ShardReport {
-    /// `(tensor name, file name)`.
-    pub files: Vec<(String, String)>,
-    /// Bytes of tensor data written by this worker.
-    pub bytes: usize,
-}
 
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     move |source| TrainError::Io { action, path: path.into(), source }

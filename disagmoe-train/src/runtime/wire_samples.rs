@@ -11,10 +11,8 @@
 
 use disagmoe_models::LayerRouting;
 
-use super::collectives::ReduceData;
-use super::shards::ShardReport;
+use super::msg::{AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, ReduceData, ShardReport};
 use super::trace::TraceEvent;
-use super::transport::{AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg};
 
 /// Where the random choices come from: a seeded generator in tests, the fuzzer's bytes in fuzzing.
 pub trait Choices {

@@ -1,0 +1,262 @@
+//! Who holds what and who computes which micro-batch: the placement of a distributed run, defined
+//! once for the runtime (`disagmoe-train`'s workers, its prediction) and the schedule builders
+//! ([`crate::schedule::afpipe`]).
+//!
+//! - `disagg` (AF-Pipe): workers `0..M` are attention workers, `M..M+N` expert workers; both are cut
+//!   into `p` groups. Attention group `g` holds layers `g, g+p, ...` (attention, norms, router) and
+//!   group 0 also the embedding, final norm and head; its `M/p` workers are data parallel (micro-batch
+//!   `m` goes to worker `m mod M/p` of each group). Expert group `g` holds the experts of the same
+//!   layers, split into contiguous ranges over its `N/p` workers (expert parallel); the first worker of
+//!   a group also holds shared experts and dense MLPs.
+//! - `ep` (the colocated baseline): each of `W` workers holds every attention layer and the ends (data
+//!   parallel) and `1/W` of every layer's experts; micro-batch `m` belongs to worker `m mod W`;
+//!   worker 0 also holds shared experts and dense MLPs.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CoreError, Result};
+
+/// How a run is placed on workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// The plain model on one device.
+    #[default]
+    Single,
+    /// Attention and experts on disjoint workers, pipelined (AF-Pipe).
+    Disagg,
+    /// Every worker holds attention and a shard of the experts; all-to-all dispatch (EP baseline).
+    Ep,
+}
+
+impl Placement {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Single => "single",
+            Placement::Disagg => "disagg",
+            Placement::Ep => "ep",
+        }
+    }
+}
+
+/// The attention and expert group of `layer` among `groups`: the one placement rule of AF-Pipe
+/// (layer `l` belongs to group `l % p`), used by [`Layout`] and the schedule builders.
+pub fn layer_group(layer: usize, groups: usize) -> usize {
+    layer % groups
+}
+
+fn invalid(field: &str, value: usize, allowed: String) -> CoreError {
+    CoreError::InvalidField { field: field.into(), value: value.to_string(), allowed }
+}
+
+/// The placement of a distributed run, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// `disagg` or `ep`.
+    pub placement: Placement,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Groups `p` (1 for `ep`).
+    pub groups: usize,
+    /// Attention workers per group (`ep`: all workers).
+    pub attn_per_group: usize,
+    /// Expert workers per group (`ep`: all workers).
+    pub ffn_per_group: usize,
+    /// Attention workers in all (`ep`: 0, every worker does both).
+    pub attn_workers: usize,
+    /// Workers in all.
+    pub workers: usize,
+    /// Layers with shared experts (their first holder gets every token); set by the runner.
+    pub shared_experts: Vec<bool>,
+    /// Layers with routed experts (the others are dense); set by the runner.
+    pub sparse: Vec<bool>,
+}
+
+impl Layout {
+    /// AF-Pipe over `attn` attention and `ffn` expert workers in `groups` groups.
+    pub fn disagg(
+        layers: usize,
+        experts: usize,
+        micro_batches: usize,
+        attn: usize,
+        ffn: usize,
+        groups: usize,
+    ) -> Result<Self> {
+        if groups == 0 || groups > layers {
+            return Err(invalid("groups", groups, format!("must be between 1 and the model's {layers} layers")));
+        }
+        for (field, n) in [("attn_workers", attn), ("ffn_workers", ffn)] {
+            if n == 0 || n % groups != 0 {
+                return Err(invalid(field, n, format!("must be a positive multiple of groups ({groups})")));
+            }
+        }
+        Ok(Self {
+            placement: Placement::Disagg,
+            layers,
+            experts,
+            micro_batches,
+            groups,
+            attn_per_group: attn / groups,
+            ffn_per_group: ffn / groups,
+            attn_workers: attn,
+            workers: attn + ffn,
+            shared_experts: vec![false; layers],
+            sparse: vec![true; layers],
+        })
+    }
+
+    /// The colocated expert-parallel baseline on `workers` workers.
+    pub fn ep(layers: usize, experts: usize, micro_batches: usize, workers: usize) -> Result<Self> {
+        if workers == 0 {
+            return Err(invalid("workers", workers, "must be at least 1".into()));
+        }
+        if micro_batches % workers != 0 {
+            return Err(invalid(
+                "micro_batches",
+                micro_batches,
+                format!("must be a multiple of workers ({workers}) with placement ep"),
+            ));
+        }
+        Ok(Self {
+            placement: Placement::Ep,
+            layers,
+            experts,
+            micro_batches,
+            groups: 1,
+            attn_per_group: workers,
+            ffn_per_group: workers,
+            attn_workers: 0,
+            workers,
+            shared_experts: vec![false; layers],
+            sparse: vec![true; layers],
+        })
+    }
+
+    /// The worker that runs the attention of `layer` for micro-batch `mb`.
+    pub fn attn_worker(&self, mb: usize, layer: usize) -> usize {
+        match self.placement {
+            Placement::Ep => mb % self.workers,
+            _ => layer_group(layer, self.groups) * self.attn_per_group + mb % self.attn_per_group,
+        }
+    }
+
+    /// The worker that embeds micro-batch `mb` and computes its loss.
+    pub fn head_worker(&self, mb: usize) -> usize {
+        self.attn_worker(mb, 0)
+    }
+
+    /// The workers holding `layer`'s experts, in expert order; the first also holds shared experts
+    /// and the dense MLP.
+    pub fn ffn_holders(&self, layer: usize) -> Vec<usize> {
+        match self.placement {
+            Placement::Ep => (0..self.workers).collect(),
+            _ => {
+                let first = self.attn_workers + layer_group(layer, self.groups) * self.ffn_per_group;
+                (first..first + self.ffn_per_group).collect()
+            }
+        }
+    }
+
+    /// Routed experts of holder `index` (of [`Layout::ffn_holders`]): contiguous, sizes differ by at
+    /// most one; empty when there are more holders than experts.
+    pub fn expert_range(&self, index: usize) -> Range<usize> {
+        let n = self.ffn_per_group;
+        (index * self.experts / n)..((index + 1) * self.experts / n)
+    }
+
+    /// Layers whose attention `worker` holds.
+    pub fn attn_layers(&self, worker: usize) -> Vec<usize> {
+        match self.placement {
+            Placement::Ep => (0..self.layers).collect(),
+            _ if worker >= self.attn_workers => Vec::new(),
+            _ => (0..self.layers).filter(|&l| layer_group(l, self.groups) == worker / self.attn_per_group).collect(),
+        }
+    }
+
+    /// Layers whose experts `worker` holds, with its index among the holders.
+    pub fn ffn_layers(&self, worker: usize) -> Vec<(usize, usize)> {
+        (0..self.layers).filter_map(|l| self.ffn_holders(l).iter().position(|&w| w == worker).map(|i| (l, i))).collect()
+    }
+
+    /// Whether `worker` holds the embedding, final norm and head.
+    pub fn holds_ends(&self, worker: usize) -> bool {
+        match self.placement {
+            Placement::Ep => true,
+            _ => worker < self.attn_per_group,
+        }
+    }
+
+    /// The workers whose attention-side parameters are copies of `worker`'s (itself included,
+    /// first the one that counts them once); empty for pure expert workers.
+    pub fn replicas(&self, worker: usize) -> Vec<usize> {
+        match self.placement {
+            Placement::Ep => (0..self.workers).collect(),
+            _ if worker >= self.attn_workers => Vec::new(),
+            _ => {
+                let g = worker / self.attn_per_group;
+                (g * self.attn_per_group..(g + 1) * self.attn_per_group).collect()
+            }
+        }
+    }
+
+    /// Micro-batches `worker` embeds, in the order it starts them.
+    pub fn own_micro_batches(&self, worker: usize) -> Vec<usize> {
+        (0..self.micro_batches).filter(|&m| self.head_worker(m) == worker).collect()
+    }
+
+    /// The fewest micro-batches an embedding worker owns (the largest in-flight window every
+    /// embedding worker can fill).
+    pub fn fewest_owned_micro_batches(&self) -> usize {
+        (0..self.workers).map(|w| self.own_micro_batches(w).len()).filter(|&n| n > 0).min().unwrap_or(1)
+    }
+
+    /// A name for logs and traces: `attn g0.w1`, `ffn g1.w0`, `ep 2`.
+    pub fn worker_name(&self, worker: usize) -> String {
+        match self.placement {
+            Placement::Ep => format!("ep worker {worker}"),
+            _ if worker < self.attn_workers => {
+                format!("attention g{}.w{} (rank {worker})", worker / self.attn_per_group, worker % self.attn_per_group)
+            }
+            _ => {
+                let f = worker - self.attn_workers;
+                format!("experts g{}.w{} (rank {worker})", f / self.ffn_per_group, f % self.ffn_per_group)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disagg_deals_layers_round_robin_and_splits_experts() {
+        let l = Layout::disagg(4, 8, 4, 4, 4, 2).unwrap();
+        assert_eq!(l.workers, 8);
+        assert_eq!(l.attn_layers(0), vec![0, 2]);
+        assert_eq!(l.attn_layers(3), vec![1, 3]);
+        assert_eq!(l.attn_worker(3, 1), 3);
+        assert_eq!(l.attn_worker(2, 2), 0);
+        assert_eq!(l.ffn_holders(1), vec![6, 7]);
+        assert_eq!(l.ffn_layers(6), vec![(1, 0), (3, 0)]);
+        assert_eq!(l.expert_range(1), 4..8);
+        assert!(l.holds_ends(1) && !l.holds_ends(2));
+        assert_eq!(l.replicas(3), vec![2, 3]);
+        assert!(l.replicas(5).is_empty());
+        assert_eq!(l.own_micro_batches(1), vec![1, 3]);
+    }
+
+    #[test]
+    fn bad_layouts_say_what_is_allowed() {
+        assert!(Layout::disagg(4, 8, 4, 3, 2, 2).unwrap_err().to_string().contains("attn_workers"));
+        assert!(Layout::disagg(4, 8, 4, 2, 2, 5).unwrap_err().to_string().contains("between 1 and"));
+        assert!(Layout::ep(4, 8, 6, 4).unwrap_err().to_string().contains("multiple of workers"));
+    }
+}

@@ -1,0 +1,490 @@
+//! Which task a worker runs next: the AF-Pipe schedule of one step, without a tensor.
+//!
+//! A worker's loop is "receive, tell the scheduler ([`Scheduler::on_message`]), run what it
+//! returns ([`Scheduler::next`]), tell it the task is done ([`Scheduler::done`])". A task becomes
+//! ready when all its inputs are there:
+//!
+//! | task            | ready when                                                      | sends                                   |
+//! |-----------------|-----------------------------------------------------------------|-----------------------------------------|
+//! | attention fwd l | embedding (l = 0), or residual + every holder's combine of l-1  | dispatch to l's holders, residual to l+1 |
+//! | expert fwd l    | a dispatch arrives                                              | combine to l+1's attention worker       |
+//! | head            | residual + every holder's combine of the last layer             | loss; grads to the last layer           |
+//! | expert bwd l    | the gradient of its combine arrives                             | grad-dispatch to l's attention worker   |
+//! | attention bwd l | grad-residual + every holder's grad-dispatch of l               | grads to l-1's attention and holders    |
+//!
+//! The rules, each written once here (the prediction of `compare --predict` builds its schedule
+//! from the same [`BackwardKind`] keys and window rule, [`super::predict`]):
+//! - **priority**: backward work first (in the [`BackwardOrder`]), then expert forwards, then
+//!   attention forwards, each in the order it became ready, so gradients flow out while new
+//!   micro-batches come in;
+//! - **backward order**: the head's backward and each layer's (attention or experts) run
+//!   micro-batches in increasing order, so every parameter's gradient is the sum of the same terms
+//!   in the same order whatever order the messages arrived in (a run is bit-reproducible, which an
+//!   exact resume needs). It never deadlocks: the lowest waiting micro-batch of a layer depends
+//!   only on lower or equal micro-batches;
+//! - **in-flight window**: an embedding worker starts `in_flight` of its micro-batches, and the
+//!   next one whenever the layer-0 attention backward of one ends;
+//! - **end**: the step's tasks are done when every backward task of the worker has run (the
+//!   head's backward is part of the head task and is not counted).
+
+use std::collections::{HashMap, VecDeque};
+
+use super::layout::Layout;
+use super::msg::Msg;
+
+/// A task of a worker's step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Task {
+    /// Attention stage `layer` of micro-batch `mb` (layer 0 from the embedding).
+    AttnFwd {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// This holder's share of `layer`'s experts on the dispatch from attention worker `src`.
+    FfnFwd {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// The attention worker that dispatched it.
+        src: usize,
+    },
+    /// The loss of micro-batch `mb` and its backward through the head.
+    Head {
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// The backward of this holder's share of `layer`.
+    FfnBwd {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// The backward of attention stage `layer`.
+    AttnBwd {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+}
+
+/// The three kinds of backward work a worker orders by micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BackwardKind {
+    /// The head's (loss) backward.
+    Head,
+    /// An attention stage's backward.
+    Attention,
+    /// An expert stage's backward.
+    Experts,
+}
+
+impl Task {
+    /// The backward order's key of a backward task: its kind and layer (the head's: layer 0) and
+    /// its micro-batch; `None` for a forward task.
+    pub fn backward_key(&self) -> Option<((BackwardKind, usize), usize)> {
+        match *self {
+            Task::Head { mb } => Some(((BackwardKind::Head, 0), mb)),
+            Task::AttnBwd { mb, layer } => Some(((BackwardKind::Attention, layer), mb)),
+            Task::FfnBwd { mb, layer } => Some(((BackwardKind::Experts, layer), mb)),
+            Task::AttnFwd { .. } | Task::FfnFwd { .. } => None,
+        }
+    }
+
+    /// Whether the task counts among the step's backward tasks (the end rule).
+    pub fn counts_as_backward(&self) -> bool {
+        matches!(self, Task::AttnBwd { .. } | Task::FfnBwd { .. })
+    }
+
+    /// Whether the end of the task opens the in-flight window for the next micro-batch.
+    pub fn releases_window(&self) -> bool {
+        matches!(self, Task::AttnBwd { layer: 0, .. })
+    }
+
+    /// The name of the task in traces and calibrations (`fwd attn L0 mb3`).
+    pub fn name(&self) -> String {
+        match *self {
+            Task::AttnFwd { mb, layer } => format!("fwd attn L{layer} mb{mb}"),
+            Task::FfnFwd { mb, layer, .. } => format!("fwd experts L{layer} mb{mb}"),
+            Task::Head { mb } => format!("head mb{mb}"),
+            Task::FfnBwd { mb, layer } => format!("bwd experts L{layer} mb{mb}"),
+            Task::AttnBwd { mb, layer } => format!("bwd attn L{layer} mb{mb}"),
+        }
+    }
+
+    /// The trace category: `forward` or `backward` (the head's task ends in its backward).
+    pub fn category(&self) -> &'static str {
+        match self {
+            Task::AttnFwd { .. } | Task::FfnFwd { .. } => "forward",
+            _ => "backward",
+        }
+    }
+}
+
+/// What the scheduler needs to know of an arrived message of the token exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrival {
+    /// A dispatch of (`mb`, `layer`) from attention worker `src`.
+    Dispatch {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// Sender.
+        src: usize,
+    },
+    /// A holder's share of `layer`'s output (an input of `layer + 1`).
+    Combine {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer that produced it.
+        layer: usize,
+    },
+    /// The residual stream out of `layer`.
+    Residual {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer that produced it.
+        layer: usize,
+    },
+    /// The gradient of this holder's share of `layer`.
+    GradCombine {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// The gradient of `layer`'s residual.
+    GradResidual {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// A holder's gradients of its dispatch of `layer`.
+    GradDispatch {
+        /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+}
+
+impl Arrival {
+    /// The arrival a message from `src` is, if it belongs to the token exchange.
+    pub fn of(msg: &Msg, src: usize) -> Option<Self> {
+        Some(match *msg {
+            Msg::Dispatch { mb, layer, .. } => Arrival::Dispatch { mb, layer, src },
+            Msg::Combine { mb, layer, .. } => Arrival::Combine { mb, layer },
+            Msg::Residual { mb, layer, .. } => Arrival::Residual { mb, layer },
+            Msg::GradCombine { mb, layer, .. } => Arrival::GradCombine { mb, layer },
+            Msg::GradResidual { mb, layer, .. } => Arrival::GradResidual { mb, layer },
+            Msg::GradDispatch { mb, layer, .. } => Arrival::GradDispatch { mb, layer },
+            _ => return None,
+        })
+    }
+}
+
+/// The micro-batches each backward key has still to run, in order (see the module doc).
+#[derive(Debug, Default)]
+pub struct BackwardOrder {
+    next: HashMap<(BackwardKind, usize), VecDeque<usize>>,
+}
+
+impl BackwardOrder {
+    /// The order of worker `rank`'s backward tasks in a step of `layout`.
+    pub fn of(layout: &Layout, rank: usize) -> Self {
+        let mbs = 0..layout.micro_batches;
+        let mut next = HashMap::new();
+        next.insert((BackwardKind::Head, 0), mbs.clone().filter(|&m| layout.head_worker(m) == rank).collect());
+        for l in layout.attn_layers(rank) {
+            next.insert(
+                (BackwardKind::Attention, l),
+                mbs.clone().filter(|&m| layout.attn_worker(m, l) == rank).collect(),
+            );
+        }
+        for (l, _) in layout.ffn_layers(rank) {
+            next.insert((BackwardKind::Experts, l), mbs.clone().collect());
+        }
+        Self { next }
+    }
+
+    /// The micro-batches of `key` still to run, in their order (empty for a key the worker has
+    /// no task of).
+    pub fn queue(&self, key: (BackwardKind, usize)) -> Vec<usize> {
+        self.next.get(&key).map(|q| q.iter().copied().collect()).unwrap_or_default()
+    }
+
+    /// Whether `task` may run now.
+    pub fn allows(&self, task: &Task) -> bool {
+        match task.backward_key() {
+            Some((key, mb)) => self.next.get(&key).and_then(|q| q.front()) == Some(&mb),
+            None => true,
+        }
+    }
+
+    /// Records that `task` runs.
+    fn ran(&mut self, task: &Task) {
+        if let Some((key, _)) = task.backward_key() {
+            if let Some(q) = self.next.get_mut(&key) {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// Backward tasks of the step still to run, the head's included.
+    fn left(&self) -> usize {
+        self.next.values().map(VecDeque::len).sum()
+    }
+}
+
+/// The inputs of an attention stage (or the head) or of its backward received so far: the
+/// residual (or its gradient) and the holders' shares (or their gradients).
+#[derive(Debug, Clone, Copy, Default)]
+struct Gathered {
+    residual: bool,
+    shares: usize,
+}
+
+impl Gathered {
+    fn complete(&self, holders: usize) -> bool {
+        self.residual && self.shares == holders
+    }
+}
+
+/// One worker's schedule of one step (see the module doc).
+#[derive(Debug)]
+pub struct Scheduler {
+    layers: usize,
+    /// Holders of each layer's experts.
+    holders: Vec<usize>,
+    ready_bwd: VecDeque<Task>,
+    ready_ffn: VecDeque<Task>,
+    ready_fwd: VecDeque<Task>,
+    /// Owned micro-batches not started yet.
+    waiting: VecDeque<usize>,
+    /// Backward tasks (attention and experts) still to run.
+    bwd_left: usize,
+    order: BackwardOrder,
+    inputs: HashMap<(usize, usize), Gathered>,
+    grad_inputs: HashMap<(usize, usize), Gathered>,
+}
+
+impl Scheduler {
+    /// Worker `rank`'s schedule of a step of `layout`, `in_flight` of its micro-batches started.
+    pub fn new(layout: &Layout, rank: usize, in_flight: usize) -> Self {
+        let mbs = layout.micro_batches;
+        let attn: usize = layout
+            .attn_layers(rank)
+            .iter()
+            .map(|&l| (0..mbs).filter(|&m| layout.attn_worker(m, l) == rank).count())
+            .sum();
+        let mut waiting: VecDeque<usize> = layout.own_micro_batches(rank).into();
+        let started = in_flight.max(1).min(waiting.len());
+        let ready_fwd = waiting.drain(..started).map(|mb| Task::AttnFwd { mb, layer: 0 }).collect();
+        Self {
+            layers: layout.layers,
+            holders: (0..layout.layers).map(|l| layout.ffn_holders(l).len()).collect(),
+            ready_bwd: VecDeque::new(),
+            ready_ffn: VecDeque::new(),
+            ready_fwd,
+            waiting,
+            bwd_left: attn + mbs * layout.ffn_layers(rank).len(),
+            order: BackwardOrder::of(layout, rank),
+            inputs: HashMap::new(),
+            grad_inputs: HashMap::new(),
+        }
+    }
+
+    /// Takes in an arrived message; a task whose inputs are now all here becomes ready.
+    pub fn on_message(&mut self, arrival: Arrival) {
+        match arrival {
+            Arrival::Dispatch { mb, layer, src } => self.ready_ffn.push_back(Task::FfnFwd { mb, layer, src }),
+            Arrival::GradCombine { mb, layer } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer }),
+            Arrival::Combine { mb, layer } | Arrival::Residual { mb, layer } => {
+                let got = self.inputs.entry((mb, layer + 1)).or_default();
+                match arrival {
+                    Arrival::Residual { .. } => got.residual = true,
+                    _ => got.shares += 1,
+                }
+                if got.complete(self.holders[layer]) {
+                    self.inputs.remove(&(mb, layer + 1));
+                    if layer + 1 == self.layers {
+                        self.ready_bwd.push_back(Task::Head { mb });
+                    } else {
+                        self.ready_fwd.push_back(Task::AttnFwd { mb, layer: layer + 1 });
+                    }
+                }
+            }
+            Arrival::GradResidual { mb, layer } | Arrival::GradDispatch { mb, layer } => {
+                let got = self.grad_inputs.entry((mb, layer)).or_default();
+                match arrival {
+                    Arrival::GradResidual { .. } => got.residual = true,
+                    _ => got.shares += 1,
+                }
+                if got.complete(self.holders[layer]) {
+                    self.grad_inputs.remove(&(mb, layer));
+                    self.ready_bwd.push_back(Task::AttnBwd { mb, layer });
+                }
+            }
+        }
+    }
+
+    /// The task to run now, by the priority and the backward order; `None` while the worker has
+    /// to wait for a message.
+    pub fn next(&mut self) -> Option<Task> {
+        let task = (self.ready_bwd.iter().position(|t| self.order.allows(t)))
+            .and_then(|i| self.ready_bwd.remove(i))
+            .or_else(|| self.ready_ffn.pop_front())
+            .or_else(|| self.ready_fwd.pop_front())?;
+        self.order.ran(&task);
+        Some(task)
+    }
+
+    /// Records that `task` (returned by [`Scheduler::next`]) has run.
+    pub fn done(&mut self, task: Task) {
+        if task.counts_as_backward() {
+            self.bwd_left -= 1;
+        }
+        if task.releases_window() {
+            if let Some(mb) = self.waiting.pop_front() {
+                self.ready_fwd.push_back(Task::AttnFwd { mb, layer: 0 });
+            }
+        }
+    }
+
+    /// Whether the worker's tasks of the step are all done.
+    pub fn finished(&self) -> bool {
+        self.bwd_left == 0
+    }
+
+    /// Backward tasks still to run (the head's included), for a stalled worker's error.
+    pub fn backward_left(&self) -> usize {
+        self.order.left()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every worker of `layout` with its scheduler, messages delivered at once: each round, every
+    /// worker runs one ready task, whose messages reach their receivers at the round's end. Returns
+    /// each worker's tasks in the order it ran them.
+    fn drive(layout: &Layout, in_flight: usize) -> Vec<Vec<Task>> {
+        let w = layout.workers;
+        let mut s: Vec<Scheduler> = (0..w).map(|r| Scheduler::new(layout, r, in_flight)).collect();
+        let mut ran = vec![Vec::new(); w];
+        let next_attn =
+            |mb, l: usize| if l + 1 == layout.layers { layout.head_worker(mb) } else { layout.attn_worker(mb, l + 1) };
+        for _round in 0..10_000 {
+            if s.iter().all(Scheduler::finished) {
+                return ran;
+            }
+            let mut sent = Vec::new();
+            for (r, sched) in s.iter_mut().enumerate() {
+                let Some(task) = sched.next() else { continue };
+                ran[r].push(task);
+                match task {
+                    Task::AttnFwd { mb, layer } => {
+                        for h in layout.ffn_holders(layer) {
+                            sent.push((h, Arrival::Dispatch { mb, layer, src: r }));
+                        }
+                        sent.push((next_attn(mb, layer), Arrival::Residual { mb, layer }));
+                    }
+                    Task::FfnFwd { mb, layer, .. } => sent.push((next_attn(mb, layer), Arrival::Combine { mb, layer })),
+                    Task::Head { mb } | Task::AttnBwd { mb, .. } => {
+                        let layer = match task {
+                            Task::AttnBwd { layer: 0, .. } => None,
+                            Task::AttnBwd { layer, .. } => Some(layer - 1),
+                            _ => Some(layout.layers - 1),
+                        };
+                        if let Some(l) = layer {
+                            for h in layout.ffn_holders(l) {
+                                sent.push((h, Arrival::GradCombine { mb, layer: l }));
+                            }
+                            sent.push((layout.attn_worker(mb, l), Arrival::GradResidual { mb, layer: l }));
+                        }
+                    }
+                    Task::FfnBwd { mb, layer } => {
+                        sent.push((layout.attn_worker(mb, layer), Arrival::GradDispatch { mb, layer }))
+                    }
+                }
+                sched.done(task);
+            }
+            for (dst, a) in sent {
+                s[dst].on_message(a);
+            }
+        }
+        panic!("the schedule did not finish: {:?}", s.iter().map(Scheduler::backward_left).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn every_task_runs_once_backward_tasks_in_micro_batch_order_within_the_window() {
+        let layouts = [
+            (Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2),
+            (Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 1),
+            (Layout::ep(3, 4, 4, 2).unwrap(), 1),
+        ];
+        for (layout, window) in layouts {
+            let ran = drive(&layout, window);
+            for (r, tasks) in ran.iter().enumerate() {
+                // Each backward key runs its micro-batches in increasing order, each once.
+                let mut by_key: HashMap<(BackwardKind, usize), Vec<usize>> = HashMap::new();
+                for t in tasks {
+                    if let Some((key, mb)) = t.backward_key() {
+                        by_key.entry(key).or_default().push(mb);
+                    }
+                }
+                let want = BackwardOrder::of(&layout, r);
+                assert_eq!(by_key.len(), want.next.values().filter(|q| !q.is_empty()).count(), "worker {r}");
+                for (key, mbs) in &by_key {
+                    assert_eq!(mbs, &Vec::from(want.next[key].clone()), "worker {r} {key:?}");
+                }
+                // The window: micro-batch i + K starts after micro-batch i's layer-0 backward.
+                let own = layout.own_micro_batches(r);
+                let at = |t: Task| tasks.iter().position(|&x| x == t).unwrap();
+                for (i, &mb) in own.iter().enumerate().skip(window) {
+                    let released = Task::AttnBwd { mb: own[i - window], layer: 0 };
+                    assert!(at(released) < at(Task::AttnFwd { mb, layer: 0 }), "worker {r} mb {mb}");
+                }
+                // Every forward task of the worker ran, once.
+                let fwd = tasks.iter().filter(|t| t.backward_key().is_none()).count();
+                let attn: usize = layout
+                    .attn_layers(r)
+                    .iter()
+                    .map(|&l| (0..layout.micro_batches).filter(|&m| layout.attn_worker(m, l) == r).count())
+                    .sum();
+                assert_eq!(fwd, attn + layout.micro_batches * layout.ffn_layers(r).len(), "worker {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn backward_work_goes_before_expert_forwards_before_attention_forwards() {
+        let layout = Layout::disagg(1, 2, 2, 1, 1, 1).unwrap();
+        let mut s = Scheduler::new(&layout, 1, 2);
+        // The expert worker: a dispatch of mb 1, then the gradient of mb 0's combine.
+        s.on_message(Arrival::Dispatch { mb: 1, layer: 0, src: 0 });
+        s.on_message(Arrival::GradCombine { mb: 0, layer: 0 });
+        assert_eq!(s.next(), Some(Task::FfnBwd { mb: 0, layer: 0 }));
+        // mb 1's backward waits for mb 0's... which has run: the forward goes next.
+        assert_eq!(s.next(), Some(Task::FfnFwd { mb: 1, layer: 0, src: 0 }));
+        assert_eq!(s.next(), None);
+        // The attention worker: mb 1's gradients before mb 0's are held back.
+        let mut a = Scheduler::new(&layout, 0, 2);
+        assert_eq!(a.next(), Some(Task::AttnFwd { mb: 0, layer: 0 }));
+        a.on_message(Arrival::GradResidual { mb: 1, layer: 0 });
+        a.on_message(Arrival::GradDispatch { mb: 1, layer: 0 });
+        assert_eq!(a.next(), Some(Task::AttnFwd { mb: 1, layer: 0 }), "mb 1's backward waits for mb 0's");
+        a.on_message(Arrival::GradDispatch { mb: 0, layer: 0 });
+        assert_eq!(a.next(), None, "mb 0's residual gradient is missing");
+        a.on_message(Arrival::GradResidual { mb: 0, layer: 0 });
+        assert_eq!(a.next(), Some(Task::AttnBwd { mb: 0, layer: 0 }));
+        assert_eq!(a.next(), Some(Task::AttnBwd { mb: 1, layer: 0 }));
+    }
+}

@@ -1,0 +1,145 @@
+//! What a worker writes and reports beyond its steps: its parameter counts, the final model, the
+//! training checkpoints (without gathering anything), and its trace.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::AutodiffBackend;
+
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::moe::{Experts, Router};
+use disagmoe_models::SaveDtype::F32;
+use disagmoe_models::{SaveDtype, TrainModule};
+
+use super::Worker;
+use crate::checkpoint::{self, TrainState};
+use crate::config::{CheckpointKill, CheckpointMoment};
+use crate::error::Result;
+use crate::optim::{sum_of_squares, Moment};
+use crate::runtime::msg::{Msg, ShardReport};
+use crate::runtime::shards::{write_index, write_shards};
+use crate::runtime::trace::TraceEvent;
+
+/// The `i`-th report of every worker's [`Msg::Shards`] (the model's files, then each moment's).
+fn nth_reports(gathered: &[Msg], i: usize) -> Vec<ShardReport> {
+    gathered.iter().filter_map(|m| if let Msg::Shards(r) = m { r.get(i).cloned() } else { None }).collect()
+}
+
+impl<B, A, R, X> Worker<B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    /// Every worker of the run.
+    fn everyone(&self) -> Vec<usize> {
+        (0..self.layout.workers).collect()
+    }
+
+    /// Parameters each worker holds (by rank) and parameters of the whole model (each counted once),
+    /// the same on every worker.
+    pub fn param_counts(&mut self) -> Result<(Vec<usize>, usize)> {
+        let rank = self.rank();
+        let (own, counted) = self.part().param_counts(&self.layout, rank);
+        let workers = self.layout.workers;
+        let mut v = vec![0f64; workers + 1];
+        v[rank] = own as f64;
+        v[workers] = counted as f64;
+        self.all_reduce(&self.everyone(), &mut v)?;
+        Ok((v[..workers].iter().map(|&x| x as usize).collect(), v[workers] as usize))
+    }
+
+    /// The end of the run: the sum of squares of every parameter (each once) and each worker's peak
+    /// resident memory, the same on every worker; with `out`, the model written there by every
+    /// worker ([`crate::runtime::shards`]) in `dtype`, rank 0 writing `config.json` and the index
+    /// last.
+    pub fn finish(
+        &mut self,
+        out: Option<&Path>,
+        config: &serde_json::Value,
+        dtype: SaveDtype,
+    ) -> Result<(f64, Vec<f64>)> {
+        let rank = self.rank();
+        let part = self.part();
+        let mut own = sum_of_squares(&part.experts);
+        if self.layout.replicas(rank).first() == Some(&rank) {
+            own += sum_of_squares(&part.ends) + sum_of_squares(&part.attention);
+        }
+        if let Some(dir) = out {
+            let parts = part.counted_once(&self.layout, rank, self.ffn_name);
+            let report = write_shards(dir, rank, &parts, self.layout.experts, dtype)?;
+            let reports = self.comm.collect_on_zero(Msg::Shards(vec![report]), "the written files")?;
+            if rank == 0 {
+                let mut config = config.clone();
+                dtype.mark_config(&mut config);
+                write_index(dir, &nth_reports(&reports, 0), &config)?;
+            }
+        }
+        let workers = self.layout.workers;
+        let mut v = vec![0f64; workers + 1];
+        v[0] = own;
+        v[1 + rank] = crate::metrics::peak_rss_mb();
+        self.all_reduce(&self.everyone(), &mut v)?;
+        Ok((v[0], v[1..].to_vec()))
+    }
+
+    /// Writes a training checkpoint of the state after `state.step` into `dir` without gathering
+    /// anything: rank 0 makes the partial directory; every worker writes its tensors and its AdamW
+    /// moments ([`crate::runtime::shards`], the moments laid out as the model under `exp_avg/` and
+    /// `exp_avg_sq/`), synced, and reports them; rank 0 then writes the indexes and commits
+    /// ([`crate::checkpoint::commit`]), and every worker waits for that before it goes on.
+    pub fn checkpoint(
+        &mut self,
+        dir: &Path,
+        state: &TrainState,
+        keep: usize,
+        config: &serde_json::Value,
+        kill: Option<&CheckpointKill>,
+    ) -> Result<PathBuf> {
+        let (step, rank) = (state.step, self.rank());
+        let hook = |at| {
+            if let Some(k) = kill {
+                k.maybe(rank, step, at);
+            }
+        };
+        let all = self.everyone();
+        // Phase 0: the partial directory exists before anyone writes.
+        if rank == 0 {
+            checkpoint::begin(dir, step)?;
+        }
+        self.all_reduce(&all, &mut [0f64])?;
+        // Phase 1: every worker's files, each synced.
+        let partial = checkpoint::partial_dir(dir, step);
+        let experts = self.layout.experts;
+        let part = self.part();
+        let mut reports =
+            vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts, F32)?];
+        hook(CheckpointMoment::Writing);
+        for moment in Moment::BOTH {
+            let moments = self.opt.moments_as(part.clone(), moment);
+            let parts = moments.counted_once(&self.layout, rank, self.ffn_name);
+            reports.push(write_shards(&checkpoint::moment_dir(&partial, moment), rank, &parts, experts, F32)?);
+        }
+        hook(CheckpointMoment::Written);
+        let gathered = self.comm.collect_on_zero(Msg::Shards(reports), "the checkpoint's files")?;
+        // Phase 2: rank 0 alone makes it a checkpoint.
+        if rank == 0 {
+            write_index(&partial, &nth_reports(&gathered, 0), config)?;
+            for (i, moment) in Moment::BOTH.into_iter().enumerate() {
+                write_index(&checkpoint::moment_dir(&partial, moment), &nth_reports(&gathered, i + 1), config)?;
+            }
+            hook(CheckpointMoment::Indexed);
+            checkpoint::commit(dir, &partial, state, keep)?;
+            hook(CheckpointMoment::Committed);
+        }
+        self.all_reduce(&all, &mut [0f64])?;
+        Ok(dir.join(checkpoint::step_dir_name(step)))
+    }
+
+    /// Gathers every worker's trace events on worker 0 (others return an empty list).
+    pub fn gather_traces(&mut self) -> Result<Vec<TraceEvent>> {
+        let mine = std::mem::take(&mut self.comm.tracer.events);
+        let all = self.comm.collect_on_zero(Msg::Trace(mine), "trace events")?;
+        Ok(all.into_iter().flat_map(|m| if let Msg::Trace(e) = m { e } else { Vec::new() }).collect())
+    }
+}

@@ -1,0 +1,316 @@
+//! The end of a worker's step: the attention copies' gradient all-reduce, one global sum of what
+//! every worker measured, and the update (clipping, AdamW, the routers' bias), the same decision
+//! on every worker.
+
+use std::collections::HashMap;
+
+use burn::module::Module;
+use burn::optim::GradientsAccumulator;
+use burn::tensor::backend::AutodiffBackend;
+
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::moe::{Experts, Router};
+use disagmoe_models::TrainModule;
+
+use super::autodiff::{Flatten, Restore, ZeroFill};
+use super::comm::StepMeters;
+use super::{Worker, WorkerPart};
+use crate::error::{Result, TrainError};
+use crate::optim::grad_norm;
+use crate::runtime::collectives::ReduceValues;
+use crate::runtime::trace::COMPUTE;
+use crate::runtime::transport::now_us;
+use crate::trainer::{StepReport, StepTiming};
+
+/// The losses of a step's micro-batches, summed (divided by the micro-batches at the end).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StepLosses {
+    /// LM loss + coefficient x balance loss.
+    pub(super) total: f64,
+    /// LM loss.
+    pub(super) lm: f64,
+    /// Balance loss before its coefficient.
+    pub(super) aux: f64,
+    /// Router z-loss before its coefficient (summed over layers).
+    pub(super) z: f64,
+}
+
+/// What a worker gathers during a step for its end.
+#[derive(Debug, Default)]
+pub(super) struct StepStats {
+    /// LM and balance loss of each micro-batch whose head ran here.
+    pub(super) mb_losses: Vec<(usize, f64, f64)>,
+    /// Routed copies per expert of each routed layer this worker routed.
+    pub(super) counts: HashMap<usize, Vec<usize>>,
+    /// Routed copies this worker dropped for capacity, by layer.
+    pub(super) dropped: HashMap<usize, usize>,
+    pub(super) losses: StepLosses,
+}
+
+/// What every worker adds up at the end of a step, in one all-reduce.
+#[derive(Debug, Clone, Default)]
+struct GlobalSums {
+    /// Squared gradient norm (each parameter counted once).
+    grad_sq: f64,
+    /// Losses of the micro-batches.
+    losses: StepLosses,
+    /// Waits for data, and the part of them with the data on the wire, seconds.
+    waits_s: f64,
+    wire_s: f64,
+    /// Compute and emulated-link time, seconds.
+    compute_s: f64,
+    link_s: f64,
+    /// Bytes sent.
+    bytes_sent: f64,
+    /// Workers asked to stop (a signal reached their process).
+    stop: f64,
+    /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
+    /// group), layer-major, then the copies each MoE layer dropped for capacity (counted where
+    /// they were routed).
+    expert_counts: Vec<f64>,
+}
+
+/// A field of [`GlobalSums`].
+type Field = fn(&mut GlobalSums) -> &mut f64;
+
+impl GlobalSums {
+    /// The scalar fields in the order they travel (the expert counts follow). The order is part of
+    /// the sums' bits (a ring adds each piece starting at another member), so it stays as it is.
+    const SCALARS: [Field; 11] = [
+        |g| &mut g.grad_sq,
+        |g| &mut g.losses.total,
+        |g| &mut g.losses.lm,
+        |g| &mut g.losses.aux,
+        |g| &mut g.waits_s,
+        |g| &mut g.wire_s,
+        |g| &mut g.compute_s,
+        |g| &mut g.link_s,
+        |g| &mut g.stop,
+        |g| &mut g.bytes_sent,
+        |g| &mut g.losses.z,
+    ];
+
+    fn to_vec(&self) -> Vec<f64> {
+        let mut me = self.clone();
+        let mut v: Vec<f64> = Self::SCALARS.iter().map(|field| *field(&mut me)).collect();
+        v.extend(&self.expert_counts);
+        v
+    }
+
+    fn from_vec(v: &[f64]) -> Self {
+        let n = Self::SCALARS.len();
+        let mut g = Self { expert_counts: v[n..].to_vec(), ..Self::default() };
+        for (field, &x) in Self::SCALARS.iter().zip(v) {
+            *field(&mut g) = x;
+        }
+        g
+    }
+}
+
+impl<B, A, R, X> Worker<B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    /// Sums `data` over `group` in place with this worker's reducer (every member ends with the
+    /// same bits); the bytes a ring would send are counted, whatever reduces it.
+    pub(super) fn all_reduce<T: ReduceValues>(&mut self, group: &[usize], data: &mut [T]) -> Result<()> {
+        if group.len() <= 1 {
+            return Ok(());
+        }
+        let n = group.len();
+        self.comm.meters.bytes_sent += (2 * (n - 1) * data.len() * std::mem::size_of::<T>() / n) as u64;
+        T::sum_with(self.reducer.as_mut(), &mut self.comm, group, data)
+    }
+
+    /// The global sums of this worker's step: squared gradient norm, losses, the step's waits,
+    /// compute, link time and bytes since `start` (the final reduction is the step's barrier and
+    /// is not counted), the stop request, and the expert load of every MoE layer.
+    fn my_sums(&self, grad_sq: f64, start: StepMeters, stop: bool, sparse: &[usize]) -> GlobalSums {
+        let e = self.layout.experts;
+        let rank = self.rank();
+        let mut expert_counts = vec![0.0; sparse.len() * e];
+        // Expert load of every MoE layer: its attention group's first copy counts it.
+        if self.layout.replicas(rank).first() == Some(&rank) {
+            for (i, l) in sparse.iter().enumerate() {
+                if let Some(c) = self.stats.counts.get(l) {
+                    for (j, &x) in c.iter().enumerate() {
+                        expert_counts[i * e + j] = x as f64;
+                    }
+                }
+            }
+        }
+        // Each (micro-batch, layer) is routed by one attention worker: it counts the copies dropped.
+        expert_counts.extend(sparse.iter().map(|l| self.stats.dropped.get(l).copied().unwrap_or(0) as f64));
+        let d = self.comm.meters - start;
+        let wire_s = d.wait_wire_us as f64 * 1e-6;
+        GlobalSums {
+            grad_sq,
+            losses: self.stats.losses,
+            waits_s: wire_s + d.wait_peer_us as f64 * 1e-6,
+            wire_s,
+            compute_s: d.compute_us as f64 * 1e-6,
+            link_s: d.link_us as f64 * 1e-6,
+            bytes_sent: d.bytes_sent as f64,
+            stop: if stop { 1.0 } else { 0.0 },
+            expert_counts,
+        }
+    }
+
+    /// The step's end (see the module doc); returns the step's report, the same on every worker.
+    pub(super) fn end_of_step(&mut self, lr: f64, start: StepMeters, stop: bool, update: bool) -> Result<StepReport> {
+        let t0 = now_us();
+        let rank = self.rank();
+        let mut grads = {
+            let part = self.part.as_ref().expect("part");
+            let (body, head) = (self.grads.grads(), self.head_grads.grads());
+            let mut sum = GradientsAccumulator::<WorkerPart<B, A, R, X>>::new();
+            sum.accumulate(part, body);
+            sum.accumulate(part, head);
+            sum.grads()
+        };
+        // Losses of this worker's micro-batches, added in micro-batch order.
+        let mut mb_losses = std::mem::take(&mut self.stats.mb_losses);
+        mb_losses.sort_by_key(|&(mb, _, _)| mb);
+        let coef = self.settings.aux.map_or(0.0, |a| a.coef);
+        for (_, lm, aux) in mb_losses {
+            let l = &mut self.stats.losses;
+            l.total += lm + coef * aux;
+            l.lm += lm;
+            l.aux += aux;
+        }
+        let replicas = self.layout.replicas(rank);
+        let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
+        routed.sort_unstable();
+        let e = self.layout.experts;
+        // 1. Copies of the attention side add their gradients and their routers' expert counts
+        //    (not for an evaluation: nothing is updated).
+        if replicas.len() > 1 && update {
+            // f32 gradients with a presence flag per parameter, then the routers' counts.
+            let part = self.part.as_ref().expect("part");
+            let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
+            part.ends.visit(&mut flat);
+            part.attention.visit(&mut flat);
+            let mut data = flat.out;
+            for l in &routed {
+                let c = self.stats.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
+                data.extend(c.iter().map(|&x| x as f32));
+            }
+            self.all_reduce(&replicas, &mut data)?;
+            let part = self.part.as_ref().expect("part");
+            let mut restore = Restore { grads: &mut grads, data: &data, pos: 0 };
+            part.ends.visit(&mut restore);
+            part.attention.visit(&mut restore);
+            let mut pos = restore.pos;
+            for l in &routed {
+                if self.stats.counts.contains_key(l) || data[pos..pos + e].iter().any(|&x| x > 0.0) {
+                    self.stats.counts.insert(*l, data[pos..pos + e].iter().map(|&x| x.round() as usize).collect());
+                }
+                pos += e;
+            }
+        }
+        // A fused expert tensor is stepped whenever its layer saw tokens, on every holder.
+        let part = self.part.as_ref().expect("part");
+        for stage in &part.experts {
+            if let Some(x) = stage.experts.as_ref().filter(|x| x.fused()) {
+                x.visit(&mut ZeroFill { grads: &mut grads });
+            }
+        }
+        // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
+        let mut norms = vec![grad_norm::<B, _>(&part.experts, &grads)];
+        if replicas.first() == Some(&rank) {
+            norms.push(grad_norm::<B, _>(&part.ends, &grads));
+            norms.push(grad_norm::<B, _>(&part.attention, &grads));
+        }
+        let sq: f64 = norms.iter().map(|n| n.total.powi(2)).sum();
+        // The first tensor of this worker whose gradient is not finite, for the error message.
+        let bad = (norms.iter().flat_map(|n| n.per_param.iter()))
+            .find(|(_, v)| !v.is_finite())
+            .and_then(|(id, _)| self.names.get(id).cloned());
+        let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
+        let mut sums = self.my_sums(sq, start, stop, &sparse).to_vec();
+        let all: Vec<usize> = (0..self.layout.workers).collect();
+        self.all_reduce(&all, &mut sums)?;
+        let g = GlobalSums::from_vec(&sums);
+        let mbs = self.layout.micro_batches as f64;
+        // The gradients are `loss_scale` times too large (f16's loss scaling).
+        let norm = g.grad_sq.sqrt() / self.loss_scale;
+        let (counts, dropped) = g.expert_counts.split_at(sparse.len() * e);
+        let report = StepReport {
+            loss: g.losses.total / mbs,
+            lm_loss: g.losses.lm / mbs,
+            aux_loss: self.settings.aux.is_some().then_some(g.losses.aux / mbs),
+            z_loss: (self.settings.routing.z_loss_coef > 0.0).then_some(g.losses.z / mbs),
+            grad_norm: norm,
+            skipped: !(g.losses.total.is_finite() && norm.is_finite()),
+            expert_counts: counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
+            dropped: dropped.iter().map(|&x| x.round() as usize).collect(),
+            timing: StepTiming {
+                exposed_comm_s: g.waits_s,
+                in_flight_wait_s: g.wire_s,
+                compute_s: g.compute_s,
+                link_s: g.link_s,
+                bytes_sent: g.bytes_sent,
+            },
+            stop: g.stop > 0.0,
+        };
+        if report.skipped && self.settings.abort_on_nonfinite && update {
+            return Err(TrainError::NonFinite {
+                step: self.comm.step,
+                what: if g.losses.total.is_finite() { "gradient" } else { "loss" },
+                tensor: bad.unwrap_or_default(),
+            });
+        }
+        // 3. The update, the same decision on every worker.
+        if !report.skipped && update {
+            let scale = if self.settings.grad_clip > 0.0 && norm > self.settings.grad_clip {
+                self.settings.grad_clip / (norm + 1e-6)
+            } else {
+                1.0
+            };
+            let part = self.part.take().expect("part");
+            let mut part = self.opt.step(part, &mut grads, lr, scale / self.loss_scale);
+            if self.settings.bias_update_rate > 0.0 {
+                for l in &routed {
+                    if let (Some(c), Some(router)) =
+                        (self.stats.counts.get(l), part.attention[self.attn_index[l]].router.as_mut())
+                    {
+                        router.update_balance_bias(c, self.settings.bias_update_rate)?;
+                    }
+                }
+            }
+            self.part = Some(part);
+        }
+        self.stats = StepStats::default();
+        self.comm.tracer.span(|| "all-reduce + optimizer".into(), "optimizer", COMPUTE, t0, now_us());
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_global_sums_travel_and_come_back_field_by_field() {
+        let g = GlobalSums {
+            grad_sq: 1.0,
+            losses: StepLosses { total: 2.0, lm: 3.0, aux: 4.0, z: 11.0 },
+            waits_s: 5.0,
+            wire_s: 6.0,
+            compute_s: 7.0,
+            link_s: 8.0,
+            stop: 9.0,
+            bytes_sent: 10.0,
+            expert_counts: vec![12.0, 13.0],
+        };
+        let v = g.to_vec();
+        // The order they always travelled in (it is part of a ring sum's bits).
+        assert_eq!(v, (1..=13).map(f64::from).collect::<Vec<_>>());
+        let back = GlobalSums::from_vec(&v);
+        assert_eq!(back.to_vec(), v);
+        assert_eq!((back.losses.z, back.bytes_sent, back.expert_counts), (11.0, 10.0, vec![12.0, 13.0]));
+    }
+}

@@ -1,0 +1,382 @@
+//! The task bodies of a worker: attention forward and backward, the head, and an expert holder's
+//! forward and backward. Each computes on the worker's device and hands host rows to the exchange
+//! ([`crate::runtime::exchange`]), which builds the messages the task sends.
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use disagmoe_models::causal_lm::next_token_cross_entropy;
+use disagmoe_models::decoder::AttentionLayer;
+use disagmoe_models::moe::{Experts, Routed, Router};
+use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
+use disagmoe_models::TrainModule;
+
+use super::autodiff::{constant, grad_of, host, index, leaf, term_scale, Fork};
+use super::Worker;
+use crate::error::Result;
+use crate::runtime::exchange::{
+    self, empty, gather_dispatch_grads, input_grad_messages, Assembled, DispatchPlan, Dispatched, GateGrad,
+    GradResidualIn, SentDispatch, Share,
+};
+use crate::runtime::msg::{AuxSums, HostTensor, LayerAux, LayerCoefficients, Msg};
+
+/// An attention stage's forward from its input: with its graph (kept for the backward, or run
+/// again there under `--recompute attention|full`), or without one (the first forward of a
+/// recomputed stage).
+pub(super) struct AttnGraph<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    stage: AttentionStage<B, A, R>,
+    /// Layer 0: the embedding, whose output is the input.
+    ends: Option<Ends<B>>,
+    /// The input of layers past the first.
+    h: Option<Tensor<B, 3>>,
+    residual: Tensor<B, 2>,
+    /// `[T, M]`: the normed layer output the holders are sent rows of.
+    normed: Tensor<B, 2>,
+    /// A routed layer's decision under the run's router options.
+    routed: Option<Routed<B>>,
+}
+
+/// What an attention forward keeps for its backward.
+pub(super) struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    /// The forward's graph; `None` when the stage is recomputed.
+    graph: Option<AttnGraph<B, A, R>>,
+    /// A recomputed stage's input (layer 0 recomputes from the token ids).
+    input: Option<HostTensor>,
+    /// Who sent which tokens of the input (where its gradient's rows go back).
+    from: Vec<Share>,
+    /// What was dispatched to each holder.
+    sent: Vec<SentDispatch>,
+}
+
+/// An expert stage's forward on a holder's rows, with or without its graph.
+pub(super) struct FfnGraph<B: AutodiffBackend, X: Module<B>> {
+    stage: ExpertStage<B, X>,
+    y: Tensor<B, 2>,
+    w: Option<Tensor<B, 2>>,
+    out: Tensor<B, 2>,
+}
+
+/// A recomputed expert stage's input: the rows, their gate weights and expert ids.
+pub(super) struct FfnInput {
+    y: HostTensor,
+    w: Option<HostTensor>,
+    ids: Vec<usize>,
+}
+
+/// What an expert forward keeps for its backward.
+pub(super) struct FfnSaved<B: AutodiffBackend, X: Module<B>> {
+    /// The attention worker the gradients go back to.
+    dst: usize,
+    rows: usize,
+    /// The forward's graph (`None` without rows, or when the stage is recomputed).
+    graph: Option<FfnGraph<B, X>>,
+    input: Option<FfnInput>,
+}
+
+impl<B, A, R, X> Worker<B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    /// Sends every message of `msgs`, in order.
+    fn send_all(&mut self, msgs: Vec<(usize, Msg)>) -> Result<()> {
+        msgs.into_iter().try_for_each(|(dst, msg)| self.comm.send(dst, msg))
+    }
+
+    /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
+    fn hidden(&self, h: HostTensor, track: bool) -> Tensor<B, 3> {
+        let m = *h.shape.last().expect("[T, M]");
+        let (b, s) = (self.settings.mb_rows, self.settings.seq);
+        let t = Tensor::<B, 3>::from_data(TensorData::new(h.data, [b, s, m]), &self.device);
+        if track {
+            t.require_grad()
+        } else {
+            t
+        }
+    }
+
+    /// Attention stage `layer` of micro-batch `mb` on `input` (layer 0: `None`, the token ids'
+    /// embedding), with its graph or without (`track`), and a routed layer's decision.
+    fn attend(&self, mb: usize, layer: usize, input: Option<HostTensor>, track: bool) -> Result<AttnGraph<B, A, R>> {
+        let device = self.device.clone();
+        let fork = &mut Fork { device: &device, track };
+        let past_first = input.is_some();
+        let (h, ends) = match input {
+            None => {
+                let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(fork);
+                (ends.embed(self.ids(mb)?), Some(ends))
+            }
+            Some(h) => (self.hidden(h, track), None),
+        };
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
+        let out = stage.forward(h.clone(), self.rope.0.clone(), self.rope.1.clone());
+        let routed = match (out.route, stage.top_k()) {
+            (Some(decision), Some(k)) => {
+                Some(self.settings.routing.route(decision, self.settings.mb_rows, self.layout.experts, k))
+            }
+            _ => None,
+        };
+        let h = past_first.then_some(h);
+        Ok(AttnGraph { stage, ends, h, residual: out.residual, normed: out.normed, routed })
+    }
+
+    /// Records a routed layer's decision statistics: the load metrics, the aux-loss-free bias
+    /// update, (carried to the head) the balance loss, the copies dropped for capacity, and the
+    /// z-loss (its value joins the step's loss here, its gradient this layer's backward).
+    fn record_routing(&mut self, layer: usize, routed: &Routed<B>, aux: &mut AuxSums) {
+        let stats = &routed.stats;
+        if let Some(loss) = &stats.z_loss {
+            let value = loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+            self.stats.losses.z += value;
+            self.stats.losses.total += self.settings.routing.z_loss_coef * value;
+        }
+        *self.stats.dropped.entry(layer).or_default() += stats.dropped;
+        if self.settings.aux.is_some() {
+            let host_ps: Vec<f32> = stats.prob_sum.to_data().convert::<f32>().to_vec().expect("f32");
+            aux.layers.push(LayerAux {
+                layer,
+                routing: stats.routing.clone(),
+                prob_sum: host_ps.iter().map(|&x| x as f64).collect(),
+            });
+        }
+        let acc = self.stats.counts.entry(layer).or_insert_with(|| vec![0; self.layout.experts]);
+        for (a, c) in acc.iter_mut().zip(&stats.counts) {
+            *a += c;
+        }
+    }
+
+    pub(super) fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
+        let (mut input, mut aux, from) = if layer == 0 {
+            (None, AuxSums::default(), Vec::new())
+        } else {
+            let Assembled { h, aux, from } = self.inbox.assemble(mb, layer);
+            (Some(h), aux, from)
+        };
+        let recompute = self.settings.recompute.attention();
+        // A recomputed stage keeps its input for the backward; a kept one hands it over.
+        let first = if recompute { input.clone() } else { input.take() };
+        let out = self.attend(mb, layer, first, !recompute)?;
+        let [t, m] = out.normed.dims();
+        let plan = match &out.routed {
+            Some(routed) => {
+                self.record_routing(layer, routed, &mut aux);
+                let k = out.stage.top_k().expect("a routed layer has a top-k");
+                // The shares are host messages: the ids come to the host here (on CubeCL
+                // backends the router chose them on the device).
+                let kept = routed.kept.to_host();
+                DispatchPlan::routed(mb, layer, &self.layout, &kept, k, t, m)
+            }
+            None => DispatchPlan::dense(mb, layer, &self.layout, t, m),
+        };
+        let msgs = plan.messages(|tokens| match &out.routed {
+            Some(routed) => {
+                let idx = index::<B>(tokens, &self.device);
+                let y = host(&out.normed.clone().select(0, idx.clone()));
+                (y, Some(host(&routed.route.weights.clone().select(0, idx))))
+            }
+            // A dense layer's one share is every token.
+            None => (host(&out.normed), None),
+        });
+        self.send_all(msgs)?;
+        let next = self.next_attn_worker(mb, layer);
+        self.comm.send(next, exchange::residual(mb, layer, host(&out.residual), aux))?;
+        let sent = plan.into_sent();
+        let saved = if recompute {
+            AttnSaved { graph: None, input, from, sent }
+        } else {
+            AttnSaved { graph: Some(out), input: None, from, sent }
+        };
+        self.attn_saved.insert((mb, layer), saved);
+        Ok(())
+    }
+
+    fn next_attn_worker(&self, mb: usize, layer: usize) -> usize {
+        if layer + 1 == self.layout.layers {
+            self.layout.head_worker(mb)
+        } else {
+            self.layout.attn_worker(mb, layer + 1)
+        }
+    }
+
+    fn ids(&self, mb: usize) -> Result<Tensor<B, 2, Int>> {
+        let rows = &self.rows[&mb];
+        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+        Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device))
+    }
+
+    /// Expert stage `layer` on a holder's rows, with its graph or without (`track`).
+    fn expert(&self, layer: usize, input: &FfnInput, track: bool) -> FfnGraph<B, X> {
+        let device = self.device.clone();
+        let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device, track });
+        let input_tensor = |h: &HostTensor| {
+            if track {
+                leaf::<B, 2>(h, &self.device)
+            } else {
+                constant::<B, 2>(h, &self.device)
+            }
+        };
+        let y = input_tensor(&input.y);
+        let w = input.w.as_ref().map(input_tensor);
+        let out = stage.forward(y.clone(), w.clone(), &input.ids);
+        FfnGraph { stage, y, w, out }
+    }
+
+    /// Runs this holder's share of `layer` on the dispatch from attention worker `src`.
+    pub(super) fn ffn_forward(&mut self, src: usize, mb: usize, layer: usize) -> Result<()> {
+        let Dispatched { tokens, y, weights: w, ids } = self.inbox.dispatched(mb, layer);
+        let rows = tokens.len();
+        let dst = self.next_attn_worker(mb, layer);
+        let m = y.shape.last().copied().unwrap_or(0);
+        if rows == 0 {
+            self.ffn_saved.insert((mb, layer), FfnSaved { dst: src, rows, graph: None, input: None });
+            return self.comm.send(dst, exchange::combine(mb, layer, tokens, empty(m)));
+        }
+        let input = FfnInput { y, w, ids: ids.iter().map(|&e| e as usize).collect() };
+        let recompute = self.settings.recompute.experts();
+        let graph = self.expert(layer, &input, !recompute);
+        self.comm.send(dst, exchange::combine(mb, layer, tokens, host(&graph.out)))?;
+        let saved = if recompute {
+            FfnSaved { dst: src, rows, graph: None, input: Some(input) }
+        } else {
+            FfnSaved { dst: src, rows, graph: Some(graph), input: None }
+        };
+        self.ffn_saved.insert((mb, layer), saved);
+        Ok(())
+    }
+
+    /// Adds the gradients of `module`'s parameters (a forked piece of the part) to the step's.
+    fn accumulate<M: AutodiffModule<B>>(&mut self, grads: &mut B::Gradients, module: &M) {
+        let params = GradientsParams::from_module(grads, module);
+        self.grads.accumulate(self.part.as_ref().expect("part"), params);
+    }
+
+    pub(super) fn ffn_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
+        let g = self.inbox.grad_combine(mb, layer);
+        let saved = self.ffn_saved.remove(&(mb, layer)).expect("expert forward before backward");
+        let m = g.shape.last().copied().unwrap_or(0);
+        let graph = match (saved.graph, &saved.input) {
+            (Some(graph), _) => Some(graph),
+            (None, Some(input)) => Some(self.expert(layer, input, true)),
+            (None, None) => None,
+        };
+        let (gy, gw) = match graph {
+            None => (empty(m), None),
+            Some(FfnGraph { stage, y, w, out }) => {
+                let g = constant::<B, 2>(&g, &self.device);
+                let mut grads = (out * g).sum().backward();
+                let gy = grad_of(&Some(y), &mut grads, &[saved.rows, m]);
+                let gw = w.map(|w| {
+                    let shape = w.dims().to_vec();
+                    grad_of(&Some(w), &mut grads, &shape)
+                });
+                self.accumulate(&mut grads, &stage);
+                (gy, gw)
+            }
+        };
+        self.comm.send(saved.dst, exchange::grad_dispatch(mb, layer, gy, gw))
+    }
+
+    /// Sends the gradient of `layer`'s input back ([`input_grad_messages`]).
+    fn send_input_grad(
+        &mut self,
+        mb: usize,
+        layer: usize,
+        gh: HostTensor,
+        from: &[Share],
+        aux_coef: Vec<LayerCoefficients>,
+    ) -> Result<()> {
+        let prev = self.layout.attn_worker(mb, layer - 1);
+        self.send_all(input_grad_messages(mb, layer, gh, from, prev, aux_coef))
+    }
+
+    /// The balance loss of a micro-batch from the sums carried along its layers (its one
+    /// definition, in `disagmoe_models::balance`), and each routed layer's coefficients as the
+    /// gradient of its sums.
+    fn balance_loss(&self, aux: &AuxSums) -> (f64, Vec<LayerCoefficients>) {
+        let Some(a) = self.settings.aux.filter(|_| !aux.layers.is_empty()) else { return (0.0, Vec::new()) };
+        let routing: Vec<_> = aux.layers.iter().map(|l| l.routing.clone()).collect();
+        let sums: Vec<Vec<f64>> = aux.layers.iter().map(|l| l.prob_sum.clone()).collect();
+        let coefficients = a.kind.coefficients(&routing);
+        let loss = a.kind.value(&routing, &sums);
+        let scale = term_scale(self.layout.micro_batches, a.coef) * self.loss_scale as f32;
+        let per_layer = (aux.layers.iter().zip(coefficients))
+            .map(|(l, c)| LayerCoefficients { layer: l.layer, values: c.iter().map(|&x| scale * x as f32).collect() })
+            .collect();
+        (loss, per_layer)
+    }
+
+    pub(super) fn head(&mut self, mb: usize) -> Result<()> {
+        let layers = self.layout.layers;
+        let Assembled { h, aux, from } = self.inbox.assemble(mb, layers);
+        let h = self.hidden(h, true);
+        let ids = self.ids(mb)?;
+        let mbs = self.layout.micro_batches as f64;
+        let device = self.device.clone();
+        let ends = self
+            .part()
+            .ends
+            .clone()
+            .expect("the head worker holds the ends")
+            .map(&mut Fork { device: &device, track: true });
+        let ce = next_token_cross_entropy(ends.logits(h.clone()), ids);
+        let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+        let (aux_loss, aux_coef) = self.balance_loss(&aux);
+        self.stats.mb_losses.push((mb, lm, aux_loss));
+        let ce = ce.div_scalar(mbs);
+        let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
+        let shape = h.dims().to_vec();
+        let gh = grad_of(&Some(h), &mut grads, &shape);
+        let params = GradientsParams::from_module(&mut grads, &ends);
+        self.head_grads.accumulate(self.part.as_ref().expect("part"), params);
+        self.send_input_grad(mb, layers, gh, &from, aux_coef)
+    }
+
+    pub(super) fn attention_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
+        let saved = self.attn_saved.remove(&(mb, layer)).expect("attention forward before backward");
+        let inp = self.inbox.grads(mb, layer);
+        let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
+        let graph = match saved.graph {
+            Some(graph) => graph,
+            None => self.attend(mb, layer, saved.input, true)?,
+        };
+        let mut objective = (graph.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
+        let [t, m] = graph.normed.dims();
+        let (g_normed, gates) = gather_dispatch_grads(&saved.sent, inp.dispatch, t, m);
+        objective = objective + (graph.normed.clone() * constant::<B, 2>(&g_normed, &self.device)).sum();
+        if let Some(Routed { route, stats, .. }) = &graph.routed {
+            for GateGrad { tokens, gw } in gates {
+                let w = route.weights.clone().select(0, index::<B>(tokens, &self.device));
+                objective = objective + (w * constant::<B, 2>(&gw, &self.device)).sum();
+            }
+            let coefficients = aux_coef.iter().find(|c| c.layer == layer).filter(|_| self.settings.aux.is_some());
+            if let Some(c) = coefficients {
+                let [b, e] = stats.prob_sum.dims();
+                let c = Tensor::<B, 2>::from_data(TensorData::new(c.values.clone(), [b, e]), &self.device);
+                objective = objective + (stats.prob_sum.clone() * c).sum();
+            }
+        }
+        if let Some(z) = graph.routed.as_ref().and_then(|r| r.stats.z_loss.as_ref()) {
+            let scale =
+                term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef) * self.loss_scale as f32;
+            objective = objective + z.clone().mul_scalar(scale as f64);
+        }
+        let mut grads = objective.backward();
+        let gh = graph.h.as_ref().map(|h| {
+            let shape = h.dims().to_vec();
+            grad_of(&Some(h.clone()), &mut grads, &shape)
+        });
+        self.accumulate(&mut grads, &graph.stage);
+        if let Some(ends) = &graph.ends {
+            self.accumulate(&mut grads, ends);
+        }
+        // Layer 0: the embedding's gradient is already in `grads`; the micro-batch is done.
+        match gh {
+            Some(gh) => self.send_input_grad(mb, layer, gh, &saved.from, aux_coef),
+            None => Ok(()),
+        }
+    }
+}
