@@ -6,6 +6,7 @@
 //! simulates each and reports AF-Pipe's speedup over each.
 
 use crate::allocator::milp::solve_milp_pruned;
+use crate::allocator::oracle::SimulatorOracle;
 use crate::allocator::search::{local_search, Candidate};
 use crate::allocator::{Allocation, AllocationProblem};
 use crate::cost::CostModel;
@@ -13,7 +14,7 @@ use crate::error::{invalid, Result};
 use crate::schedule::afpipe::{afpipe_window, build_afpipe};
 use crate::schedule::baselines::{build_baseline, ep_layout, Baseline};
 use crate::schedule::Schedule;
-use crate::simulator::{run, SimReport, SimulatorOracle, Trace};
+use crate::simulator::{run, SimReport, Trace};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 

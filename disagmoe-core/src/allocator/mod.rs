@@ -14,6 +14,7 @@
 //!    [`search::StepTimeOracle`] (the simulator now, measured step times later).
 
 pub mod milp;
+pub mod oracle;
 pub mod search;
 
 use crate::cost::CostModel;

@@ -40,6 +40,9 @@ use disagmoe_kernels::order::{range_key, tree_sum, Term};
 use super::layout::Layout;
 use super::msg::{AuxSums, HostTensor, LayerCoefficients, Msg};
 
+mod plan;
+pub use plan::*;
+
 /// The tokens a holder serves at a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Share {
@@ -240,190 +243,6 @@ pub fn holder_key(layout: &Layout, layer: usize, holder: usize) -> (u64, u64) {
     key_of(layout, index)
 }
 
-/// One holder's dispatch of a layer, as planned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlannedShare {
-    /// The holder's rank.
-    pub holder: usize,
-    /// Its place in the canonical order of a token's expert terms.
-    pub key: (u64, u64),
-    /// The tokens it serves, ascending.
-    pub tokens: Vec<u32>,
-    /// The `k` chosen expert ids of each of its tokens, token-major (empty for a dense layer).
-    pub ids: Vec<u32>,
-}
-
-/// M2N of one micro-batch at one layer: a share per holder of the layer, in holder order (see the
-/// module doc).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DispatchPlan {
-    /// Micro-batch.
-    pub mb: usize,
-    /// Layer.
-    pub layer: usize,
-    /// Model width `M`.
-    pub width: usize,
-    /// Experts per token of a routed layer (`None`: dense, no gate weights travel).
-    pub k: Option<usize>,
-    /// The shares.
-    pub shares: Vec<PlannedShare>,
-}
-
-/// What an attention worker keeps of a dispatch it sent, for the mirrored gradient.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SentDispatch {
-    /// The holder.
-    pub holder: usize,
-    /// The holder's place in the canonical order of a token's expert terms.
-    pub key: (u64, u64),
-    /// The tokens sent to it, ascending.
-    pub tokens: Vec<u32>,
-}
-
-impl DispatchPlan {
-    /// A routed layer: `kept_ids` are the `k` experts of each of the `tokens` tokens (a copy dropped
-    /// for capacity is no expert); each token once to each holder of one of its experts, every
-    /// token to the first holder when the layer has shared experts.
-    pub fn routed(
-        mb: usize,
-        layer: usize,
-        layout: &Layout,
-        kept_ids: &[usize],
-        k: usize,
-        tokens: usize,
-        width: usize,
-    ) -> Self {
-        let holders = layout.ffn_holders(layer);
-        let ranges: Vec<_> = holders.iter().enumerate().map(|(i, &h)| (h, layout.expert_range(i))).collect();
-        let first_takes_all = layout.shared_experts.get(layer).copied().unwrap_or(false);
-        let shares = m2n_shares(kept_ids, k, tokens, &ranges, first_takes_all)
-            .into_iter()
-            .enumerate()
-            .map(|(i, share)| PlannedShare {
-                holder: share.holder,
-                key: key_of(layout, i),
-                ids: share.ids(kept_ids, k),
-                tokens: share.tokens,
-            })
-            .collect();
-        Self { mb, layer, width, k: Some(k), shares }
-    }
-
-    /// A dense layer: every token to the first holder, none to the others.
-    pub fn dense(mb: usize, layer: usize, layout: &Layout, tokens: usize, width: usize) -> Self {
-        let shares = dense_shares(tokens, &layout.ffn_holders(layer))
-            .into_iter()
-            .enumerate()
-            .map(|(i, Share { holder, tokens })| PlannedShare {
-                holder,
-                key: key_of(layout, i),
-                tokens,
-                ids: Vec::new(),
-            })
-            .collect();
-        Self { mb, layer, width, k: None, shares }
-    }
-
-    /// The dispatches, in holder order: `rows(tokens)` gives a non-empty share's expert inputs
-    /// `[n, M]` and (routed) gate weights `[n, k]`; an empty share travels as empty tensors.
-    pub fn messages(&self, mut rows: impl FnMut(&[u32]) -> (HostTensor, Option<HostTensor>)) -> Vec<(usize, Msg)> {
-        let (mb, layer) = (self.mb, self.layer);
-        self.shares
-            .iter()
-            .map(|s| {
-                let (y, weights) = match s.tokens.is_empty() {
-                    true => (empty(self.width), self.k.map(empty)),
-                    false => rows(&s.tokens),
-                };
-                let (tokens, ids) = (s.tokens.clone(), s.ids.clone());
-                (s.holder, Msg::Dispatch { mb, layer, tokens, y, weights, ids })
-            })
-            .collect()
-    }
-
-    /// What the attention worker keeps for the backward.
-    pub fn into_sent(self) -> Vec<SentDispatch> {
-        self.shares.into_iter().map(|s| SentDispatch { holder: s.holder, key: s.key, tokens: s.tokens }).collect()
-    }
-}
-
-/// The residual stream of micro-batch `mb` out of `layer`, with the balance-loss sums so far.
-pub fn residual(mb: usize, layer: usize, x: HostTensor, aux: AuxSums) -> Msg {
-    Msg::Residual { mb, layer, x, aux }
-}
-
-/// A holder's share `[n, M]` of `layer`'s output for its `tokens` (N2M).
-pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, out: HostTensor) -> Msg {
-    Msg::Combine { mb, layer, tokens, out }
-}
-
-/// A holder's gradients of its dispatch of `layer`: of the expert inputs `[n, M]` and (routed) of
-/// the gate weights `[n, k]`.
-pub fn grad_dispatch(mb: usize, layer: usize, gy: HostTensor, gw: Option<HostTensor>) -> Msg {
-    Msg::GradDispatch { mb, layer, gy, gw }
-}
-
-/// The gradient of `layer`'s input `gh` sent back (the mirror of N2M): each holder of
-/// `layer - 1` its rows (`from`, who sent which tokens), then all of it to the previous attention
-/// worker `prev` (the residual), with the balance-loss coefficients.
-pub fn input_grad_messages(
-    mb: usize,
-    layer: usize,
-    gh: HostTensor,
-    from: &[Share],
-    prev: usize,
-    aux_coef: Vec<LayerCoefficients>,
-) -> Vec<(usize, Msg)> {
-    let mut msgs: Vec<(usize, Msg)> = from
-        .iter()
-        .map(|share| (share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens) }))
-        .collect();
-    let m = *gh.shape.last().expect("[B, S, M]");
-    let g = HostTensor { shape: vec![gh.data.len() / m, m], data: gh.data };
-    msgs.push((prev, Msg::GradResidual { mb, layer: layer - 1, g, aux_coef }));
-    msgs
-}
-
-/// A holder's gate-weight gradients `[n, k]` for its (non-empty) tokens.
-#[derive(Debug)]
-pub struct GateGrad<'a> {
-    /// The tokens, ascending.
-    pub tokens: &'a [u32],
-    /// `[n, k]`
-    pub gw: HostTensor,
-}
-
-/// The attention worker's side of the holders' gradients of `T x M` dispatched rows: the gradient
-/// of the normed output (the holders' input gradients added token by token in the canonical
-/// order, as one device's permute backward adds a token's copies), and each holder's gate-weight
-/// gradients, in holder order.
-pub fn gather_dispatch_grads<'a>(
-    sent: &'a [SentDispatch],
-    mut grads: Vec<DispatchGrad>,
-    t: usize,
-    m: usize,
-) -> (HostTensor, Vec<GateGrad<'a>>) {
-    grads.sort_by_key(|d| d.holder);
-    let sent_to = |holder: usize| sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
-    let mut g_normed = HostTensor { shape: vec![t, m], data: vec![0.0; t * m] };
-    let rows: Vec<HolderRows> = grads
-        .iter()
-        .map(|d| {
-            let s = sent_to(d.holder);
-            HolderRows { key: s.key, tokens: &s.tokens, rows: &d.gy.data }
-        })
-        .collect();
-    add_token_sums(&mut g_normed.data, m, &rows);
-    let gates = grads
-        .into_iter()
-        .filter_map(|DispatchGrad { holder, gw, .. }| {
-            let tokens = &sent_to(holder).tokens;
-            gw.filter(|_| !tokens.is_empty()).map(|gw| GateGrad { tokens, gw })
-        })
-        .collect();
-    (g_normed, gates)
-}
-
 /// The expert rows a holder was dispatched, kept until its task runs.
 #[derive(Debug)]
 pub struct Dispatched {
@@ -540,68 +359,10 @@ mod tests {
     }
 
     /// Two holders of 4 experts (0..2 on rank 2, 2..4 on rank 3) behind attention workers 0 and 1.
-    fn two_holders(shared: bool) -> Layout {
+    pub(super) fn two_holders(shared: bool) -> Layout {
         let mut layout = Layout::disagg(1, 4, 2, 2, 2, 1).unwrap();
         layout.shared_experts = vec![shared];
         layout
-    }
-
-    #[test]
-    fn a_routed_plan_sends_each_token_once_per_holder_with_all_its_choices() {
-        let layout = two_holders(false);
-        // 3 tokens, k = 2: token 0 -> {0, 1}, token 1 -> {1, 3}, token 2 -> {2, 3}.
-        let plan = DispatchPlan::routed(1, 0, &layout, &[0, 1, 1, 3, 2, 3], 2, 3, 5);
-        assert_eq!(
-            plan.shares.iter().map(|s| (s.holder, s.tokens.clone())).collect::<Vec<_>>(),
-            [(2, vec![0, 1]), (3, vec![1, 2])]
-        );
-        assert_eq!(plan.shares[1].ids, vec![1, 3, 2, 3]);
-        assert_eq!((plan.shares[0].key, plan.shares[1].key), (range_key(&(0..2)), range_key(&(2..4))));
-        let mut asked = Vec::new();
-        let msgs = plan.messages(|tokens| {
-            asked.push(tokens.to_vec());
-            let n = tokens.len();
-            (
-                HostTensor { shape: vec![n, 5], data: vec![1.0; n * 5] },
-                Some(HostTensor { shape: vec![n, 2], data: vec![0.5; n * 2] }),
-            )
-        });
-        assert_eq!(asked, [vec![0, 1], vec![1, 2]]);
-        for (dst, msg) in &msgs {
-            msg.check().unwrap();
-            let Msg::Dispatch { mb: 1, layer: 0, tokens, ids, .. } = msg else { panic!("{msg:?}") };
-            assert_eq!((tokens.len() * 2, *dst == 2 || *dst == 3), (ids.len(), true));
-        }
-        // With shared experts the first holder takes every token; a holder with no token gets
-        // empty tensors (and is not asked for rows).
-        let plan = DispatchPlan::routed(0, 0, &two_holders(true), &[0, 1, 1, 0], 2, 2, 5);
-        assert_eq!(plan.shares[0].tokens, vec![0, 1]);
-        assert!(plan.shares[1].tokens.is_empty());
-        let msgs = plan.messages(|tokens| {
-            assert_eq!(tokens, [0, 1]);
-            (
-                HostTensor { shape: vec![2, 5], data: vec![0.0; 10] },
-                Some(HostTensor { shape: vec![2, 2], data: vec![0.0; 4] }),
-            )
-        });
-        let Msg::Dispatch { y, weights: Some(w), .. } = &msgs[1].1 else { panic!() };
-        assert_eq!((y.shape.clone(), w.shape.clone()), (vec![0, 5], vec![0, 2]));
-        let sent = plan.into_sent();
-        assert_eq!((sent[0].holder, sent[1].tokens.len()), (2, 0));
-    }
-
-    #[test]
-    fn a_dense_plan_sends_every_token_to_the_first_holder_without_gate_weights() {
-        let plan = DispatchPlan::dense(0, 0, &two_holders(false), 3, 4);
-        let msgs = plan.messages(|tokens| (HostTensor { shape: vec![tokens.len(), 4], data: vec![0.0; 12] }, None));
-        let kinds: Vec<_> = msgs
-            .iter()
-            .map(|(dst, m)| match m {
-                Msg::Dispatch { tokens, weights: None, ids, .. } if ids.is_empty() => (*dst, tokens.len()),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(kinds, [(2, 3), (3, 0)]);
     }
 
     #[test]
