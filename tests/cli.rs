@@ -356,6 +356,9 @@ fn generate_continues_a_prompt_greedily_or_seeded_and_refuses_bad_options() {
     // Bad options and models are named.
     fails_with(&generate(&["--temperature", "-1"]), "temperature -1 is not allowed");
     fails_with(&generate(&["--top-p", "0"]), "top_p 0 is not allowed");
+    // Any huge count of new tokens is refused up front, by the model's positions (it used to abort
+    // the process reserving the output).
+    fails_with(&generate(&["--max-new-tokens", "1000000000000000000"]), "max_position_embeddings");
     fails_with(
         &bin().args(["generate", "--prompt", "x", "--model-dir"]).arg(fixture("mha_top1")).output().unwrap(),
         "--tokenizer",

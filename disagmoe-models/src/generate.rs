@@ -113,6 +113,16 @@ pub fn generate<B: Backend>(
     if prompt.is_empty() {
         return Err(ModelError::InvalidInput("the prompt has no tokens: give at least one".into()));
     }
+    if let Some(max) = model.config().max_positions() {
+        if prompt.len() > max || max_new_tokens > max - prompt.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "a prompt of {} tokens and {max_new_tokens} new ones go past the model's {max} positions \
+                 (max_position_embeddings): at most {} new tokens",
+                prompt.len(),
+                max.saturating_sub(prompt.len())
+            )));
+        }
+    }
     let mut sampler = Sampler::new(sampling)?;
     let ids = model.input_ids(&[prompt.to_vec()], device)?;
     let mut cache = model.new_cache();

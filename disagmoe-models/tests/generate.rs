@@ -119,6 +119,14 @@ fn bad_prompts_are_refused_by_name() {
     assert!(empty.contains("prompt"), "{empty}");
     let beyond = generate(&m, &[1, 10_000], 4, &[], Sampling::greedy(), &device, |_| {}).unwrap_err().to_string();
     assert!(beyond.contains("10000"), "{beyond}");
+    // More new tokens than the model has positions (any huge count): refused before anything is
+    // reserved, naming the most it can take.
+    let max = m.config().max_positions().expect("a Qwen3-MoE config has max_position_embeddings");
+    for n in [max, usize::MAX, 1_000_000_000_000_000_000] {
+        let e = generate(&m, &[1, 2], n, &[], Sampling::greedy(), &device, |_| {}).unwrap_err().to_string();
+        assert!(e.contains("max_position_embeddings") && e.contains(&format!("at most {}", max - 2)), "{n}: {e}");
+    }
+    assert_eq!(generate(&m, &[1, 2], 1, &[], Sampling::greedy(), &device, |_| {}).unwrap().len(), 1);
     // A stop token ends generation after it.
     let first = generate(&m, &[6, 62, 76, 27, 50], 1, &[], Sampling::greedy(), &device, |_| {}).unwrap();
     let stopped = generate(&m, &[6, 62, 76, 27, 50], 8, &first, Sampling::greedy(), &device, |_| {}).unwrap();

@@ -75,6 +75,11 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + PartialEq + Send + Sync + 'sta
     fn to_hf_json(&self) -> serde_json::Value;
     /// The sizes every family has.
     fn dims(&self) -> ModelDims;
+    /// The longest sequence the model is configured for (`max_position_embeddings`), when it has
+    /// one: generation refuses to go past it.
+    fn max_positions(&self) -> Option<usize> {
+        None
+    }
     /// The rotary embedding of the attention layers.
     fn rope(&self) -> Rope;
     /// Whether layer `layer` routes tokens to experts (else it has the dense MLP).
@@ -190,6 +195,11 @@ macro_rules! families {
             /// The sizes every family has.
             pub fn dims(&self) -> ModelDims {
                 match self { $(Self::$variant(c) => c.dims(),)* }
+            }
+
+            /// The longest sequence the model is configured for (`max_position_embeddings`).
+            pub fn max_positions(&self) -> Option<usize> {
+                match self { $(Self::$variant(c) => c.max_positions(),)* }
             }
 
             /// Whether layer `layer` routes tokens to experts.

@@ -58,6 +58,10 @@ impl FamilyConfig for DeepseekV3Config {
         DeepseekV3Config::to_hf_json(self)
     }
 
+    fn max_positions(&self) -> Option<usize> {
+        Some(self.max_position_embeddings)
+    }
+
     fn dims(&self) -> ModelDims {
         ModelDims {
             vocab_size: self.vocab_size,

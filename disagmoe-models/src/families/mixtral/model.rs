@@ -33,6 +33,10 @@ impl FamilyConfig for MixtralConfig {
         MixtralConfig::to_hf_json(self)
     }
 
+    fn max_positions(&self) -> Option<usize> {
+        Some(self.max_position_embeddings)
+    }
+
     fn dims(&self) -> ModelDims {
         ModelDims {
             vocab_size: self.vocab_size,

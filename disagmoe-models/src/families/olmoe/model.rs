@@ -32,6 +32,10 @@ impl FamilyConfig for OlmoeConfig {
         OlmoeConfig::to_hf_json(self)
     }
 
+    fn max_positions(&self) -> Option<usize> {
+        Some(self.max_position_embeddings)
+    }
+
     fn dims(&self) -> ModelDims {
         ModelDims {
             vocab_size: self.vocab_size,
