@@ -326,6 +326,7 @@ impl Distributed {
 /// This process's endpoint under `mpirun`: MPI's, or NCCL's (bootstrapped over MPI; a failure to
 /// bring it up ends the job, as the other ranks wait in theirs).
 #[cfg(feature = "mpi")]
+#[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
 fn process_endpoint(process: &super::mpi::Process, transport: TransportKind) -> Box<dyn Endpoint> {
     match transport {
         #[cfg(feature = "nccl")]
