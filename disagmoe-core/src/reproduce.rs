@@ -412,7 +412,7 @@ compare --predict` builds, from a run's layout, the schedule the runtime execute
 runtime's priority, the in-flight window, one transfer per message on its port at the link's rate
 plus the latency, the end-of-step reductions and optimizer), times the tasks and sizes the messages
 from a calibration run of the same configuration without link emulation, and simulates it with the
-simulator used above (`disagmoe-train/src/runtime/predict.rs`). `scripts/validate-simulator.sh` runs
+simulator used above (`disagmoe-train/src/runtime/predict/`). `scripts/validate-simulator.sh` runs
 it for ep (one micro-batch in flight), ep-overlap (two) and disagg, at three link rates, on two
 models, in three alternating rounds (medians; the measured spread in brackets). "Exposed comm" is
 the simulator's definition (waits while the awaited data is queued for or on the wire), measured by
