@@ -89,26 +89,25 @@ impl DispatchPlan {
         Self { mb, layer, width, k: None, shares }
     }
 
-    /// The dispatches, in holder order: `rows(tokens)` gives a non-empty share's expert inputs
-    /// `[n, M]` and (routed) gate weights `[n, k]`; an empty share travels as empty tensors.
-    pub fn messages(&self, mut rows: impl FnMut(&[u32]) -> (HostTensor, Option<HostTensor>)) -> Vec<(usize, Msg)> {
+    /// The dispatches, in holder order, and what the attention worker keeps of them for the
+    /// backward: `rows(tokens)` gives a non-empty share's expert inputs `[n, M]` and (routed) gate
+    /// weights `[n, k]`; an empty share travels as empty tensors.
+    pub fn into_messages(
+        self,
+        mut rows: impl FnMut(&[u32]) -> (HostTensor, Option<HostTensor>),
+    ) -> (Vec<(usize, Msg)>, Vec<SentDispatch>) {
         let (mb, layer) = (self.mb, self.layer);
         self.shares
-            .iter()
-            .map(|s| {
-                let (y, weights) = match s.tokens.is_empty() {
+            .into_iter()
+            .map(|PlannedShare { holder, key, tokens, ids }| {
+                let (y, weights) = match tokens.is_empty() {
                     true => (empty(self.width), self.k.map(empty)),
-                    false => rows(&s.tokens),
+                    false => rows(&tokens),
                 };
-                let (tokens, ids) = (s.tokens.clone(), s.ids.clone());
-                (s.holder, Msg::Dispatch { mb, layer, tokens, y, weights, ids })
+                let msg = Msg::Dispatch { mb, layer, tokens: tokens.clone(), y, weights, ids };
+                ((holder, msg), SentDispatch { holder, key, tokens })
             })
-            .collect()
-    }
-
-    /// What the attention worker keeps for the backward.
-    pub fn into_sent(self) -> Vec<SentDispatch> {
-        self.shares.into_iter().map(|s| SentDispatch { holder: s.holder, key: s.key, tokens: s.tokens }).collect()
+            .unzip()
     }
 }
 
@@ -207,7 +206,7 @@ mod tests {
         assert_eq!(plan.shares[1].ids, vec![1, 3, 2, 3]);
         assert_eq!((plan.shares[0].key, plan.shares[1].key), (range_key(&(0..2)), range_key(&(2..4))));
         let mut asked = Vec::new();
-        let msgs = plan.messages(|tokens| {
+        let (msgs, _) = plan.into_messages(|tokens| {
             asked.push(tokens.to_vec());
             let n = tokens.len();
             (
@@ -226,7 +225,7 @@ mod tests {
         let plan = DispatchPlan::routed(0, 0, &two_holders(true), &[0, 1, 1, 0], 2, 2, 5);
         assert_eq!(plan.shares[0].tokens, vec![0, 1]);
         assert!(plan.shares[1].tokens.is_empty());
-        let msgs = plan.messages(|tokens| {
+        let (msgs, sent) = plan.into_messages(|tokens| {
             assert_eq!(tokens, [0, 1]);
             (
                 HostTensor { shape: vec![2, 5], data: vec![0.0; 10] },
@@ -235,14 +234,14 @@ mod tests {
         });
         let Msg::Dispatch { y, weights: Some(w), .. } = &msgs[1].1 else { panic!() };
         assert_eq!((y.shape.clone(), w.shape.clone()), (vec![0, 5], vec![0, 2]));
-        let sent = plan.into_sent();
         assert_eq!((sent[0].holder, sent[1].tokens.len()), (2, 0));
     }
 
     #[test]
     fn a_dense_plan_sends_every_token_to_the_first_holder_without_gate_weights() {
         let plan = DispatchPlan::dense(0, 0, &two_holders(false), 3, 4);
-        let msgs = plan.messages(|tokens| (HostTensor { shape: vec![tokens.len(), 4], data: vec![0.0; 12] }, None));
+        let (msgs, _) =
+            plan.into_messages(|tokens| (HostTensor { shape: vec![tokens.len(), 4], data: vec![0.0; 12] }, None));
         let kinds: Vec<_> = msgs
             .iter()
             .map(|(dst, m)| match m {

@@ -173,6 +173,11 @@ where
         }
     }
 
+    /// Every worker of the run (the group of the global sums).
+    fn everyone(&self) -> Vec<usize> {
+        (0..self.layout.workers).collect()
+    }
+
     fn part(&self) -> &WorkerPart<B, A, R, X> {
         self.part.as_ref().expect("the part is only taken during the optimizer step")
     }

@@ -31,11 +31,6 @@ where
     R: TrainModule<B> + Router<B>,
     X: TrainModule<B> + Experts<B>,
 {
-    /// Every worker of the run.
-    fn everyone(&self) -> Vec<usize> {
-        (0..self.layout.workers).collect()
-    }
-
     /// Parameters each worker holds (by rank) and parameters of the whole model (each counted once),
     /// the same on every worker.
     pub fn param_counts(&mut self) -> Result<(Vec<usize>, usize)> {

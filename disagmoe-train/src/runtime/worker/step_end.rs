@@ -90,9 +90,8 @@ impl GlobalSums {
         |g| &mut g.losses.z,
     ];
 
-    fn to_vec(&self) -> Vec<f64> {
-        let mut me = self.clone();
-        let mut v: Vec<f64> = Self::SCALARS.iter().map(|field| *field(&mut me)).collect();
+    fn into_vec(mut self) -> Vec<f64> {
+        let mut v: Vec<f64> = Self::SCALARS.iter().map(|field| *field(&mut self)).collect();
         v.extend(&self.expert_counts);
         v
     }
@@ -230,9 +229,8 @@ where
             .find(|(_, v)| !v.is_finite())
             .and_then(|(id, _)| self.names.get(id).cloned());
         let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
-        let mut sums = self.my_sums(sq, start, stop, &sparse).to_vec();
-        let all: Vec<usize> = (0..self.layout.workers).collect();
-        self.all_reduce(&all, &mut sums)?;
+        let mut sums = self.my_sums(sq, start, stop, &sparse).into_vec();
+        self.all_reduce(&self.everyone(), &mut sums)?;
         let g = GlobalSums::from_vec(&sums);
         let mbs = self.layout.micro_batches as f64;
         // The gradients are `loss_scale` times too large (f16's loss scaling).
@@ -306,11 +304,11 @@ mod tests {
             bytes_sent: 10.0,
             expert_counts: vec![12.0, 13.0],
         };
-        let v = g.to_vec();
+        let v = g.into_vec();
         // The order they always travelled in (it is part of a ring sum's bits).
         assert_eq!(v, (1..=13).map(f64::from).collect::<Vec<_>>());
         let back = GlobalSums::from_vec(&v);
-        assert_eq!(back.to_vec(), v);
-        assert_eq!((back.losses.z, back.bytes_sent, back.expert_counts), (11.0, 10.0, vec![12.0, 13.0]));
+        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![12.0, 13.0]));
+        assert_eq!(back.into_vec(), v);
     }
 }

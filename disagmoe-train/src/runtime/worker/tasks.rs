@@ -172,7 +172,7 @@ where
             }
             None => DispatchPlan::dense(mb, layer, &self.layout, t, m),
         };
-        let msgs = plan.messages(|tokens| match &out.routed {
+        let (msgs, sent) = plan.into_messages(|tokens| match &out.routed {
             Some(routed) => {
                 let idx = index::<B>(tokens, &self.device);
                 let y = host(&out.normed.clone().select(0, idx.clone()));
@@ -184,7 +184,6 @@ where
         self.send_all(msgs)?;
         let next = self.next_attn_worker(mb, layer);
         self.comm.send(next, exchange::residual(mb, layer, host(&out.residual), aux))?;
-        let sent = plan.into_sent();
         let saved = if recompute {
             AttnSaved { graph: None, input, from, sent }
         } else {
