@@ -12,7 +12,8 @@
 //!   saved log-sum-exp), causal, grouped-query, sliding windows, per-head sinks, value head dim
 //!   different from the key head dim (MLA).
 //!
-//! The kernels themselves are in `kernels.rs`; they are generic over f32/f16/bf16 storage and
+//! Each family's `#[cube]` kernels sit beside their launchers (`route/kernels.rs`,
+//! `experts/kernels.rs`, `attention/kernels.rs`); they are generic over f32/f16/bf16 storage and
 //! accumulate in f32. Each function returns `None` when it does not apply (the backend is not a
 //! CubeCL one, the kernels are switched off with [`crate::set_enabled`] or
 //! `DISAGMOE_KERNELS=reference`, or the shapes are outside what the kernel handles); the caller
@@ -21,7 +22,6 @@
 
 mod attention;
 mod experts;
-pub mod kernels;
 pub mod probe;
 mod route;
 

@@ -1,12 +1,14 @@
 //! Token dispatch: the device-side counting sort of the router's choices, and the permute /
 //! combine operations that move token rows into expert order and back.
 
+mod kernels;
+
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{elemwise, empty, finish, kernels, on_cube, take, upload_u32, zeros, Cube, Input, Kind};
+use super::{elemwise, empty, finish, on_cube, take, upload_u32, zeros, Cube, Input, Kind};
 pub use crate::Routing;
 
 /// Slots per block of the counting sort's histogram pass.

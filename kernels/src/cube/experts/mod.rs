@@ -2,11 +2,13 @@
 //! the activation and the down projection in one autodiff operation, as tiled grouped matrix
 //! products over the experts' row segments (no per-expert launches, no padding to a capacity).
 
+mod kernels;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{elemwise, empty, finish, kernels, on_cube, take, upload_u32, zeros, Cube, Input, Kind};
+use super::{elemwise, empty, finish, on_cube, take, upload_u32, zeros, Cube, Input, Kind};
 
 /// Rows (and output columns) per tile of the grouped products.
 const TILE: usize = 64;
@@ -27,6 +29,11 @@ impl Mat {
     fn t(self) -> Self {
         Self { sk: self.sn, sn: self.sk, ..self }
     }
+
+    /// The kernels' view of it (the element offsets; which input it is stays here).
+    fn at<R: cubecl::Runtime>(self) -> kernels::ExpertMatLaunch<R> {
+        kernels::ExpertMatLaunch::new(self.off as u32, self.se as u32, self.sk as u32, self.sn as u32)
+    }
 }
 
 /// Where an expert's bias lives: `bias_e(n) = input[off + e se + n sn]`.
@@ -36,6 +43,13 @@ struct Bias {
     off: usize,
     se: usize,
     sn: usize,
+}
+
+impl Bias {
+    /// The kernels' view of it.
+    fn at<R: cubecl::Runtime>(self) -> kernels::ExpertVecLaunch<R> {
+        kernels::ExpertVecLaunch::new(self.off as u32, self.se as u32, self.sn as u32)
+    }
 }
 
 /// The expert MLP: hidden width `m`, intermediate `i`, its weights and the activation.
@@ -269,13 +283,8 @@ fn mm<R: burn_cubecl::CubeRuntime>(
         tiles.end.clone().into_tensor_arg(),
         k_dim as u32,
         n_dim as u32,
-        layout.off as u32,
-        layout.se as u32,
-        layout.sk as u32,
-        layout.sn as u32,
-        bl.off as u32,
-        bl.se as u32,
-        bl.sn as u32,
+        layout.at(),
+        bl.at(),
         bias.is_some(),
         accumulate,
         layout.sk == 1,
@@ -306,10 +315,7 @@ fn mm_tn<R: burn_cubecl::CubeRuntime>(
         tiles.offsets.clone().into_tensor_arg(),
         n_dim as u32,
         k_dim as u32,
-        layout.off as u32,
-        layout.se as u32,
-        layout.sn as u32,
-        layout.sk as u32,
+        layout.at(),
         g.dtype.into(),
     );
 }
@@ -332,9 +338,7 @@ fn col_sum<R: burn_cubecl::CubeRuntime>(
         tiles.offsets.clone().into_tensor_arg(),
         experts as u32,
         n_dim as u32,
-        layout.off as u32,
-        layout.se as u32,
-        layout.sn as u32,
+        layout.at(),
         g.dtype.into(),
     );
 }

@@ -1,10 +1,12 @@
 //! Flash attention (forward and recomputing backward) as one autodiff operation.
 
+mod kernels;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{elemwise, empty, finish, kernels, on_cube, prim, take, wrap, Cube, Input, Kind};
+use super::{elemwise, empty, finish, on_cube, prim, take, wrap, Cube, Input, Kind};
 
 /// Largest head dim the kernels keep per unit in registers.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -39,6 +41,13 @@ struct Dims {
     window: usize,
     tile: usize,
     scale: f32,
+}
+
+impl Dims {
+    /// What the kernels read at run time.
+    fn heads<R: cubecl::Runtime>(&self) -> kernels::HeadsLaunch<R> {
+        kernels::HeadsLaunch::new(self.s as u32, self.h as u32, self.g as u32, self.window as u32, self.scale)
+    }
 }
 
 fn attention_on<B: Backend, C: Cube>(
@@ -110,11 +119,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
         sinks.clone().into_tensor_arg(),
         o.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
-        x.s as u32,
-        x.h as u32,
-        x.g as u32,
-        x.window as u32,
-        x.scale,
+        x.heads(),
         x.d,
         x.e,
         x.tile,
@@ -156,11 +161,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 delta.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
                 dsink.clone().into_tensor_arg(),
-                x.s as u32,
-                x.h as u32,
-                x.g as u32,
-                x.window as u32,
-                x.scale,
+                x.heads(),
                 x.d,
                 x.e,
                 x.tile,
@@ -193,11 +194,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 delta.into_tensor_arg(),
                 dk.clone().into_tensor_arg(),
                 dv.clone().into_tensor_arg(),
-                x.s as u32,
-                x.h as u32,
-                x.g as u32,
-                x.window as u32,
-                x.scale,
+                x.heads(),
                 x.d,
                 x.e,
                 x.tile,

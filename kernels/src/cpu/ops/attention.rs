@@ -1,0 +1,200 @@
+//! Causal attention (grouped heads, sliding window, sink logits) forward and backward, tiled
+//! over query rows; each (batch, head) or (batch, head group) is one rayon task.
+
+use rayon::prelude::*;
+
+use super::{mm, Out, SyncPtr, View};
+use crate::cpu::vector;
+
+/// Query rows per tile of the attention loops: a tile's keys stop at its last row (causality).
+const BLOCK: usize = 64;
+
+/// Shape of an attention call; q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`,
+/// output `[B, S, H, E]`, probabilities `[B, H, S, S]`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub qk_dim: usize,
+    pub v_dim: usize,
+    /// A query sees keys `q - window < k <= q`; `None` = all earlier keys.
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+impl AttnShape {
+    /// Keys row `i` sees: `[lo, i + 1)`.
+    fn row_keys(&self, i: usize) -> (usize, usize) {
+        (self.window.map_or(0, |w| (i + 1).saturating_sub(w)), i + 1)
+    }
+
+    /// Keys the tile of rows `[i0, i1)` touches.
+    fn tile_keys(&self, i0: usize, i1: usize) -> (usize, usize) {
+        (self.row_keys(i0).0, i1)
+    }
+}
+
+/// Forward: returns the output `[B, S, H, E]` and the probabilities `[B, H, S, S]` (zero outside
+/// each row's keys), which the backward reuses.
+///
+/// With `sinks` (`[H]`), each head's sink logit joins every row's softmax and its probability
+/// mass is dropped (GPT-OSS).
+pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: AttnShape) -> (Vec<f32>, Vec<f32>) {
+    let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
+    let n = h / g;
+    let mut out = vec![0f32; batch * s * h * e];
+    let mut probs = vec![0f32; batch * h * s * s];
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    probs.par_chunks_mut(s * s).enumerate().for_each(|(bh, p)| {
+        let (bi, hi) = (bh / h, bh % h);
+        let gi = hi / n;
+        let q0 = (bi * s * h + hi) * d;
+        let k0 = (bi * s * g + gi) * d;
+        let v0 = (bi * s * g + gi) * e;
+        for i0 in (0..s).step_by(BLOCK) {
+            let i1 = (i0 + BLOCK).min(s);
+            let (lo, hk) = a.tile_keys(i0, i1);
+            // SAFETY: all offsets stay inside the buffers (shapes checked by the caller); this
+            // task alone writes rows of head `hi` in batch `bi` of `out`, and its own `p`.
+            unsafe {
+                mm(
+                    i1 - i0,
+                    hk - lo,
+                    d,
+                    Out::set(p.as_mut_ptr().add(i0 * s + lo), s),
+                    View::rows(q.as_ptr().add(q0 + i0 * h * d), h * d),
+                    View::rows(k.as_ptr().add(k0 + lo * g * d), g * d).t(),
+                    scale,
+                );
+            }
+            for i in i0..i1 {
+                let row = &mut p[i * s..(i + 1) * s];
+                let (rl, rh) = a.row_keys(i);
+                row[lo..rl].fill(0.0);
+                row[rh..hk].fill(0.0);
+                let sink = sinks.map(|x| x[hi]);
+                let m = vector::max(&row[rl..rh]).max(sink.unwrap_or(f32::NEG_INFINITY));
+                let mut sum = vector::exp_shifted_sum(&mut row[rl..rh], m);
+                if let Some(x) = sink {
+                    sum += vector::exp(x - m);
+                }
+                vector::scale(&mut row[rl..rh], 1.0 / sum);
+            }
+            unsafe {
+                mm(
+                    i1 - i0,
+                    e,
+                    hk - lo,
+                    Out::set(out_ptr.ptr().add(((bi * s + i0) * h + hi) * e), h * e),
+                    View::rows(p.as_ptr().add(i0 * s + lo), s),
+                    View::rows(v.as_ptr().add(v0 + lo * g * e), g * e),
+                    1.0,
+                );
+            }
+        }
+    });
+    (out, probs)
+}
+
+/// Backward: from the forward's inputs, its probabilities and the output gradient `[B, S, H, E]`,
+/// the gradients of q, k and v (in their layouts) and of the sink logits `[H]` (whose
+/// probability in row `i` is `1 - sum_j p[i, j]`; their gradient is `-sum_i p_sink(i) * sum_j
+/// p[i, j] dp[i, j]`).
+pub fn attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    probs: &[f32],
+    dout: &[f32],
+    a: AttnShape,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
+    let n = h / g;
+    let mut dq = vec![0f32; batch * s * h * d];
+    let mut dk = vec![0f32; batch * s * g * d];
+    let mut dv = vec![0f32; batch * s * g * e];
+    let (dq_ptr, dk_ptr, dv_ptr) = (SyncPtr(dq.as_mut_ptr()), SyncPtr(dk.as_mut_ptr()), SyncPtr(dv.as_mut_ptr()));
+    let dsinks = (0..batch * g).into_par_iter().map(|bg| {
+        let mut dsink = vec![0f32; h];
+        let (dq_ptr, dk_ptr, dv_ptr) = (dq_ptr, dk_ptr, dv_ptr);
+        let (bi, gi) = (bg / g, bg % g);
+        let k0 = (bi * s * g + gi) * d;
+        let v0 = (bi * s * g + gi) * e;
+        let mut ds = vec![0f32; s * s];
+        for hi in gi * n..(gi + 1) * n {
+            let p = &probs[(bi * h + hi) * s * s..(bi * h + hi + 1) * s * s];
+            let q0 = (bi * s * h + hi) * d;
+            let o0 = (bi * s * h + hi) * e;
+            for i0 in (0..s).step_by(BLOCK) {
+                let i1 = (i0 + BLOCK).min(s);
+                let rows = i1 - i0;
+                let (lo, hk) = a.tile_keys(i0, i1);
+                // SAFETY: offsets inside the buffers; this task alone writes the dq rows of the
+                // heads of group `gi` in batch `bi`, and the dk/dv rows of that group.
+                unsafe {
+                    // dP = dO V^T
+                    mm(
+                        rows,
+                        hk - lo,
+                        e,
+                        Out::set(ds.as_mut_ptr().add(i0 * s + lo), s),
+                        View::rows(dout.as_ptr().add(o0 + i0 * h * e), h * e),
+                        View::rows(v.as_ptr().add(v0 + lo * g * e), g * e).t(),
+                        1.0,
+                    );
+                }
+                for i in i0..i1 {
+                    let (rl, rh) = a.row_keys(i);
+                    let row = &mut ds[i * s..(i + 1) * s];
+                    row[lo..rl].fill(0.0);
+                    row[rh..hk].fill(0.0);
+                    let (dot, mass) = vector::softmax_backward_row(&p[i * s + rl..i * s + rh], &mut row[rl..rh]);
+                    dsink[hi] -= (1.0 - mass) * dot;
+                }
+                unsafe {
+                    // dQ = scale dS K
+                    mm(
+                        rows,
+                        d,
+                        hk - lo,
+                        Out::set(dq_ptr.0.add(q0 + i0 * h * d), h * d),
+                        View::rows(ds.as_ptr().add(i0 * s + lo), s),
+                        View::rows(k.as_ptr().add(k0 + lo * g * d), g * d),
+                        scale,
+                    );
+                    // dK += scale dS^T Q
+                    mm(
+                        hk - lo,
+                        d,
+                        rows,
+                        Out::add(dk_ptr.0.add(k0 + lo * g * d), g * d),
+                        View::rows(ds.as_ptr().add(i0 * s + lo), s).t(),
+                        View::rows(q.as_ptr().add(q0 + i0 * h * d), h * d),
+                        scale,
+                    );
+                    // dV += P^T dO
+                    mm(
+                        hk - lo,
+                        e,
+                        rows,
+                        Out::add(dv_ptr.0.add(v0 + lo * g * e), g * e),
+                        View::rows(p.as_ptr().add(i0 * s + lo), s).t(),
+                        View::rows(dout.as_ptr().add(o0 + i0 * h * e), h * e),
+                        1.0,
+                    );
+                }
+            }
+        }
+        dsink
+    });
+    let dsink = dsinks.reduce(
+        || vec![0f32; h],
+        |mut a, b| {
+            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+            a
+        },
+    );
+    (dq, dk, dv, dsink)
+}

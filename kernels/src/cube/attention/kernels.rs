@@ -1,0 +1,409 @@
+//! The `#[cube]` kernels of flash attention, forward and backward.
+//!
+//! Every float kernel is generic over the storage type `F` (f32, f16, bf16: `#[define(F)]`,
+//! chosen at launch from the tensor's dtype) and accumulates in f32; index tensors are `u32`
+//! (ours) or the backend's int type `I`. Inputs are contiguous row-major. Shapes and layouts are
+//! documented on each kernel; the launchers in the parent module check them before launching.
+
+use cubecl::prelude::*;
+
+/// What the attention kernels know of a call at run time: the sequence length, the query heads,
+/// the key/value head groups (`heads / groups` queries share one), the sliding window (0: none)
+/// and the score scale.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct Heads {
+    pub seq: u32,
+    pub heads: u32,
+    pub groups: u32,
+    pub window: u32,
+    pub scale: f32,
+}
+
+// "No score yet" in the online softmax is -1e30 (finite: WGSL has no -inf literal).
+
+/// Stages `width` values of `src` from `base` into shared memory at `at`, as f32.
+#[cube]
+fn stage_row<F: Float>(src: &Tensor<F>, base: usize, dst: &mut SharedMemory<f32>, at: usize, #[comptime] width: usize) {
+    for c in 0..width {
+        dst[at + c] = f32::cast_from(src[base + c]);
+    }
+}
+
+/// Flash-attention forward. q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]` -> o
+/// `[B, S, H, E]` and the row log-sum-exp `lse [B, H, S]` (f32, with the scale folded in).
+///
+/// One cube per `(query tile, head, batch)`, one unit per query row; key/value tiles of `tile`
+/// rows are staged in shared memory; each row keeps its running max, sum and output in registers
+/// (online softmax), so nothing of size `S x S` exists. Keys visible to query `i`:
+/// `i - window < j <= i` (`window = 0`: all `j <= i`). With sinks, head `h`'s sink logit joins
+/// the softmax denominator (the running state starts at `m = sink, l = 1`).
+#[cube(launch)]
+pub fn flash_fwd<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    sinks: &Tensor<F>,
+    o: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    shape: Heads,
+    #[comptime] d: usize,
+    #[comptime] e: usize,
+    #[comptime] tile: usize,
+    #[comptime] has_sinks: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let neg = f32::new(-1.0e30);
+    let s_len = shape.seq as usize;
+    let heads = shape.heads as usize;
+    let groups = shape.groups as usize;
+    let window = shape.window as usize;
+    let scale = shape.scale;
+    let qt = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let g = h / (heads / groups);
+    let u = UNIT_POS as usize;
+    let i = qt * tile + u;
+    let valid = i < s_len;
+    let ic = select(valid, i, s_len - 1);
+
+    let mut qr = Array::<f32>::new(d);
+    let q_base = ((b * s_len + ic) * heads + h) * d;
+    for c in 0..d {
+        qr[c] = f32::cast_from(q[q_base + c]) * scale;
+    }
+    let mut acc = Array::<f32>::new(e);
+    for c in 0..e {
+        acc[c] = 0.0f32;
+    }
+    let mut sc = Array::<f32>::new(tile);
+    let mut m = neg;
+    let mut l = 0.0f32;
+    if has_sinks {
+        m = f32::cast_from(sinks[h]);
+        l = 1.0f32;
+    }
+
+    let mut ks = SharedMemory::<f32>::new(tile * d);
+    let mut vs = SharedMemory::<f32>::new(tile * e);
+
+    let first = qt * tile;
+    let mut hi = first + tile;
+    if hi > s_len {
+        hi = s_len;
+    }
+    let mut lo = 0usize;
+    if window > 0 && first + 1 > window {
+        lo = first + 1 - window;
+    }
+    let mut kt = lo / tile;
+    let kt_end = (hi + tile - 1) / tile;
+    while kt < kt_end {
+        let j_load = kt * tile + u;
+        let jc = select(j_load < s_len, j_load, s_len - 1);
+        let k_base = ((b * s_len + jc) * groups + g) * d;
+        let v_base = ((b * s_len + jc) * groups + g) * e;
+        stage_row::<F>(k, k_base, &mut ks, u * d, d);
+        stage_row::<F>(v, v_base, &mut vs, u * e, e);
+        sync_cube();
+        if valid {
+            let mut tmax = neg;
+            for jt in 0..tile {
+                let j = kt * tile + jt;
+                let visible = j <= i && (window == 0 || i < j + window);
+                let mut s = neg;
+                if visible {
+                    s = 0.0f32;
+                    for c in 0..d {
+                        s += qr[c] * ks[jt * d + c];
+                    }
+                }
+                sc[jt] = s;
+                tmax = select(s > tmax, s, tmax);
+            }
+            if tmax > neg {
+                let m_new = select(tmax > m, tmax, m);
+                let corr = (m - m_new).exp();
+                l *= corr;
+                for c in 0..e {
+                    acc[c] *= corr;
+                }
+                for jt in 0..tile {
+                    if sc[jt] > neg {
+                        let p = (sc[jt] - m_new).exp();
+                        l += p;
+                        for c in 0..e {
+                            acc[c] += p * vs[jt * e + c];
+                        }
+                    }
+                }
+                m = m_new;
+            }
+        }
+        sync_cube();
+        kt += 1;
+    }
+
+    if valid {
+        let inv = select(l > 0.0f32, 1.0f32 / l, 0.0f32);
+        let o_base = ((b * s_len + i) * heads + h) * e;
+        for c in 0..e {
+            o[o_base + c] = F::cast_from(acc[c] * inv);
+        }
+        lse[(b * heads + h) * s_len + i] = m + l.ln();
+    }
+}
+
+/// `delta[b, h, i] = sum_c do[b, i, h, c] o[b, i, h, c]` (f32), the row term of the softmax
+/// backward. One unit per row.
+#[cube(launch)]
+pub fn flash_delta<F: Float>(
+    o: &Tensor<F>,
+    d_o: &Tensor<F>,
+    delta: &mut Tensor<f32>,
+    s_len: u32,
+    heads: u32,
+    e: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS < delta.len() {
+        let s = s_len as usize;
+        let hh = heads as usize;
+        let ee = e as usize;
+        let i = ABSOLUTE_POS % s;
+        let h = (ABSOLUTE_POS / s) % hh;
+        let b = ABSOLUTE_POS / (s * hh);
+        let base = ((b * s + i) * hh + h) * ee;
+        let mut acc = 0.0f32;
+        for c in 0..ee {
+            acc += f32::cast_from(o[base + c]) * f32::cast_from(d_o[base + c]);
+        }
+        delta[ABSOLUTE_POS] = acc;
+    }
+}
+
+/// Flash-attention backward for the queries (recomputing the probabilities from `lse`):
+/// `dq_i = scale sum_j p_ij (do_i . v_j - delta_i) k_j`; with sinks also each row's share of the
+/// sink gradient, `dsink[b, h, i] = -exp(sink_h - lse_i) delta_i` (summed by the caller).
+/// Same grid and tiling as [`flash_fwd()`].
+#[cube(launch)]
+pub fn flash_bwd_q<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    sinks: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    dsink: &mut Tensor<f32>,
+    shape: Heads,
+    #[comptime] d: usize,
+    #[comptime] e: usize,
+    #[comptime] tile: usize,
+    #[comptime] has_sinks: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let s_len = shape.seq as usize;
+    let heads = shape.heads as usize;
+    let groups = shape.groups as usize;
+    let window = shape.window as usize;
+    let scale = shape.scale;
+    let qt = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let g = h / (heads / groups);
+    let u = UNIT_POS as usize;
+    let i = qt * tile + u;
+    let valid = i < s_len;
+    let ic = select(valid, i, s_len - 1);
+
+    let mut qr = Array::<f32>::new(d);
+    let mut dqr = Array::<f32>::new(d);
+    let q_base = ((b * s_len + ic) * heads + h) * d;
+    for c in 0..d {
+        qr[c] = f32::cast_from(q[q_base + c]) * scale;
+        dqr[c] = 0.0f32;
+    }
+    let mut dor = Array::<f32>::new(e);
+    let o_base = ((b * s_len + ic) * heads + h) * e;
+    for c in 0..e {
+        dor[c] = f32::cast_from(d_o[o_base + c]);
+    }
+    let row = (b * heads + h) * s_len + ic;
+    let lse_i = lse[row];
+    let delta_i = delta[row];
+
+    let mut ks = SharedMemory::<f32>::new(tile * d);
+    let mut vs = SharedMemory::<f32>::new(tile * e);
+
+    let first = qt * tile;
+    let mut hi = first + tile;
+    if hi > s_len {
+        hi = s_len;
+    }
+    let mut lo = 0usize;
+    if window > 0 && first + 1 > window {
+        lo = first + 1 - window;
+    }
+    let mut kt = lo / tile;
+    let kt_end = (hi + tile - 1) / tile;
+    while kt < kt_end {
+        let j_load = kt * tile + u;
+        let jc = select(j_load < s_len, j_load, s_len - 1);
+        let k_base = ((b * s_len + jc) * groups + g) * d;
+        let v_base = ((b * s_len + jc) * groups + g) * e;
+        stage_row::<F>(k, k_base, &mut ks, u * d, d);
+        stage_row::<F>(v, v_base, &mut vs, u * e, e);
+        sync_cube();
+        if valid {
+            for jt in 0..tile {
+                let j = kt * tile + jt;
+                let visible = j <= i && (window == 0 || i < j + window);
+                if visible {
+                    let mut s = 0.0f32;
+                    for c in 0..d {
+                        s += qr[c] * ks[jt * d + c];
+                    }
+                    let p = (s - lse_i).exp();
+                    let mut dp = 0.0f32;
+                    for c in 0..e {
+                        dp += dor[c] * vs[jt * e + c];
+                    }
+                    let ds = p * (dp - delta_i);
+                    for c in 0..d {
+                        dqr[c] += ds * ks[jt * d + c];
+                    }
+                }
+            }
+        }
+        sync_cube();
+        kt += 1;
+    }
+
+    if valid {
+        for c in 0..d {
+            dq[q_base + c] = F::cast_from(dqr[c] * scale);
+        }
+        if has_sinks {
+            let sink = f32::cast_from(sinks[h]);
+            dsink[row] = 0.0f32 - (sink - lse_i).exp() * delta_i;
+        }
+    }
+}
+
+/// Flash-attention backward for the keys and values: one cube per `(key tile, group, batch)`,
+/// one unit per key row, looping over the group's heads and the query tiles that can see the
+/// key tile (staged in shared memory with their `lse` and `delta`):
+/// `dv_j = sum_i p_ij do_i`, `dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`.
+#[cube(launch)]
+pub fn flash_bwd_kv<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    shape: Heads,
+    #[comptime] d: usize,
+    #[comptime] e: usize,
+    #[comptime] tile: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let s_len = shape.seq as usize;
+    let heads = shape.heads as usize;
+    let groups = shape.groups as usize;
+    let window = shape.window as usize;
+    let scale = shape.scale;
+    let kt = CUBE_POS_X as usize;
+    let g = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let per_group = heads / groups;
+    let u = UNIT_POS as usize;
+    let j = kt * tile + u;
+    let valid = j < s_len;
+    let jc = select(valid, j, s_len - 1);
+
+    let mut kr = Array::<f32>::new(d);
+    let mut dkr = Array::<f32>::new(d);
+    let k_base = ((b * s_len + jc) * groups + g) * d;
+    for c in 0..d {
+        kr[c] = f32::cast_from(k[k_base + c]) * scale;
+        dkr[c] = 0.0f32;
+    }
+    let mut vr = Array::<f32>::new(e);
+    let mut dvr = Array::<f32>::new(e);
+    let v_base = ((b * s_len + jc) * groups + g) * e;
+    for c in 0..e {
+        vr[c] = f32::cast_from(v[v_base + c]);
+        dvr[c] = 0.0f32;
+    }
+
+    let mut qs = SharedMemory::<f32>::new(tile * d);
+    let mut dos = SharedMemory::<f32>::new(tile * e);
+    let mut ls = SharedMemory::<f32>::new(tile);
+    let mut ds_ = SharedMemory::<f32>::new(tile);
+
+    // Queries that can see this key tile: from its first key to its last key + window - 1.
+    let first = kt * tile;
+    let mut hi = s_len;
+    if window > 0 {
+        let last_key = first + tile - 1;
+        if last_key + window < s_len {
+            hi = last_key + window;
+        }
+    }
+    let qt_end = (hi + tile - 1) / tile;
+    for hh in 0..per_group {
+        let h = g * per_group + hh;
+        let mut qt = kt;
+        while qt < qt_end {
+            let i_load = qt * tile + u;
+            let icl = select(i_load < s_len, i_load, s_len - 1);
+            let q_base = ((b * s_len + icl) * heads + h) * d;
+            let o_base = ((b * s_len + icl) * heads + h) * e;
+            stage_row::<F>(q, q_base, &mut qs, u * d, d);
+            stage_row::<F>(d_o, o_base, &mut dos, u * e, e);
+            let row = (b * heads + h) * s_len + icl;
+            ls[u] = lse[row];
+            ds_[u] = delta[row];
+            sync_cube();
+            if valid {
+                for it in 0..tile {
+                    let i = qt * tile + it;
+                    let visible = i < s_len && j <= i && (window == 0 || i < j + window);
+                    if visible {
+                        let mut s = 0.0f32;
+                        for c in 0..d {
+                            s += kr[c] * qs[it * d + c];
+                        }
+                        let p = (s - ls[it]).exp();
+                        let mut dp = 0.0f32;
+                        for c in 0..e {
+                            let dov = dos[it * e + c];
+                            dvr[c] += p * dov;
+                            dp += dov * vr[c];
+                        }
+                        let dsc = p * (dp - ds_[it]);
+                        for c in 0..d {
+                            dkr[c] += dsc * qs[it * d + c];
+                        }
+                    }
+                }
+            }
+            sync_cube();
+            qt += 1;
+        }
+    }
+
+    if valid {
+        for c in 0..d {
+            dk[k_base + c] = F::cast_from(dkr[c] * scale);
+        }
+        for c in 0..e {
+            dv[v_base + c] = F::cast_from(dvr[c]);
+        }
+    }
+}
