@@ -13,10 +13,10 @@
 //! | attention bwd l | grad-residual + every holder's grad-dispatch of l               | grads to l-1's attention and holders    |
 //!
 //! The rules, each written once here (the prediction of `compare --predict` builds its schedule
-//! from the same [`BackwardKind`] keys and window rule, [`super::predict`]):
-//! - **priority**: backward work first (in the [`BackwardOrder`]), then expert forwards, then
-//!   attention forwards, each in the order it became ready, so gradients flow out while new
-//!   micro-batches come in;
+//! from the same [`Queue`] priority, [`BackwardKind`] keys and window rule, [`super::predict`]):
+//! - **priority** ([`Queue::PRIORITY`]): backward work first (in the [`BackwardOrder`]), then
+//!   expert forwards, then attention forwards, each in the order it became ready, so gradients
+//!   flow out while new micro-batches come in;
 //! - **backward order**: the head's backward and each layer's (attention or experts) run
 //!   micro-batches in increasing order, so every parameter's gradient is the sum of the same terms
 //!   in the same order whatever order the messages arrived in (a run is bit-reproducible, which an
@@ -72,6 +72,22 @@ pub enum Task {
     },
 }
 
+/// A worker's ready queues; [`Scheduler::next`] serves them in the order of [`Queue::PRIORITY`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Queue {
+    /// The head's, the experts' and attention's backward tasks.
+    Backward = 0,
+    /// Expert forwards.
+    ExpertForward = 1,
+    /// Attention forwards.
+    Forward = 2,
+}
+
+impl Queue {
+    /// The order the queues are served in: the one priority rule of the schedule.
+    pub const PRIORITY: [Queue; 3] = [Queue::Backward, Queue::ExpertForward, Queue::Forward];
+}
+
 /// The three kinds of backward work a worker orders by micro-batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BackwardKind {
@@ -92,6 +108,15 @@ impl Task {
             Task::AttnBwd { mb, layer } => Some(((BackwardKind::Attention, layer), mb)),
             Task::FfnBwd { mb, layer } => Some(((BackwardKind::Experts, layer), mb)),
             Task::AttnFwd { .. } | Task::FfnFwd { .. } => None,
+        }
+    }
+
+    /// The ready queue the task waits in.
+    pub fn queue(&self) -> Queue {
+        match self {
+            Task::Head { .. } | Task::FfnBwd { .. } | Task::AttnBwd { .. } => Queue::Backward,
+            Task::FfnFwd { .. } => Queue::ExpertForward,
+            Task::AttnFwd { .. } => Queue::Forward,
         }
     }
 
@@ -262,9 +287,8 @@ pub struct Scheduler {
     layers: usize,
     /// Holders of each layer's experts.
     holders: Vec<usize>,
-    ready_bwd: VecDeque<Task>,
-    ready_ffn: VecDeque<Task>,
-    ready_fwd: VecDeque<Task>,
+    /// Ready tasks by [`Queue`].
+    ready: [VecDeque<Task>; 3],
     /// Owned micro-batches not started yet.
     waiting: VecDeque<usize>,
     /// Backward tasks (attention and experts) still to run.
@@ -285,13 +309,12 @@ impl Scheduler {
             .sum();
         let mut waiting: VecDeque<usize> = layout.own_micro_batches(rank).into();
         let started = in_flight.max(1).min(waiting.len());
-        let ready_fwd = waiting.drain(..started).map(|mb| Task::AttnFwd { mb, layer: 0 }).collect();
+        let mut ready: [VecDeque<Task>; 3] = Default::default();
+        ready[Queue::Forward as usize] = waiting.drain(..started).map(|mb| Task::AttnFwd { mb, layer: 0 }).collect();
         Self {
             layers: layout.layers,
             holders: (0..layout.layers).map(|l| layout.ffn_holders(l).len()).collect(),
-            ready_bwd: VecDeque::new(),
-            ready_ffn: VecDeque::new(),
-            ready_fwd,
+            ready,
             waiting,
             bwd_left: attn + mbs * layout.ffn_layers(rank).len(),
             order: BackwardOrder::of(layout, rank),
@@ -303,8 +326,8 @@ impl Scheduler {
     /// Takes in an arrived message; a task whose inputs are now all here becomes ready.
     pub fn on_message(&mut self, arrival: Arrival) {
         match arrival {
-            Arrival::Dispatch { mb, layer, src } => self.ready_ffn.push_back(Task::FfnFwd { mb, layer, src }),
-            Arrival::GradCombine { mb, layer } => self.ready_bwd.push_back(Task::FfnBwd { mb, layer }),
+            Arrival::Dispatch { mb, layer, src } => self.ready(Task::FfnFwd { mb, layer, src }),
+            Arrival::GradCombine { mb, layer } => self.ready(Task::FfnBwd { mb, layer }),
             Arrival::Combine { mb, layer } | Arrival::Residual { mb, layer } => {
                 let got = self.inputs.entry((mb, layer + 1)).or_default();
                 match arrival {
@@ -314,9 +337,9 @@ impl Scheduler {
                 if got.complete(self.holders[layer]) {
                     self.inputs.remove(&(mb, layer + 1));
                     if layer + 1 == self.layers {
-                        self.ready_bwd.push_back(Task::Head { mb });
+                        self.ready(Task::Head { mb });
                     } else {
-                        self.ready_fwd.push_back(Task::AttnFwd { mb, layer: layer + 1 });
+                        self.ready(Task::AttnFwd { mb, layer: layer + 1 });
                     }
                 }
             }
@@ -328,7 +351,7 @@ impl Scheduler {
                 }
                 if got.complete(self.holders[layer]) {
                     self.grad_inputs.remove(&(mb, layer));
-                    self.ready_bwd.push_back(Task::AttnBwd { mb, layer });
+                    self.ready(Task::AttnBwd { mb, layer });
                 }
             }
         }
@@ -337,12 +360,19 @@ impl Scheduler {
     /// The task to run now, by the priority and the backward order; `None` while the worker has
     /// to wait for a message.
     pub fn next(&mut self) -> Option<Task> {
-        let task = (self.ready_bwd.iter().position(|t| self.order.allows(t)))
-            .and_then(|i| self.ready_bwd.remove(i))
-            .or_else(|| self.ready_ffn.pop_front())
-            .or_else(|| self.ready_fwd.pop_front())?;
+        let (ready, order) = (&mut self.ready, &self.order);
+        let task = Queue::PRIORITY.iter().find_map(|&q| {
+            let queue = &mut ready[q as usize];
+            let i = queue.iter().position(|t| order.allows(t))?;
+            queue.remove(i)
+        })?;
         self.order.ran(&task);
         Some(task)
+    }
+
+    /// Puts a task whose inputs are all here in its queue.
+    fn ready(&mut self, task: Task) {
+        self.ready[task.queue() as usize].push_back(task);
     }
 
     /// Records that `task` (returned by [`Scheduler::next`]) has run.
@@ -352,7 +382,7 @@ impl Scheduler {
         }
         if task.releases_window() {
             if let Some(mb) = self.waiting.pop_front() {
-                self.ready_fwd.push_back(Task::AttnFwd { mb, layer: 0 });
+                self.ready(Task::AttnFwd { mb, layer: 0 });
             }
         }
     }

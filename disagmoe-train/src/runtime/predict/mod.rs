@@ -2,7 +2,8 @@
 //! engines").
 //!
 //! [`schedule`] builds, from a run's [`Layout`], the [`Schedule`] that `run_step` executes:
-//! - per worker, its tasks on three compute streams in the runtime's priority: backward tasks
+//! - per worker, its tasks on three compute streams, one per ready queue of the scheduler in its
+//!   priority ([`Queue::PRIORITY`], [`Task::queue`]): backward tasks
 //!   (the head's and each layer's, micro-batches in increasing order per [`BackwardKind`] key, the
 //!   keys of the scheduler's backward order, [`Task::backward_key`]), then expert forward, then
 //!   attention forward, each earliest-ready first (the rules of [`super::scheduler`]);
@@ -30,10 +31,19 @@ mod calibration;
 pub use calibration::Calibration;
 
 use super::layout::Layout;
-use super::scheduler::{BackwardKind, Task};
+use super::scheduler::{BackwardKind, Queue, Task};
 use super::transport::LinkModel;
 use crate::config::Placement;
 use crate::error::{Result, TrainError};
+
+/// The simulator's compute stream of a scheduler queue.
+fn stream(q: Queue) -> StreamKind {
+    match q {
+        Queue::Backward => StreamKind::BackwardCompute,
+        Queue::ExpertForward => StreamKind::ExpertForwardCompute,
+        Queue::Forward => StreamKind::ForwardCompute,
+    }
+}
 
 /// What the simulator predicts for a run.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
@@ -84,7 +94,14 @@ struct Build<'a> {
 
 impl Build<'_> {
     /// Worker `w`'s `task` on `stream`, as op `kind` with its calibrated duration.
-    fn task(&mut self, w: usize, stream: StreamKind, kind: OpKind, task: Task) -> Result<OpId> {
+    fn task(&mut self, w: usize, task: Task) -> Result<OpId> {
+        let kind = match task {
+            Task::AttnFwd { .. } => OpKind::AttentionForward,
+            Task::FfnFwd { .. } => OpKind::ExpertForward,
+            Task::Head { .. } => OpKind::HeadBackward,
+            Task::FfnBwd { .. } => OpKind::ExpertBackward,
+            Task::AttnBwd { .. } => OpKind::AttentionBackward,
+        };
         let (mb, layer) = match task {
             Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } => (mb, layer as u32),
             Task::FfnBwd { mb, layer } | Task::AttnBwd { mb, layer } => (mb, layer as u32),
@@ -94,7 +111,7 @@ impl Build<'_> {
         let secs = *self.cal.tasks.get(&(w, name.clone())).ok_or_else(|| {
             TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
         })?;
-        Ok(self.b.op(w, stream, kind, mb, layer, 0, Vec::new(), secs, 0.0, 0.0))
+        Ok(self.b.op(w, stream(task.queue()), kind, mb, layer, 0, Vec::new(), secs, 0.0, 0.0))
     }
 
     fn after(&mut self, op: OpId, deps: impl IntoIterator<Item = OpId>) {
@@ -133,13 +150,10 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
     let rate = link.map(|l| l.gbps * 1e9 / 8.0);
     let latency_s = link.map_or(0.0, |l| l.latency_us * 1e-6);
     let mut x = Build { b: ScheduleBuilder::new(&format!("runtime {:?}", layout.placement)), cal, rate, latency_s };
-    let streams = [
-        (StreamKind::BackwardCompute, false),
-        (StreamKind::ExpertForwardCompute, false),
-        (StreamKind::ForwardCompute, false),
-        (StreamKind::Comm, false),
-        (StreamKind::Recv, false),
-    ];
+    // Compute streams in the scheduler's priority (the simulator serves a worker's streams in
+    // the order listed), then the link's.
+    let mut streams: Vec<(StreamKind, bool)> = Queue::PRIORITY.iter().map(|&q| (stream(q), false)).collect();
+    streams.extend([(StreamKind::Comm, false), (StreamKind::Recv, false)]);
     for w in 0..workers {
         let role = match layout.placement {
             Placement::Disagg if w < layout.attn_workers => WorkerRole::Attention { group: w / layout.attn_per_group },
@@ -148,7 +162,6 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
         };
         x.b.worker(layout.worker_name(w), role, 1, 1, rate.unwrap_or(0.0), &streams);
     }
-    let (fwd, xfwd, bwd) = (StreamKind::ForwardCompute, StreamKind::ExpertForwardCompute, StreamKind::BackwardCompute);
     // The last backward task per (worker, backward key) so far: the scheduler runs each key's
     // micro-batches in order. Layer-0 backward per micro-batch: the in-flight window.
     let mut last_bwd: HashMap<(usize, (BackwardKind, usize)), OpId> = HashMap::new();
@@ -164,20 +177,20 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             if pos >= in_flight { vec![layer0_bwd[&owned[head_w][pos - in_flight]]] } else { Vec::new() };
         for l in 0..layers {
             let a = layout.attn_worker(m, l);
-            let af = x.task(a, fwd, OpKind::AttentionForward, Task::AttnFwd { mb: m, layer: l })?;
+            let af = x.task(a, Task::AttnFwd { mb: m, layer: l })?;
             x.after(af, inputs);
             let next = if l + 1 < layers { layout.attn_worker(m, l + 1) } else { head_w };
             let mut next_inputs = Vec::new();
             for h in layout.ffn_holders(l) {
                 let d = x.message("dispatch", m, l, a, h, af)?;
-                let ff = x.task(h, xfwd, OpKind::ExpertForward, Task::FfnFwd { mb: m, layer: l, src: a })?;
+                let ff = x.task(h, Task::FfnFwd { mb: m, layer: l, src: a })?;
                 x.after(ff, [d]);
                 next_inputs.push(x.message("combine", m, l, h, next, ff)?);
             }
             next_inputs.push(x.message("residual", m, l, a, next, af)?);
             inputs = next_inputs;
         }
-        let head = x.task(head_w, bwd, OpKind::HeadBackward, Task::Head { mb: m })?;
+        let head = x.task(head_w, Task::Head { mb: m })?;
         x.after(head, inputs);
         let mut ordered = |x: &mut Build, op: OpId, w: usize, task: Task| {
             let (key, _) = task.backward_key().expect("a backward task");
@@ -196,14 +209,14 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             for h in layout.ffn_holders(l) {
                 let gc = x.message("grad-combine", m, l, src_w, h, src)?;
                 let task = Task::FfnBwd { mb: m, layer: l };
-                let fb = x.task(h, bwd, OpKind::ExpertBackward, task)?;
+                let fb = x.task(h, task)?;
                 x.after(fb, [gc]);
                 ordered(&mut x, fb, h, task);
                 all_bwd.push(fb);
                 deps.push(x.message("grad-dispatch", m, l, h, a, fb)?);
             }
             let task = Task::AttnBwd { mb: m, layer: l };
-            let ab = x.task(a, bwd, OpKind::AttentionBackward, task)?;
+            let ab = x.task(a, task)?;
             x.after(ab, deps);
             ordered(&mut x, ab, a, task);
             all_bwd.push(ab);
@@ -216,7 +229,7 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
     for w in 0..workers {
         let secs = x.rate.map_or(0.0, |r| cal.reduce_bytes[w] / r + cal.reduce_messages[w] * x.latency_s);
         let ar = x.b.op(w, StreamKind::Comm, OpKind::AllReduce, 0, NO_LAYER, 0, all_bwd.clone(), secs, 0.0, 0.0);
-        x.b.op(w, bwd, OpKind::Optimizer, 0, NO_LAYER, 0, vec![ar], cal.end_of_step_s[w], 0.0, 0.0);
+        x.b.op(w, stream(Queue::Backward), OpKind::Optimizer, 0, NO_LAYER, 0, vec![ar], cal.end_of_step_s[w], 0.0, 0.0);
     }
     x.b.finish().map_err(|e| TrainError::option("placement", e.to_string()))
 }
