@@ -1,10 +1,10 @@
 // Shared by the build scripts of the crates whose tests need something the machine may lack (a
-// Vulkan driver, `mpirun`): `include!`d, not a crate, so that no crate gains a build dependency.
+// Vulkan driver, one with f16, `mpirun`): `include!`d, not a crate, so that no crate gains a build dependency.
 //
 // For each capability the calling crate's tests need, this sets `--cfg disagmoe_no_<name>` when
 // the machine lacks it, so those tests are marked `#[ignore = "<why>"]` and `cargo test` reports
 // them as ignored in its summary instead of passing without running. A capability named in
-// `DISAGMOE_REQUIRE` (comma-separated: `vulkan,mpi`; `.ci/run` sets it) is never skipped: its
+// `DISAGMOE_REQUIRE` (comma-separated: `vulkan,f16,mpi`; `.ci/run` sets it) is never skipped: its
 // tests run, and fail saying what is missing.
 
 /// Directories the Vulkan loader reads driver manifests from (besides `VK_ICD_FILENAMES` /
@@ -24,6 +24,26 @@ fn vulkan_driver_present() -> bool {
         })
 }
 
+/// Whether `vulkaninfo` (Debian's vulkan-tools) reports a device with what wgpu needs for f16
+/// shaders: `shaderFloat16` and both 16-bit storage accesses. Without `vulkaninfo` nothing is
+/// known, and the f16 tests are ignored saying how to tell.
+fn vulkan_f16_present() -> bool {
+    let Ok(out) = std::process::Command::new("vulkaninfo").stderr(std::process::Stdio::null()).output() else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let on = |feature: &str| {
+        text.lines().any(|l| {
+            let mut kv = l.split('=').map(str::trim);
+            kv.next() == Some(feature) && kv.next() == Some("true")
+        })
+    };
+    out.status.success()
+        && on("shaderFloat16")
+        && on("storageBuffer16BitAccess")
+        && on("uniformAndStorageBuffer16BitAccess")
+}
+
 fn on_path(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
 }
@@ -41,7 +61,7 @@ fn rerun_if_changed(path: &std::path::Path) {
     println!("cargo:rerun-if-changed={}", p.display());
 }
 
-/// Probes each capability in `needs` (`"vulkan"`, `"mpi"`) and emits its `disagmoe_no_*` cfg.
+/// Probes each capability in `needs` (`"vulkan"`, `"f16"`: a Vulkan driver with f16, `"mpi"`) and emits its `disagmoe_no_*` cfg.
 fn probe(needs: &[&str]) {
     println!("cargo:rerun-if-env-changed=DISAGMOE_REQUIRE");
     let required: Vec<String> = std::env::var("DISAGMOE_REQUIRE")
@@ -51,8 +71,8 @@ fn probe(needs: &[&str]) {
         .filter(|s| !s.is_empty())
         .collect();
     for r in &required {
-        if !["vulkan", "mpi"].contains(&r.as_str()) {
-            panic!("DISAGMOE_REQUIRE names `{r}`: the allowed values are vulkan and mpi (comma-separated)");
+        if !["vulkan", "f16", "mpi"].contains(&r.as_str()) {
+            panic!("DISAGMOE_REQUIRE names `{r}`: the allowed values are vulkan, f16 and mpi (comma-separated)");
         }
     }
     for &need in needs {
@@ -64,6 +84,20 @@ fn probe(needs: &[&str]) {
                 }
                 VULKAN_ICD_DIRS.iter().for_each(|d| rerun_if_changed(std::path::Path::new(d)));
                 vulkan_driver_present()
+            }
+            "f16" => {
+                // The same triggers as the driver's (a driver installed or changed), and PATH
+                // for `vulkaninfo` itself.
+                for v in ["VK_ICD_FILENAMES", "VK_DRIVER_FILES", "PATH"] {
+                    println!("cargo:rerun-if-env-changed={v}");
+                }
+                VULKAN_ICD_DIRS.iter().for_each(|d| rerun_if_changed(std::path::Path::new(d)));
+                if let Some(paths) = std::env::var_os("PATH") {
+                    std::env::split_paths(&paths)
+                        .filter(|d| d.starts_with("/usr") || d.starts_with("/opt"))
+                        .for_each(|d| rerun_if_changed(&d));
+                }
+                vulkan_driver_present() && vulkan_f16_present()
             }
             "mpi" => {
                 println!("cargo:rerun-if-env-changed=PATH");

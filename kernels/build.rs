@@ -1,6 +1,7 @@
-// The CubeCL tests need a Vulkan driver (Mesa's lavapipe on a CPU machine): see build-support/probe.rs.
+// The CubeCL tests need a Vulkan driver (Mesa's lavapipe on a CPU machine), the f16 ones a driver
+// with f16 (vulkaninfo tells): see build-support/probe.rs.
 include!("../build-support/probe.rs");
 
 fn main() {
-    probe(&["vulkan"]);
+    probe(&["vulkan", "f16"]);
 }

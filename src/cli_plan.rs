@@ -38,7 +38,19 @@ impl JobArgs {
         let model = model_shape(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
         let cluster = Cluster::from_preset_or_file(&self.cluster)
             .with_context(|| format!("loading cluster `{}`", self.cluster))?;
-        let global_batch = self.global_batch.unwrap_or(2 * cluster.total_gpus() * self.micro_batch);
+        // The default is computed only when it is defined: a micro-batch so large that twice the
+        // GPUs' worth overflows is refused with the workload's own rule (at most the global batch).
+        let global_batch = match self.global_batch {
+            Some(g) => g,
+            None => (2 * cluster.total_gpus()).checked_mul(self.micro_batch).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "invalid `workload.micro_batch` = {}: 2 x {} GPUs x micro_batch (the default global batch) \
+                     overflows; give a smaller --micro-batch or a --global-batch",
+                    self.micro_batch,
+                    cluster.total_gpus()
+                )
+            })?,
+        };
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
         Ok(CostModel::new(model, cluster, workload)?)
     }

@@ -1,6 +1,6 @@
 //! The architecture is enforced, not only written (ARCHITECTURE.md): the dependency graph that
 //! `cargo metadata` resolves must keep the planner free of tensor libraries and the models free of
-//! transports.
+//! transports, transitively.
 
 use std::collections::{BTreeSet, HashMap};
 use std::process::Command;
@@ -27,6 +27,35 @@ fn dependencies(metadata: &Value, krate: &str) -> BTreeSet<String> {
                 dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
             let pkg = dep["pkg"].as_str().unwrap();
             if normal && seen.insert(packages[pkg].to_string()) {
+                stack.push(pkg);
+            }
+        }
+    }
+    seen
+}
+
+/// Names of the packages reachable from the named workspace crate through normal (and build)
+/// dependencies without passing through a package whose name starts with one of `walls` (those
+/// are left out, with all they bring): the crate's own graph outside them.
+fn reachable_outside(metadata: &Value, krate: &str, walls: &[&str]) -> BTreeSet<String> {
+    let packages: HashMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap()))
+        .collect();
+    let nodes: HashMap<&str, &Value> =
+        metadata["resolve"]["nodes"].as_array().unwrap().iter().map(|n| (n["id"].as_str().unwrap(), n)).collect();
+    let root = packages.iter().find(|(_, name)| **name == krate).map(|(id, _)| *id).expect("crate in the workspace");
+    let mut seen = BTreeSet::new();
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        for dep in nodes[id]["deps"].as_array().unwrap() {
+            let normal =
+                dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
+            let pkg = dep["pkg"].as_str().unwrap();
+            let name = packages[pkg];
+            if normal && !walls.iter().any(|w| name.starts_with(w)) && seen.insert(name.to_string()) {
                 stack.push(pkg);
             }
         }
@@ -76,14 +105,29 @@ fn the_planner_depends_on_no_tensor_library_and_the_models_on_no_transport() {
     assert!(bad.is_empty(), "disagmoe-core must not depend on tensor or device crates, found {bad:?}");
     assert!(!core.iter().any(|d| d.starts_with("disagmoe")), "disagmoe-core depends on no other workspace crate");
 
-    // The models (and the kernels under them) declare no transport and no training crate. (Their
-    // transitive graph is not checked: Burn's own backends bring their device runtimes, and feature
-    // unification across the workspace gives Burn the union of every member's backends.)
-    let transport = ["mpi", "mpi-sys", "cudarc", "bincode", "nccl", "disagmoe-train", "tokio", "zmq"];
+    // The models and the kernels under them never communicate. Transitively, in the whole graph
+    // with every feature of the workspace on (Burn's backends unified as a `--features nccl,wgpu`
+    // build has them): no transport of ours anywhere; and no crate that can carry bytes between
+    // processes or hosts in their own graph outside Burn and CubeCL. (Inside those there are:
+    // `bincode`, Burn's record format; `cudarc` with the NCCL bindings CubeCL's CUDA runtime
+    // switches on; `reqwest`/`tokio`, CubeCL's CPU runtime fetching LLVM at build time. The
+    // models call none of them.)
+    let transport = ["mpi", "mpi-sys", "mpi-derive", "disagmoe-train", "zmq", "nccl", "nccl-sys"];
+    let networked = ["bincode", "cudarc", "tokio", "reqwest", "hyper", "h2", "quinn", "tonic", "mio", "socket2"];
+    let walls = ["burn", "cubecl", "cubek"];
     for krate in ["disagmoe-models", "disagmoe-kernels"] {
-        let bad: Vec<String> = declared(&all, krate).into_iter().filter(|d| transport.contains(&d.as_str())).collect();
-        assert!(bad.is_empty(), "{krate} must not declare a transport dependency, found {bad:?}");
+        let graph = dependencies(&all, krate);
+        let bad: Vec<&String> = graph.iter().filter(|d| transport.contains(&d.as_str())).collect();
+        assert!(bad.is_empty(), "{krate} must have no transport crate in its graph, found {bad:?}");
+        let own = reachable_outside(&all, krate, &walls);
+        let bad: Vec<&String> =
+            own.iter().filter(|d| networked.contains(&d.as_str()) || transport.contains(&d.as_str())).collect();
+        assert!(bad.is_empty(), "{krate} reaches {bad:?} outside Burn and CubeCL");
+        assert!(own.len() < graph.len(), "{krate}: the walls leave out what Burn brings");
     }
+    // The check sees the whole graph: Burn's CUDA runtime is in it, and the crates it brings.
+    let models = dependencies(&all, "disagmoe-models");
+    assert!(models.contains("cubecl-cuda") && models.contains("cudarc"), "the check sees the whole graph");
     assert!(declared(&all, "disagmoe-models").contains("burn"), "the check sees the models' real dependencies");
     assert!(
         !declared(&all, "disagmoe-kernels").iter().any(|d| d.starts_with("disagmoe-")),

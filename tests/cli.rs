@@ -423,3 +423,300 @@ fn eval_every_and_disagmoe_eval_report_the_held_out_loss() {
     fails_with(&train(&["--capacity-factor", "0"]), "`capacity_factor`: must be a number > 0");
     fails_with(&train(&["--router-z-loss-coef", "2"]), "`router_z_loss_coef`: must be in 0..=1");
 }
+
+/// What every numeric option and run-config key is fed: zero, negative, not a number, infinite,
+/// and past every signed 64-bit integer.
+const EXTREMES: [&str; 5] = ["0", "-1", "NaN", "inf", "9223372036854775808"];
+
+/// Runs `cmd` for at most `limit`: its exit code (`None`: still running at the limit, then killed)
+/// and its stderr.
+fn run_bounded(mut cmd: Command, limit: std::time::Duration) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let t0 = std::time::Instant::now();
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status.code().unwrap_or(-1));
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    (code, reader.join().unwrap())
+}
+
+/// A run fed an extreme value either runs (exit 0: `Ok(false)`) or is refused with exit 2 and one
+/// error line (clap's usage hints may follow it: `Ok(true)`); never a panic, an abort or a hang
+/// (`Err`, what went wrong).
+fn refused_or_ran(what: &str, code: Option<i32>, err: &str) -> Result<bool, String> {
+    let bad = err.contains("panicked") || err.contains("backtrace") || err.contains("memory allocation");
+    let head: String = err.lines().take(3).collect::<Vec<_>>().join(" | ");
+    match code {
+        Some(0) if !bad => Ok(false),
+        Some(2) if !bad => {
+            let first = err.lines().next().unwrap_or("");
+            let errors = err.lines().filter(|l| l.starts_with("error")).count();
+            if first.starts_with("error: ") && errors == 1 {
+                Ok(true)
+            } else {
+                Err(format!("{what}: exit 2 without exactly one error line first: {head}"))
+            }
+        }
+        other => Err(format!("{what}: exit {other:?} (None: still running after the limit): {head}")),
+    }
+}
+
+/// Counts the refusals; collects what went wrong.
+fn tally(result: Result<bool, String>, refused: &mut usize, failures: &mut Vec<String>) {
+    match result {
+        Ok(r) => *refused += r as usize,
+        Err(e) => failures.push(e),
+    }
+}
+
+/// The `--name <VALUE>` options of a subcommand, from its `--help`.
+fn value_options(sub: &str) -> Vec<String> {
+    let out = bin().args([sub, "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout).to_string();
+    help.lines()
+        .filter_map(|l| {
+            let l = l.trim_start().trim_start_matches("-h, ");
+            let (name, rest) = l.strip_prefix("--")?.split_once(' ')?;
+            rest.starts_with('<').then(|| name.to_string())
+        })
+        .collect()
+}
+
+/// Every numeric option of every command, fed each extreme (alone, the others at small valid
+/// values), is refused with exit 2 and one line, or runs; the lists below name every option that
+/// takes a value, so a new one has to be put in one of them.
+#[test]
+fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    let limit = std::time::Duration::from_secs(120);
+    // A model and a corpus for the commands that read them.
+    let model_out = p.join("model");
+    let out = bin()
+        .args(["train", "--quiet", "--steps", "1", "--batch", "2", "--seq", "16", "--out"])
+        .arg(&model_out)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let model = model_out.join("final").to_string_lossy().to_string();
+    let text = p.join("corpus.txt");
+    std::fs::write(&text, "In the beginning was the word, and the word was with the text.\n".repeat(40)).unwrap();
+    let text = text.to_string_lossy().to_string();
+    let run_dir = p.join("run").to_string_lossy().to_string();
+
+    let train_numeric = [
+        "steps",
+        "batch",
+        "seq",
+        "eval-fraction",
+        "eval-every",
+        "eval-batches",
+        "lr",
+        "min-lr",
+        "warmup-steps",
+        "weight-decay",
+        "grad-clip",
+        "seed",
+        "aux-loss",
+        "log-every",
+        "checkpoint-every",
+        "keep-checkpoints",
+        "stop-after",
+        "bias-update-rate",
+        "router-z-loss-coef",
+        "capacity-factor",
+        "attn-workers",
+        "ffn-workers",
+        "groups",
+        "workers",
+        "micro-batches",
+        "in-flight",
+        "threads-per-worker",
+        "link-gbps",
+        "link-latency-us",
+        "comm-timeout-s",
+    ];
+    let train_other = [
+        "run-config",
+        "model-config",
+        "model-dir",
+        "model-preset",
+        "data",
+        "tokenizer",
+        "out",
+        "checkpoint-dir",
+        "resume",
+        "allow-change",
+        "precision",
+        "recompute",
+        "save-dtype",
+        "on-nonfinite",
+        "placement",
+        "allocation",
+        "devices",
+        "transport",
+        "trace",
+    ];
+    // (command, numeric options, other options, the base arguments: small valid values)
+    let train_base: Vec<(&str, &str)> =
+        vec![("steps", "1"), ("batch", "4"), ("seq", "8"), ("stop-after", "1"), ("out", &run_dir)];
+    let commands: Vec<(&str, Vec<&str>, Vec<&str>, Vec<(&str, &str)>)> = vec![
+        ("train", train_numeric.to_vec(), train_other.to_vec(), train_base.clone()),
+        (
+            "generate",
+            vec!["max-new-tokens", "temperature", "top-p", "seed"],
+            vec!["model-dir", "prompt", "tokenizer"],
+            vec![("model-dir", &model), ("prompt", "In the"), ("max-new-tokens", "2")],
+        ),
+        (
+            "eval",
+            vec!["seq", "batch", "eval-fraction"],
+            vec!["model-dir", "data", "tokenizer"],
+            vec![("model-dir", &model), ("seq", "8"), ("batch", "2")],
+        ),
+        (
+            "plan",
+            vec!["seq", "micro-batch", "global-batch", "search-evals"],
+            vec!["model", "cluster", "roofline-svg"],
+            vec![("model", "mixtral-8x7b"), ("cluster", "h100x2"), ("seq", "4096"), ("search-evals", "2")],
+        ),
+        (
+            "simulate",
+            vec!["seq", "micro-batch", "global-batch"],
+            vec!["model", "cluster", "schedules", "timeline-dir"],
+            vec![("model", "mixtral-8x7b"), ("cluster", "h100x2"), ("seq", "4096")],
+        ),
+        (
+            "tokenize",
+            vec!["shard-tokens"],
+            vec!["input", "out", "tokenizer", "text-field", "eos"],
+            vec![("input", &text), ("out", &run_dir)],
+        ),
+    ];
+    let (mut refused, mut cases, mut failures) = (0, 0, Vec::new());
+    for (sub, numeric, other, base) in &commands {
+        let listed: Vec<&str> = numeric.iter().chain(other).copied().collect();
+        for opt in value_options(sub) {
+            assert!(listed.contains(&opt.as_str()), "`{sub} --{opt}` takes a value: list it as numeric or not");
+        }
+        for opt in numeric {
+            // Under every placement for the options that only a distributed run reads.
+            let placements: &[&str] = match *opt {
+                "attn-workers" | "ffn-workers" | "groups" | "workers" | "micro-batches" | "in-flight"
+                | "threads-per-worker" | "link-gbps" | "link-latency-us" | "comm-timeout-s" => {
+                    &["single", "ep", "disagg"]
+                }
+                _ => &["default"],
+            };
+            for placement in placements {
+                for v in EXTREMES {
+                    let _ = std::fs::remove_dir_all(&run_dir);
+                    let mut cmd = bin();
+                    cmd.arg(sub);
+                    if *sub == "train" {
+                        cmd.args(["--quiet", "--json"]);
+                    }
+                    if *placement != "default" {
+                        cmd.args(["--placement", placement]);
+                    }
+                    for (k, b) in base.iter().filter(|(k, _)| k != opt) {
+                        cmd.arg(format!("--{k}")).arg(b);
+                    }
+                    cmd.arg(format!("--{opt}={v}"));
+                    let what = format!("{sub} --{opt}={v} ({placement})");
+                    let (code, err) = run_bounded(cmd, limit);
+                    tally(refused_or_ran(&what, code, &err), &mut refused, &mut failures);
+                    cases += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{cases} option cases, {refused} refused");
+    assert!(failures.is_empty(), "{} of {cases} cases went wrong:\n{}", failures.len(), failures.join("\n"));
+    assert!(refused > cases / 3, "most extremes are refused ({refused} of {cases})");
+}
+
+/// Every numeric key of a run config (by section), fed each extreme in TOML (integers past 2^63
+/// are TOML's own error; `nan`, `inf` and 1e300 are floats), is refused with exit 2 and one line,
+/// or runs.
+#[test]
+fn every_numeric_run_config_key_at_its_extremes_is_refused_in_one_line_or_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    let limit = std::time::Duration::from_secs(120);
+    let run_dir = p.join("run");
+    let defaults = serde_json::to_value(disagmoe::train::RunConfig::default()).unwrap();
+    let sections = defaults.as_object().unwrap();
+    let section_of =
+        |key: &str| sections.iter().find(|(_, v)| v.get(key).is_some()).map(|(s, _)| s.clone()).expect("a section");
+    // Small valid values for the rest: (section, key, value); "" is the top level.
+    let base = [
+        (String::new(), "steps".to_string(), "1".to_string()),
+        (section_of("batch"), "batch".into(), "4".into()),
+        (section_of("seq"), "seq".into(), "8".into()),
+        (section_of("stop_after"), "stop_after".into(), "1".into()),
+    ];
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for (section, value) in sections {
+        let fields: Vec<(String, serde_json::Value)> = match value.as_object() {
+            Some(o) => o.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            None => vec![(section.clone(), value.clone())],
+        };
+        let top = value.as_object().is_none();
+        for (key, v) in fields {
+            let doc =
+                |val: &str| if top { format!("{key} = {val}\n") } else { format!("[{section}]\n{key} = {val}\n") };
+            // Numbers, and unset options that take one.
+            let numeric =
+                v.is_number() || (v.is_null() && disagmoe::train::RunConfig::from_toml_str(&doc("1")).is_ok());
+            if numeric {
+                keys.push((if top { String::new() } else { section.clone() }, key));
+            }
+        }
+    }
+    assert!(keys.len() >= 30, "numeric keys found: {keys:?}");
+    let (mut refused, mut cases, mut failures) = (0, 0, Vec::new());
+    for (section, key) in &keys {
+        for v in ["0", "-1", "nan", "inf", "-inf", "1e300", "9223372036854775807", "9223372036854775808"] {
+            let mut by_section: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+            for (s, k, b) in base.iter().filter(|(s, k, _)| !(s == section && k == key)) {
+                by_section.entry(s.clone()).or_default().push(format!("{k} = {b}"));
+            }
+            by_section.entry(section.clone()).or_default().push(format!("{key} = {v}"));
+            let mut doc = by_section.remove("").unwrap_or_default().join("\n") + "\n";
+            for (s, lines) in by_section {
+                doc += &format!("[{s}]\n{}\n", lines.join("\n"));
+            }
+            let file = p.join("run.toml");
+            std::fs::write(&file, &doc).unwrap();
+            let _ = std::fs::remove_dir_all(&run_dir);
+            let mut cmd = bin();
+            cmd.args(["train", "--quiet", "--json", "--run-config"]).arg(&file).arg("--out").arg(&run_dir);
+            let what = format!("run config [{section}] {key} = {v}");
+            let (code, err) = run_bounded(cmd, limit);
+            tally(refused_or_ran(&what, code, &err), &mut refused, &mut failures);
+            cases += 1;
+        }
+    }
+    eprintln!("{cases} key cases over {} keys, {refused} refused", keys.len());
+    assert!(failures.is_empty(), "{} of {cases} cases went wrong:\n{}", failures.len(), failures.join("\n"));
+    assert!(refused > cases / 2, "most extremes are refused ({refused} of {cases})");
+}

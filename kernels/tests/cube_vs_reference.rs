@@ -84,20 +84,13 @@ const F16_GRAD_TOL: f32 = 2.0 * F16_EPS;
 /// 4.7 eps).
 const F16_CHAINED_TOL: f32 = 8.0 * F16_EPS;
 
-/// Whether the runtime has f16. Without it the f16 tests print that they were skipped (the
-/// harness cannot mark a test ignored at run time); under `DISAGMOE_REQUIRE=vulkan` (CI) a missing
-/// f16 fails instead, so CI never passes them without running them.
-fn f16_supported(test: &str) -> bool {
-    if <Inner as Backend>::supports_dtype(&device(), DType::F16) {
-        return true;
-    }
-    let required = std::env::var("DISAGMOE_REQUIRE").unwrap_or_default();
+/// The f16 tests are ignored where the build script's probe found no Vulkan driver with f16
+/// (`disagmoe_no_f16`, build-support/probe.rs); where it found one, the runtime must have it.
+fn f16_runtime(test: &str) {
     assert!(
-        !required.split(',').any(|r| r.trim() == "vulkan"),
-        "{test}: this runtime has no f16, and DISAGMOE_REQUIRE=vulkan says the f16 tests must run"
+        <Inner as Backend>::supports_dtype(&device(), DType::F16),
+        "{test}: the build's probe found a Vulkan driver with f16 (vulkaninfo), but this runtime's device has no f16"
     );
-    eprintln!("{test}: SKIPPED, this runtime has no f16 (the f32 tests cover the kernels)");
-    false
 }
 
 #[test]
@@ -147,14 +140,12 @@ fn attention_matches_the_reference_with_gradients() {
 
 #[test]
 #[cfg_attr(
-    all(disagmoe_no_vulkan, not(feature = "cuda")),
-    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+    all(any(disagmoe_no_vulkan, disagmoe_no_f16), not(feature = "cuda")),
+    ignore = "no Vulkan driver with f16 on this machine (apt-get install mesa-vulkan-drivers vulkan-tools: vulkaninfo tells)"
 )]
 fn attention_in_half_precision_accumulates_in_f32() {
     let _one = runtime_present("attention_in_half_precision_accumulates_in_f32");
-    if !f16_supported("attention_in_half_precision_accumulates_in_f32") {
-        return;
-    }
+    f16_runtime("attention_in_half_precision_accumulates_in_f32");
     let (b, s, h, g, d) = (1, 70, 4, 2, 16);
     let half = |t: Tensor<B, 4>| t.cast(FloatDType::F16);
     let (q, k, v) = (rand([b, s, h, d], 1), rand([b, s, g, d], 2), rand([b, s, g, d], 3));
@@ -444,14 +435,12 @@ fn gpt_oss_experts_match_the_reference_with_gradients() {
 
 #[test]
 #[cfg_attr(
-    all(disagmoe_no_vulkan, not(feature = "cuda")),
-    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+    all(any(disagmoe_no_vulkan, disagmoe_no_f16), not(feature = "cuda")),
+    ignore = "no Vulkan driver with f16 on this machine (apt-get install mesa-vulkan-drivers vulkan-tools: vulkaninfo tells)"
 )]
 fn experts_in_half_precision_accumulate_in_f32() {
     let _one = runtime_present("experts_in_half_precision_accumulate_in_f32");
-    if !f16_supported("experts_in_half_precision_accumulate_in_f32") {
-        return;
-    }
+    f16_runtime("experts_in_half_precision_accumulate_in_f32");
     let (m, i, counts) = (40, 72, vec![0usize, 90, 7]);
     let n: usize = counts.iter().sum();
     let xs = rand([n, m], 1);
@@ -498,6 +487,27 @@ fn the_switches_turn_the_kernels_off() {
 )]
 fn the_products_are_chosen_by_measurement_and_either_way_gives_the_reference() {
     let _one = runtime_present("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference");
+    products_are_chosen_by_measurement(&[(disagmoe_kernels::precision::Precision::F32, "f32", 1e-4)], false);
+}
+
+#[test]
+#[cfg_attr(
+    all(any(disagmoe_no_vulkan, disagmoe_no_f16), not(feature = "cuda")),
+    ignore = "no Vulkan driver with f16 on this machine (apt-get install mesa-vulkan-drivers vulkan-tools: vulkaninfo tells)"
+)]
+fn the_products_in_f16_are_chosen_by_measurement_and_either_way_give_the_reference() {
+    let test = "the_products_in_f16_are_chosen_by_measurement_and_either_way_give_the_reference";
+    let _one = runtime_present(test);
+    f16_runtime(test);
+    products_are_chosen_by_measurement(&[(disagmoe_kernels::precision::Precision::F16, "f16", F16_CHAINED_TOL)], true);
+}
+
+/// The expert products in each of `precisions` (and, with `attention`, flash attention in f16)
+/// measured both ways, the faster chosen, both ways giving the reference, the measurements cached.
+fn products_are_chosen_by_measurement(
+    precisions: &[(disagmoe_kernels::precision::Precision, &str, f32)],
+    attention: bool,
+) {
     assert_eq!(cube::probe::forced(), None, "{} is set: this test measures", cube::probe::ENV);
     // A cache of our own (the only test here that goes through the probe): measured afresh, and
     // the measurement written there.
@@ -509,11 +519,7 @@ fn the_products_are_chosen_by_measurement_and_either_way_gives_the_reference() {
     let experts: Vec<_> = (0..4u64)
         .map(|e| (rand([i, m], 5 + e).mul_scalar(0.3), rand([i, m], 9 + e).mul_scalar(0.3), rand([m, i], 13 + e)))
         .collect();
-    let mut precisions = vec![(disagmoe_kernels::precision::Precision::F32, "f32", 1e-4)];
-    if f16_supported("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference") {
-        precisions.push((disagmoe_kernels::precision::Precision::F16, "f16", F16_CHAINED_TOL));
-    }
-    for (precision, name, tol) in precisions {
+    for &(precision, name, tol) in precisions {
         disagmoe_kernels::precision::set_precision_for_thread(Some(precision));
         let want = reference::swiglu_experts(xs.clone(), &counts, &experts);
         let got = disagmoe_kernels::fused::swiglu_experts(xs.clone(), &counts, &experts);
@@ -557,7 +563,7 @@ fn the_products_are_chosen_by_measurement_and_either_way_gives_the_reference() {
     }
     // Attention under a low precision: the flash kernel on f16 operands (f32 out) or the
     // composition, chosen the same way.
-    if f16_supported("the_products_are_chosen_by_measurement_and_either_way_gives_the_reference") {
+    if attention {
         let (b, s, h, g, d) = (1, 70, 4, 2, 16);
         let (q, k, v) = (rand([b, s, h, d], 51), rand([b, s, g, d], 52), rand([b, s, g, d], 53));
         let sinks = Some(rand([h], 54));
@@ -590,14 +596,19 @@ fn the_products_are_chosen_by_measurement_and_either_way_gives_the_reference() {
         assert_eq!(cube::probe::measured().len(), measured.len(), "measured once");
     }
     disagmoe_kernels::precision::set_precision_for_thread(None);
-    // Kept for the next process: one line per class measured.
+    // Kept for the next process: one line per class this call measured (the cache directory is
+    // this process's; another test's classes may be there too).
     let lines = std::fs::read_to_string(cube::probe::cache_file().unwrap()).unwrap();
-    for what in ["SwiGLU experts", "attention"] {
-        assert_eq!(
-            lines.lines().filter(|l| l.contains(&format!("\t{what} on "))).count(),
-            cube::probe::measured().iter().filter(|m| m.class.starts_with(what)).count(),
-            "{what}: {lines}"
-        );
+    let ours = cube::probe::measured().into_iter().filter(|m| {
+        precisions.iter().any(|(_, name, _)| m.class.contains(&format!(", {name}, ")))
+            && (attention || !m.class.starts_with("attention"))
+    });
+    let mut count = 0;
+    for m in ours {
+        count += 1;
+        let saved = lines.lines().filter(|l| l.rsplit('\t').next() == Some(m.class.as_str())).count();
+        assert_eq!(saved, 1, "{}: {lines}", m.class);
     }
+    assert!(count >= precisions.len(), "every precision's expert class was measured: {lines}");
     let _ = std::fs::remove_dir_all(cache);
 }

@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 
+/// The most workers of one kind (attention, expert, ep) and groups a run may name (ranks).
+pub const MAX_WORKERS: usize = 1 << 16;
+/// The most workers one process runs as threads (`transport = local`).
+pub const MAX_LOCAL_WORKERS: usize = 1024;
 /// The most CPU threads a worker may be given.
 pub const MAX_THREADS: usize = 4096;
 
@@ -169,7 +173,7 @@ impl ParallelOptions {
     pub fn workers_here(&self) -> usize {
         match (self.placement, self.transport) {
             (Placement::Single, _) | (_, TransportKind::Mpi | TransportKind::Nccl) => 1,
-            (Placement::Disagg, TransportKind::Local) => self.attn_workers + self.ffn_workers,
+            (Placement::Disagg, TransportKind::Local) => self.attn_workers.saturating_add(self.ffn_workers),
             (Placement::Ep, TransportKind::Local) => self.workers,
         }
     }
@@ -212,6 +216,18 @@ impl ParallelOptions {
             if v == 0 {
                 return Err(TrainError::option(field, "must be at least 1"));
             }
+            if v > MAX_WORKERS {
+                return Err(TrainError::option(field, format!("must be at most {MAX_WORKERS}, got {v}")));
+            }
+        }
+        if self.transport == TransportKind::Local && self.workers_here() > MAX_LOCAL_WORKERS {
+            return Err(TrainError::option(
+                "transport",
+                format!(
+                    "local runs every worker as threads of this process, at most {MAX_LOCAL_WORKERS}; {} workers need mpi (one process each)",
+                    self.workers_here()
+                ),
+            ));
         }
         if self.allocation == AllocationMode::Auto && self.placement != Placement::Disagg {
             return Err(TrainError::option("allocation", "auto needs placement disagg"));

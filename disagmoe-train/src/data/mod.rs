@@ -294,7 +294,7 @@ impl PackedDataset {
                 "has {} tokens, fewer than one batch of {} windows of {seq} tokens needs ({})",
                 tokens.len(),
                 min_windows.max(1),
-                min_windows.max(1) * seq
+                min_windows.max(1) as u128 * seq as u128
             )));
         }
         let train = Split::new([(0, windows * seq as u64)]);
