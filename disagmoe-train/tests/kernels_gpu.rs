@@ -1,5 +1,5 @@
 //! Training through the CubeCL kernels on Burn's WebGPU/Vulkan backend (in CI: Mesa's lavapipe,
-//! a CPU Vulkan driver) gives the reference path's losses, and disagg 2+2 with each worker on a
+//! a CPU Vulkan driver) gives the reference path's losses and first-step gradients, and disagg 2+2 with each worker on a
 //! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's, and f16 with loss
 //! scaling trains to f32's loss. Part of
 //! `cargo test --workspace`: the
@@ -13,14 +13,15 @@ use disagmoe_train::{train, train_on, Placement, RunConfig};
 
 type B = Autodiff<WgpuCube>;
 
-/// Losses through the kernels against the reference's, relative: about ten times the worst
-/// measured on lavapipe (LOSS_MEASURED over the three families' 4 steps).
-const LOSS_TOL: f64 = 1e-2;
-/// The first step's gradients (see `gradient_error`): about ten times the worst measured.
-const GRAD_TOL: f64 = 1e-1;
+/// Losses through the kernels against the reference's, relative, over the three families' 4
+/// steps: about ten times the worst measured on lavapipe (6.9e-7, tiny-qwen3-moe, 2026-12-02).
+const LOSS_TOL: f64 = 7e-6;
+/// The first step's gradients (see `gradient_error`): about ten times the worst measured (3.1e-6,
+/// tiny-qwen3-moe's k_norm).
+const GRAD_TOL: f64 = 3e-5;
 /// Disagg 2+2 on four `wgpu:0` against one device, relative losses: about ten times the worst
-/// measured.
-const DISAGG_TOL: f64 = 1e-3;
+/// measured (2.7e-8).
+const DISAGG_TOL: f64 = 3e-7;
 
 fn run(preset: &str, kernels: bool) -> Vec<f64> {
     disagmoe_kernels::set_enabled(kernels);
@@ -92,9 +93,13 @@ fn gradient_error(preset: &str) -> (f64, String) {
     let mut worst = (0.0, String::new());
     for (name, w) in &want {
         let norm = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
-        let update = norm(&twice[name], w);
-        assert!(update > 0.0, "{preset} {name}: no update");
-        let err = norm(&ours[name], w) / update;
+        let (update, off) = (norm(&twice[name], w), norm(&ours[name], w));
+        if update == 0.0 {
+            // No gradient (an expert no token chose): the kernels leave it alone too.
+            assert_eq!(off, 0.0, "{preset} {name}: the reference does not move it, the kernels do");
+            continue;
+        }
+        let err = off / update;
         if err > worst.0 {
             worst = (err, name.clone());
         }
@@ -114,7 +119,6 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
         assert_eq!(with.len(), without.len());
         let worst = with.iter().zip(&without).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
         eprintln!("{preset}: kernels {with:?}, reference {without:?}: worst relative {worst:.1e}");
-        // (Measured on lavapipe: at most LOSS_MEASURED; the tolerance is about ten times that.)
         assert!(
             worst <= LOSS_TOL,
             "{preset}: kernels vs reference losses differ by {worst:.1e} relative (tolerance {LOSS_TOL:.0e}; all: {with:?} vs {without:?})"
