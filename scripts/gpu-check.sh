@@ -89,6 +89,7 @@ case "$gpu_name" in
   *A100*) peak=312 ;;
   *) peak="" ;;
 esac
+kernel_fallbacks=0
 # Runs `disagmoe train ARGS...` while sampling the device memory; prints one line of figures.
 train() {
   local label="$1"; shift
@@ -102,12 +103,19 @@ train() {
   [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
   if [ -z "$summary" ]; then echo "$label: FAILED"; rm -f "$mem_log"; return 0; fi
   max_mem=$(sort -n "$mem_log" | tail -1); rm -f "$mem_log"
-  local tps tflops loss
+  local tps tflops loss attn experts
   tps=$(field tokens_per_s "$summary"); tflops=$(field model_tflops_per_s "$summary"); loss=$(field last_loss "$summary")
+  # Which implementation attention and the experts ran (the summary's "kernels"): on CUDA the
+  # kernels must apply; a run that fell back to the reference composition fails the check.
+  attn=$(field attention "$summary" | tr -d '"'); experts=$(field experts "$summary" | tr -d '"')
+  if [[ "$dev" == cuda* ]] && { [[ "$attn" == *reference* ]] || [[ "$experts" == *reference* ]] || [ -z "$attn" ]; }; then
+    echo "$label: FAILED: the kernels fell back (attention: ${attn:-none}, experts: ${experts:-none})"
+    kernel_fallbacks=$((kernel_fallbacks + 1))
+  fi
   local mfu="n/a (unknown GPU peak)"
   [ -n "$peak" ] && mfu=$(awk -v t="$tflops" -v p="$peak" 'BEGIN { printf "%.1f%% of %d TFLOP/s bf16 dense", 100 * t / p, p }')
-  printf '%-34s final loss %-8.4f  %10.0f tokens/s  %7.2f model TFLOP/s  MFU %s  peak device memory %s MiB\n' \
-    "$label" "$loss" "$tps" "$tflops" "$mfu" "${max_mem:-n/a}"
+  printf '%-34s final loss %-8.4f  %10.0f tokens/s  %7.2f model TFLOP/s  MFU %s  peak device memory %s MiB  (attention %s, experts %s)\n' \
+    "$label" "$loss" "$tps" "$tflops" "$mfu" "${max_mem:-n/a}" "${attn:-?}" "${experts:-?}"
 }
 
 echo "== tiny presets, 100 steps, f32 vs bf16"
@@ -123,3 +131,7 @@ train "1B single" "${big[@]}" --placement single --devices "$dev"
 train "1B single, --recompute full" "${big[@]}" --placement single --devices "$dev" --recompute full
 train "1B disagg 2+2, 4 workers on 1 GPU" "${big[@]}" --placement disagg --attn-workers 2 --ffn-workers 2 \
   --groups 2 --micro-batches 4 --devices "$dev,$dev,$dev,$dev"
+if [ "$kernel_fallbacks" -gt 0 ]; then
+  echo "$kernel_fallbacks CUDA run(s) ran attention or the experts without the kernels" >&2
+  exit 1
+fi

@@ -98,18 +98,29 @@ fn train_runs_writes_metrics_and_a_loadable_checkpoint() {
     for key in ["first_loss", "last_loss", "tokens_per_s"] {
         assert!(summary[key].as_f64().unwrap() > 0.0, "{key}");
     }
+    // Which implementation each family ran: on the CPU backend, our fused operations.
+    let kernels = &summary["kernels"];
+    for family in ["attention", "experts", "dispatch", "norms", "loss", "optimizer"] {
+        assert_eq!(kernels[family], "fused-cpu", "{family}: {kernels}");
+    }
     let metrics = std::fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 4);
     assert_eq!(lines[0]["tokens"], 64);
     assert_eq!(lines[0]["expert_load"].as_array().unwrap().len(), 4, "one load record per MoE layer");
-    // The final checkpoint loads again and continues training.
+    // The final checkpoint loads again and continues training; with the kernels switched off the
+    // summary says every family ran the reference.
     let out = bin()
-        .args(["train", "--quiet", "--steps", "1", "--batch", "1", "--seq", "16", "--model-dir"])
+        .env("DISAGMOE_KERNELS", "reference")
+        .args(["train", "--quiet", "--json", "--steps", "1", "--batch", "1", "--seq", "16", "--model-dir"])
         .arg(tmp.path().join("out/final"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let kernels = &stdout_last_json(&out)["kernels"];
+    for family in ["attention", "experts", "dispatch", "norms"] {
+        assert_eq!(kernels[family], "reference", "{family}: {kernels}");
+    }
 }
 
 #[test]

@@ -113,7 +113,38 @@ where
     let resumed = resume_point(cfg)?;
     let mut engine =
         crate::runtime::start_family::<B, C>(cfg, &config, std::slice::from_ref(device), resumed.as_ref())?;
-    crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
+    with_kernel_usage::<B>(device, || crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop))
+}
+
+/// Runs `train` and records in its summary which implementation each family of operations ran
+/// ([`disagmoe_kernels::usage`]); on a CubeCL backend whose kernels all fell back to the
+/// reference, warns once per process on stderr.
+fn with_kernel_usage<B: AutodiffBackend>(
+    device: &B::Device,
+    train: impl FnOnce() -> Result<TrainSummary>,
+) -> Result<TrainSummary> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let before = disagmoe_kernels::usage::snapshot();
+    let mut summary = train()?;
+    summary.kernels = disagmoe_kernels::usage::snapshot().since(&before);
+    if let Some(warning) = fallback_warning(&B::name(device), disagmoe_kernels::enabled(), &summary.kernels) {
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("{warning}");
+        }
+    }
+    Ok(summary)
+}
+
+/// The warning for a run on backend `name` (Burn's `Backend::name`) whose CubeCL kernels, switched
+/// on, all fell back to the reference (`kernels`: the summary's), if that is what happened.
+fn fallback_warning(name: &str, enabled: bool, kernels: &std::collections::BTreeMap<String, String>) -> Option<String> {
+    (name.contains("cubecl") && enabled && disagmoe_kernels::usage::all_fell_back(kernels)).then(|| {
+        format!(
+            "warning: on {name} every CubeCL kernel fell back to the reference composition ({}): the backend type is \
+             not one the kernels are built for (Burn's fusion?) or the tensors are past what they index",
+            serde_json::to_string(kernels).unwrap_or_default()
+        )
+    })
 }
 
 /// Refuses a product precision the backend lacks on `device`, naming what it has.
@@ -152,7 +183,9 @@ fn run_engine<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: 
     } else {
         Box::new(SingleDevice::<B>::new(cfg, &devices[0], resumed.as_ref().map(|(path, _)| path.as_path()))?)
     };
-    crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
+    with_kernel_usage::<B>(&devices[0], || {
+        crate::trainer::run(cfg, engine.as_mut(), resumed.map(|(_, state)| state), stop)
+    })
 }
 
 /// Calibrates the simulator's model of a run ([`crate::runtime::predict`]): runs `cfg` for `steps`
@@ -192,4 +225,24 @@ pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps:
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_cubecl_run_whose_kernels_all_fell_back_is_warned_of() {
+        let used = |pairs: &[(&str, &str)]| pairs.iter().map(|(f, i)| (f.to_string(), i.to_string())).collect();
+        let fell = used(&[("attention", "reference"), ("experts", "reference"), ("norms", "reference")]);
+        let w = super::fallback_warning("autodiff<fusion<cubecl<cuda>>>", true, &fell).expect("warned");
+        assert!(
+            w.starts_with("warning: ")
+                && w.contains("fusion<cubecl<cuda>>")
+                && w.contains("\"attention\":\"reference\""),
+            "{w}"
+        );
+        assert_eq!(super::fallback_warning("autodiff<flex>", true, &fell), None, "not a CubeCL backend");
+        assert_eq!(super::fallback_warning("autodiff<cubecl<wgpu>>", false, &fell), None, "switched off on purpose");
+        let ran = used(&[("attention", "flash"), ("experts", "matmul")]);
+        assert_eq!(super::fallback_warning("autodiff<cubecl<wgpu>>", true, &ran), None);
+    }
 }

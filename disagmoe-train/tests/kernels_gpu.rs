@@ -41,6 +41,18 @@ fn run(preset: &str, kernels: bool) -> Vec<f64> {
     let (reads, routed) = (device_id_reads(), device_routed_layers());
     let summary = train::<B>(&cfg, &device).expect("training runs");
     let used = ops_run() - before;
+    // The summary says which implementation each family ran (other tests of this process may
+    // add to the counts, so only what must be there is checked).
+    let k = &summary.kernels;
+    if kernels {
+        assert!(k["attention"].contains("flash"), "{preset}: {k:?}");
+        assert!(k["experts"].contains("grouped") || k["experts"].contains("matmul"), "{preset}: {k:?}");
+        assert!(k["dispatch"].contains("device"), "{preset}: {k:?}");
+    } else {
+        for family in ["attention", "experts", "dispatch"] {
+            assert!(k[family].contains("reference"), "{preset} without kernels: {k:?}");
+        }
+    }
     if kernels {
         assert!(used > 0, "{preset}: the kernels were not used");
         // Routing stays on the device: the MoE layers choose (DeepSeek-V3's group-limited

@@ -22,6 +22,7 @@ pub mod cube;
 pub mod order;
 pub mod precision;
 pub mod reference;
+pub mod usage;
 
 /// How a backend matched an operation: the plain backend, or `Autodiff` over it.
 #[cfg(any(feature = "flex", feature = "wgpu", feature = "cuda"))]
@@ -96,6 +97,37 @@ pub mod fused {
     use burn::tensor::backend::Backend;
     use burn::tensor::{Int, Tensor};
 
+    use crate::usage::{record, tally, Family, Implementation};
+
+    /// What a family's `Some` ran on backend `B`: our CPU operation or `on_cube`.
+    fn ours<B: Backend>(on_cube: Implementation) -> Implementation {
+        if cpu_available::<B>() {
+            Implementation::FusedCpu
+        } else {
+            on_cube
+        }
+    }
+
+    /// Counts an expert call: ours when `Some`; else CubeCL's matmul when the measurement chose
+    /// it, the reference when nothing applied.
+    #[allow(unused_variables)]
+    fn tally_experts<B: Backend, T>(call: impl FnOnce() -> Option<T>) -> Option<T> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let _ = crate::cube::probe::take_last_choice();
+        let result = call();
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let matmul = result.is_none()
+            && cube_available::<B>()
+            && crate::cube::probe::take_last_choice() == Some(crate::cube::probe::ExpertProducts::Matmul);
+        #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+        let matmul = false;
+        if matmul {
+            record(Family::Experts, Implementation::Matmul);
+            return result;
+        }
+        tally(Family::Experts, ours::<B>(Implementation::Grouped), result)
+    }
+
     /// Whether the fused CPU operations apply to backend `B` on this thread.
     pub fn cpu_available<B: Backend>() -> bool {
         #[cfg(feature = "flex")]
@@ -139,18 +171,15 @@ pub mod fused {
     }
 
     macro_rules! forward {
-        ($(#[$m:meta])* fn $name:ident<$($g:ident $(: $bound:path)?),* $(; const $c:ident: usize)?>($($a:ident: $t:ty),*) -> $ret:ty) => {
+        ($family:expr, $(#[$m:meta])* fn $name:ident<$($g:ident $(: $bound:path)?),* $(; const $c:ident: usize)?>($($a:ident: $t:ty),*) -> $ret:ty) => {
             $(#[$m])*
             #[allow(unused_variables)]
             pub fn $name<$($g $(: $bound)?),* $(, const $c: usize)?>($($a: $t),*) -> Option<$ret> {
                 #[cfg(feature = "flex")]
-                {
-                    crate::cpu::$name($($a),*)
-                }
+                let out = crate::cpu::$name($($a),*);
                 #[cfg(not(feature = "flex"))]
-                {
-                    None
-                }
+                let out = None;
+                tally($family, Implementation::FusedCpu, out)
             }
         };
     }
@@ -169,26 +198,34 @@ pub mod fused {
         scale: f64,
         window: Option<usize>,
     ) -> Option<Tensor<B, 4>> {
-        if crate::precision::low() {
-            // The CPU operation is f32 only; the CubeCL kernel runs on operands in the low dtype
-            // where it measured faster than the composition (`crate::cube::probe`).
-            return cube_or_none!(probe::attention_where_faster(q, k, v, sinks, scale, window));
-        }
-        #[cfg(feature = "flex")]
-        if cpu_available::<B>() {
-            return crate::cpu::attention(q, k, v, sinks, scale, window);
-        }
-        cube_or_none!(attention(q, k, v, sinks, scale, window))
+        let low = crate::precision::low();
+        let out = (|| {
+            if low {
+                // The CPU operation is f32 only; the CubeCL kernel runs on operands in the low
+                // dtype where it measured faster than the composition (`crate::cube::probe`).
+                return cube_or_none!(probe::attention_where_faster(q, k, v, sinks, scale, window));
+            }
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                return crate::cpu::attention(q, k, v, sinks, scale, window);
+            }
+            cube_or_none!(attention(q, k, v, sinks, scale, window))
+        })();
+        let how = if low { Implementation::Flash } else { ours::<B>(Implementation::Flash) };
+        tally(Family::Attention, how, out)
     }
     /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]` (f32 products only:
     /// `None` under a low [`crate::precision`]).
     #[allow(unused_variables)]
     pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
-        #[cfg(feature = "flex")]
-        if !crate::precision::low() {
-            return crate::cpu::linear(x, w);
-        }
-        None
+        let out = (|| {
+            #[cfg(feature = "flex")]
+            if !crate::precision::low() {
+                return crate::cpu::linear(x, w);
+            }
+            None
+        })();
+        tally(Family::Linear, Implementation::FusedCpu, out)
     }
 
     /// Token rows into expert order: `[T, M] -> [N, M]`, row `p` = token `slots[p] / k`, where
@@ -205,21 +242,24 @@ pub mod fused {
         experts: &[usize],
         with_base: bool,
     ) -> Option<Tensor<B, 2>> {
-        #[cfg(feature = "flex")]
-        if cpu_available::<B>() {
-            return crate::cpu::permute_rows(x, slots, k, experts, with_base);
-        }
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if cube_available::<B>() {
-            return crate::cube::permute_rows(x.clone(), slots, k).map(|xs| {
-                if with_base {
-                    Tensor::cat(vec![xs, x], 0)
-                } else {
-                    xs
-                }
-            });
-        }
-        None
+        let out = (|| {
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                return crate::cpu::permute_rows(x, slots, k, experts, with_base);
+            }
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            if cube_available::<B>() {
+                return crate::cube::permute_rows(x.clone(), slots, k).map(|xs| {
+                    if with_base {
+                        Tensor::cat(vec![xs, x], 0)
+                    } else {
+                        xs
+                    }
+                });
+            }
+            None
+        })();
+        tally(Family::Dispatch, ours::<B>(Implementation::Device), out)
     }
 
     /// Gate-weighted sum of each token's expert rows back in token order, plus `base` (the shared
@@ -234,32 +274,44 @@ pub mod fused {
         experts: &[usize],
         base: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 2>> {
-        #[cfg(feature = "flex")]
-        if cpu_available::<B>() {
-            return crate::cpu::combine_rows(ys, weights, slots, experts, base);
-        }
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if cube_available::<B>() {
-            return crate::cube::combine_rows(ys, weights, slots).map(|out| match base {
-                Some(base) => out + base,
-                None => out,
-            });
-        }
-        None
+        let out = (|| {
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                return crate::cpu::combine_rows(ys, weights, slots, experts, base);
+            }
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            if cube_available::<B>() {
+                return crate::cube::combine_rows(ys, weights, slots).map(|out| match base {
+                    Some(base) => out + base,
+                    None => out,
+                });
+            }
+            None
+        })();
+        tally(Family::Dispatch, ours::<B>(Implementation::Device), out)
     }
 
     /// The `k` largest scores of each row of `[T, E]`, on the device: `[T k]` column ids
     /// (`u32`), best first, ties to the lower column (`crate::cube::top_k`; CubeCL backends).
     #[allow(unused_variables)]
     pub fn top_k<B: Backend>(scores: Tensor<B, 2>, k: usize) -> Option<Tensor<B, 1, Int>> {
-        cube_or_none!(top_k(scores, k))
+        device_only::<B, _>((|| cube_or_none!(top_k(scores, k)))())
+    }
+
+    /// Counts a device-only dispatch operation on a CubeCL backend (elsewhere the host routes and
+    /// nothing is counted here).
+    fn device_only<B: Backend, T>(out: Option<T>) -> Option<T> {
+        if cube_available::<B>() {
+            return tally(Family::Dispatch, Implementation::Device, out);
+        }
+        out
     }
 
     /// A stable counting sort of `[N]` expert ids on the device (`crate::cube::route`; CubeCL
     /// backends).
     #[allow(unused_variables)]
     pub fn route<B: Backend>(ids: Tensor<B, 1, Int>, experts: usize) -> Option<crate::Routing<B>> {
-        cube_or_none!(route(ids, experts))
+        device_only::<B, _>((|| cube_or_none!(route(ids, experts)))())
     }
 
     /// Routed copies per expert and sequence of `per_sequence` slots, `[E * sequences]`
@@ -270,7 +322,7 @@ pub mod fused {
         experts: usize,
         per_sequence: usize,
     ) -> Option<Tensor<B, 1, Int>> {
-        cube_or_none!(sequence_counts(ids, experts, per_sequence))
+        device_only::<B, _>((|| cube_or_none!(sequence_counts(ids, experts, per_sequence)))())
     }
 
     /// [`permute_rows`] in the order of a device-side [`route`] of all copies, followed by `x`
@@ -284,6 +336,7 @@ pub mod fused {
     ) -> Option<Tensor<B, 2>> {
         let base = with_base.then(|| x.clone());
         let xs: Option<Tensor<B, 2>> = (|| cube_or_none!(permute_rows_routed(x, routing, k)))();
+        let xs = tally(Family::Dispatch, Implementation::Device, xs);
         xs.map(|xs| match base {
             Some(x) => Tensor::cat(vec![xs, x], 0),
             None => xs,
@@ -300,6 +353,7 @@ pub mod fused {
         base: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 2>> {
         let out: Option<Tensor<B, 2>> = (|| cube_or_none!(combine_rows_routed(ys, weights, routing)))();
+        let out = tally(Family::Dispatch, Implementation::Device, out);
         out.map(|out| match base {
             Some(base) => out + base,
             None => out,
@@ -320,26 +374,31 @@ pub mod fused {
         alpha: f64,
         limit: f64,
     ) -> Option<Tensor<B, 2>> {
-        cube_or_none!(probe::gpt_oss_experts_where_faster(
-            xs,
-            counts,
-            gate_up,
-            gate_up_bias,
-            down,
-            down_bias,
-            alpha,
-            limit
-        ))
+        tally_experts::<B, _>(|| {
+            cube_or_none!(probe::gpt_oss_experts_where_faster(
+                xs,
+                counts,
+                gate_up,
+                gate_up_bias,
+                down,
+                down_bias,
+                alpha,
+                limit
+            ))
+        })
     }
     forward!(
+        Family::Norms,
         /// See [`crate::cpu::rms_norm`].
         fn rms_norm<B: Backend; const D: usize>(x: Tensor<B, D>, w: Tensor<B, 1>, eps: f64) -> Tensor<B, D>
     );
     forward!(
+        Family::Norms,
         /// See [`crate::cpu::swiglu`].
         fn swiglu<B: Backend; const D: usize>(g: Tensor<B, D>, u: Tensor<B, D>) -> Tensor<B, D>
     );
     forward!(
+        Family::Norms,
         /// See [`crate::cpu::rope`]: x `[B, S, H, D]`, cos/sin `[1, 1, S, D]`.
         fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4>
     );
@@ -351,7 +410,7 @@ pub mod fused {
         moments: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
         s: crate::cpu::AdamWScalars,
     ) -> Option<(Tensor<B, D>, Tensor<B, 1>, Tensor<B, 1>)> {
-        crate::cpu::adamw(param, grad, moments, s)
+        tally(Family::Optimizer, Implementation::FusedCpu, crate::cpu::adamw(param, grad, moments, s))
     }
     /// `E` SwiGLU experts over rows of `xs` grouped by `counts`, per expert
     /// `(gate [I, M], up [I, M], down [M, I])` (`crate::cpu::swiglu_experts` in f32 /
@@ -363,30 +422,32 @@ pub mod fused {
         counts: &[usize],
         experts: &[(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)],
     ) -> Option<Tensor<B, 2>> {
-        #[cfg(feature = "flex")]
-        if cpu_available::<B>() {
-            // Our CPU experts compute in f32 only.
-            if crate::precision::low() {
-                return None;
+        tally_experts::<B, _>(|| {
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                // Our CPU experts compute in f32 only.
+                if crate::precision::low() {
+                    return None;
+                }
+                return crate::cpu::swiglu_experts(xs, counts, experts);
             }
-            return crate::cpu::swiglu_experts(xs, counts, experts);
-        }
-        cube_or_none!(probe::swiglu_experts_where_faster(xs, counts, experts))
+            cube_or_none!(probe::swiglu_experts_where_faster(xs, counts, experts))
+        })
     }
 
     /// See [`crate::cpu::sum_squares`].
     pub fn sum_squares<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f64> {
         #[cfg(feature = "flex")]
-        {
-            crate::cpu::sum_squares(x)
-        }
+        let out = crate::cpu::sum_squares(x);
         #[cfg(not(feature = "flex"))]
-        {
+        let out = {
             let _ = x;
             None
-        }
+        };
+        tally(Family::Optimizer, Implementation::FusedCpu, out)
     }
     forward!(
+        Family::Loss,
         /// See [`crate::cpu::next_token_cross_entropy`].
         fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[usize]) -> Tensor<B, 1>
     );

@@ -234,6 +234,7 @@ pub fn run(
         peak_rss_mb_per_rank,
         train_s,
         param_checksum,
+        kernels: Default::default(),
         resumed_from_step: resumed.as_ref().map(|s| s.step),
         stopped_early: done < cfg.steps,
         checkpoint: last_checkpoint,

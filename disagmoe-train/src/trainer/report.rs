@@ -55,6 +55,11 @@ pub struct TrainSummary {
     pub peak_rss_mb_per_rank: Vec<f64>,
     /// Wall time of the training loop in seconds.
     pub train_s: f64,
+    /// Which implementation each family of operations ran in this process (`attention`,
+    /// `experts`, `dispatch`, `norms`, `linear`, `loss`, `optimizer` -> `flash`, `grouped`,
+    /// `matmul`, `device`, `fused-cpu` or `reference`, several joined by `+`, most calls first;
+    /// [`disagmoe_kernels::usage`]). Under MPI, this rank's.
+    pub kernels: std::collections::BTreeMap<String, String>,
     /// Sum of squares of all parameters after the last step (compares runs and resumes).
     pub param_checksum: f64,
     /// Step of the checkpoint the run resumed from.

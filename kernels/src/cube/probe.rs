@@ -147,6 +147,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 static CHOICES: Mutex<Option<HashMap<String, Measured>>> = Mutex::new(None);
 
+thread_local! {
+    /// The last choice [`choose`] made on this thread (for the run's summary of which
+    /// implementation ran: `crate::usage`).
+    static LAST_CHOICE: std::cell::Cell<Option<ExpertProducts>> = const { std::cell::Cell::new(None) };
+}
+
+/// The last choice made on this thread, cleared.
+pub(crate) fn take_last_choice() -> Option<ExpertProducts> {
+    LAST_CHOICE.with(|c| c.take())
+}
+
 /// Every measurement so far, in no particular order.
 pub fn measured() -> Vec<Measured> {
     lock(&CHOICES).as_ref().map(|m| m.values().cloned().collect()).unwrap_or_default()
@@ -160,6 +171,17 @@ pub(crate) fn rows_bucket(rows: usize) -> usize {
 /// The implementation for `class`: the forced one, the one measured before, or measured now by
 /// running `grouped` (`None`: our kernels do not apply) and `matmul` on `device`.
 pub(crate) fn choose<B: Backend, T>(
+    class: String,
+    device: &B::Device,
+    grouped: impl FnMut() -> Option<T>,
+    matmul: impl FnMut() -> T,
+) -> ExpertProducts {
+    let chosen = choose_now::<B, T>(class, device, grouped, matmul);
+    LAST_CHOICE.with(|c| c.set(Some(chosen)));
+    chosen
+}
+
+fn choose_now<B: Backend, T>(
     class: String,
     device: &B::Device,
     mut grouped: impl FnMut() -> Option<T>,
