@@ -10,28 +10,7 @@ use serde_json::Value;
 /// Names of every package the named workspace crate depends on, transitively, through normal (and
 /// build) dependencies.
 fn dependencies(metadata: &Value, krate: &str) -> BTreeSet<String> {
-    let packages: HashMap<&str, &str> = metadata["packages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap()))
-        .collect();
-    let nodes: HashMap<&str, &Value> =
-        metadata["resolve"]["nodes"].as_array().unwrap().iter().map(|n| (n["id"].as_str().unwrap(), n)).collect();
-    let root = packages.iter().find(|(_, name)| **name == krate).map(|(id, _)| *id).expect("crate in the workspace");
-    let mut seen = BTreeSet::new();
-    let mut stack = vec![root];
-    while let Some(id) = stack.pop() {
-        for dep in nodes[id]["deps"].as_array().unwrap() {
-            let normal =
-                dep["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null() || k["kind"] == "build");
-            let pkg = dep["pkg"].as_str().unwrap();
-            if normal && seen.insert(packages[pkg].to_string()) {
-                stack.push(pkg);
-            }
-        }
-    }
-    seen
+    reachable_outside(metadata, krate, &[])
 }
 
 /// Names of the packages reachable from the named workspace crate through normal (and build)
