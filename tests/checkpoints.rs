@@ -34,6 +34,11 @@ const SINGLE: &[&str] = &["--placement", "single"];
 const DISAGG: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"];
 const DISAGG_2_4: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "2"];
 const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
+const DISAGG_1_3: &[&str] = &["--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "3", "--groups", "1"];
+/// Every family's tiny preset: GPT-OSS's stacked fused experts and DeepSeek's shared experts
+/// reshard differently from the per-expert tensors of the others.
+const ALL_FAMILIES: [&str; 6] =
+    ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-deepseek-moe", "tiny-mixtral", "tiny-olmoe"];
 
 fn summary(out: &Output) -> serde_json::Value {
     let text = String::from_utf8_lossy(&out.stdout);
@@ -250,7 +255,9 @@ fn resharded_resume(launch: Launch, tmp: &Path, preset: &str, from: &[&str], to:
     for (i, (x, y)) in a.iter().zip(&b).enumerate().skip(5) {
         assert!((x - y).abs() / y.abs() <= 1e-5, "{preset} {name}: step {} loss {x} vs {y}", i + 1);
     }
-    assert_close(&format!("{preset} {name}"), &dir("resumed").join("final"), &dir("straight").join("final"), 1e-5)
+    // Weights: about ten times the worst measured over the six families and four transitions
+    // (1.4e-7, tiny-deepseek-moe disagg 2+2 -> disagg 1+3; 2026-12-02).
+    assert_close(&format!("{preset} {name}"), &dir("resumed").join("final"), &dir("straight").join("final"), 2e-6)
 }
 
 #[test]
@@ -262,9 +269,10 @@ fn stop_and_resume_under_the_same_placement_is_bit_identical() {
 #[test]
 fn checkpoints_resume_under_any_other_placement() {
     let tmp = tempfile::tempdir().unwrap();
-    for preset in PRESETS {
+    for preset in ALL_FAMILIES {
         resharded_resume(Launch::Local, tmp.path(), preset, DISAGG, EP, "disagg 2+2 -> ep 4");
         resharded_resume(Launch::Local, tmp.path(), preset, EP, SINGLE, "ep 4 -> single");
+        resharded_resume(Launch::Local, tmp.path(), preset, DISAGG, DISAGG_1_3, "disagg 2+2 -> disagg 1+3");
         resharded_resume(Launch::Local, tmp.path(), preset, SINGLE, DISAGG_2_4, "single -> disagg 2+4 in 2 groups");
     }
 }
