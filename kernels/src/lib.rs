@@ -361,8 +361,8 @@ pub mod fused {
     }
 
     /// GPT-OSS's experts (clamped SwiGLU, biases, interleaved gate/up columns) over rows grouped
-    /// by `counts`; CubeCL backends only (`crate::cube::gpt_oss_experts` where it is faster than
-    /// CubeCL's matmul expert by expert, measured: `crate::cube::probe`).
+    /// by `counts` (`crate::cpu::gpt_oss_experts` in f32 / `crate::cube::gpt_oss_experts` where it
+    /// is faster than CubeCL's matmul expert by expert, measured: `crate::cube::probe`).
     #[allow(clippy::too_many_arguments, unused_variables)]
     pub fn gpt_oss_experts<B: Backend>(
         xs: Tensor<B, 2>,
@@ -375,6 +375,14 @@ pub mod fused {
         limit: f64,
     ) -> Option<Tensor<B, 2>> {
         tally_experts::<B, _>(|| {
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                // Our CPU experts compute in f32 only.
+                if crate::precision::low() {
+                    return None;
+                }
+                return crate::cpu::gpt_oss_experts(xs, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit);
+            }
             cube_or_none!(probe::gpt_oss_experts_where_faster(
                 xs,
                 counts,

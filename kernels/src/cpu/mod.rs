@@ -33,7 +33,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-pub use ops::{AttnShape, ExpertsShape};
+pub use ops::{AttnShape, ExpertsShape, GptOssShape};
 pub use vector::AdamWScalars;
 
 type Ad = Autodiff<Flex>;
@@ -145,6 +145,64 @@ fn finish<B: Backend, const D: usize, const N: usize>(
             cast(Tensor::<Ad, D>::from_primitive(TensorPrimitive::Float(prim)))
         }
     }
+}
+
+/// GPT-OSS's experts over rows of `xs` grouped by `counts`, in the checkpoint's fused layout: the
+/// same as [`crate::reference::gpt_oss_experts`], as one autodiff node whose backward writes each
+/// weight gradient once (the reference's slice per expert makes a full-size gradient per expert).
+///
+/// # Shapes
+/// - xs: `[N, M]` with `N = sum(counts)`; gate_up: `[E, M, 2I]` (gate/up columns interleaved);
+///   gate_up_bias: `[E, 2I]`; down: `[E, I, M]`; down_bias: `[E, M]`
+/// - output: `[N, M]`
+#[allow(clippy::too_many_arguments)]
+pub fn gpt_oss_experts<B: Backend>(
+    xs: Tensor<B, 2>,
+    counts: &[usize],
+    gate_up: Tensor<B, 3>,
+    gate_up_bias: Tensor<B, 2>,
+    down: Tensor<B, 3>,
+    down_bias: Tensor<B, 2>,
+    alpha: f64,
+    limit: f64,
+) -> Option<Tensor<B, 2>> {
+    let kind = kind::<B>()?;
+    let [n, m] = xs.dims();
+    let [ne, gm, two_i] = gate_up.dims();
+    let i = two_i / 2;
+    let shapes_ok = gm == m
+        && two_i % 2 == 0
+        && gate_up_bias.dims() == [ne, two_i]
+        && down.dims() == [ne, i, m]
+        && down_bias.dims() == [ne, m];
+    if !shapes_ok || counts.len() != ne || counts.iter().sum::<usize>() != n || n == 0 {
+        return None;
+    }
+    let shape = GptOssShape {
+        experts: ExpertsShape { counts: counts.to_vec(), width: m, inter: i },
+        alpha: alpha as f32,
+        limit: limit as f32,
+    };
+    let inputs =
+        [take(kind, xs)?, take(kind, gate_up)?, take(kind, gate_up_bias)?, take(kind, down)?, take(kind, down_bias)?];
+    let [xs, gu, gub, d, db] = &inputs;
+    let [ys, pre, act] = ops::gpt_oss_forward(xs.data(), gu.data(), gub.data(), d.data(), db.data(), &shape);
+    let out = flex(ys, &[n, m]);
+    let saved = (xs.values.clone(), gu.values.clone(), d.values.clone());
+    Some(finish::<B, 2, 5>(kind, [xs, gu, gub, d, db], out, move |dys, _| {
+        let (xv, guv, dv) = &saved;
+        fn sl(t: &FlexTensor) -> &[f32] {
+            t.as_slice::<f32>().expect("f32")
+        }
+        let [dxs, dgu, dgub, dd, ddb] = ops::gpt_oss_backward(sl(xv), sl(guv), sl(dv), &pre, &act, dys, &shape);
+        [
+            Some(flex(dxs, &[n, m])),
+            Some(flex(dgu, &[ne, m, two_i])),
+            Some(flex(dgub, &[ne, two_i])),
+            Some(flex(dd, &[ne, i, m])),
+            Some(flex(ddb, &[ne, m])),
+        ]
+    }))
 }
 
 /// Causal grouped-query attention in the projection layout, optionally with per-head sinks.

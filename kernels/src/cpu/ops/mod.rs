@@ -1,6 +1,7 @@
 //! The fused CPU operations on plain `f32` buffers (row-major, contiguous), by family:
 //! [`attention`] (causal attention forward and backward), [`rows`] (RMSNorm, SwiGLU, rotary
-//! embedding, cross-entropy), [`linear`], [`experts`] (the grouped SwiGLU experts), [`routing`]
+//! embedding, cross-entropy), [`linear`], [`experts`] (the grouped SwiGLU experts and GPT-OSS's
+//! clamped ones), [`routing`]
 //! (token dispatch and combine) and [`optim`] (AdamW, squared norms). Work is split over rows or
 //! heads with rayon; matrix products go to the `gemm` crate (the one Burn's flex backend uses)
 //! through [`mm`] on matrix views.
@@ -15,7 +16,7 @@ mod rows;
 use gemm::{gemm, Parallelism};
 
 pub use attention::{attention_backward, attention_forward, AttnShape};
-pub use experts::{experts_backward, experts_forward, ExpertsShape};
+pub use experts::{experts_backward, experts_forward, gpt_oss_backward, gpt_oss_forward, ExpertsShape, GptOssShape};
 pub use linear::{linear_backward, linear_forward};
 pub use optim::{adamw, sum_squares};
 pub use routing::{combine_rows, combine_rows_backward, permute_rows, permute_rows_backward};
