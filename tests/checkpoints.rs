@@ -2,8 +2,10 @@
 //! resumed under the same placement is bit-identical to a straight run; a checkpoint resumes under
 //! any other placement (resharded) within 1e-5; a worker killed while a checkpoint is written never
 //! leaves a checkpoint that is chosen and does not verify; a resume under other settings is
-//! refused; a signal finishes the step, checkpoints and exits 0; under `mpirun`, a job that keeps
-//! losing ranks at random moments and resuming ends where an uninterrupted one ends.
+//! refused; a signal finishes the step, checkpoints and exits 0; a step with a non-finite gradient
+//! leaves every weight and moment as it was on every worker (or ends every worker); under `mpirun`,
+//! a job that keeps losing ranks at random moments and resuming ends where an uninterrupted one
+//! ends.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -313,6 +315,83 @@ fn a_worker_killed_while_checkpointing_never_leaves_a_checkpoint_that_is_chosen_
     killed_while_checkpointing(Launch::Local, tmp.path());
 }
 
+/// Disagg with two attention copies in one group (a poisoned attention-side gradient reaches the
+/// other copy through their all-reduce, as a real one would).
+const DISAGG_COPIES: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1"];
+
+/// Where a non-finite gradient is injected (test-only hook), by placement: an attention-side tensor
+/// replicated over copies, a per-expert tensor one worker holds, and GPT-OSS's stacked experts
+/// whose rows every ep worker holds a share of.
+const NON_FINITE_CASES: [(&str, &str, &[&str], &str); 4] = [
+    ("single", "tiny-qwen3-moe", SINGLE, "model.layers.1.mlp.gate.weight"),
+    ("disagg 2+2 in one group", "tiny-qwen3-moe", DISAGG_COPIES, "model.layers.1.mlp.gate.weight"),
+    ("ep 4, one expert", "tiny-qwen3-moe", EP, "model.layers.1.mlp.experts.5.down_proj.weight"),
+    ("ep 4, stacked experts", "tiny-gpt-oss", EP, "model.layers.2.mlp.experts.gate_up_proj"),
+];
+
+/// A gradient made NaN at step 3 of 4 (`inject_nonfinite`, set through the environment): under
+/// `skip` (the default) the update of step 3 is skipped on every worker, so the checkpoints of
+/// steps 2 and 3 hold the same weights and AdamW moments bit for bit; metrics.jsonl and the
+/// summary count the skipped step, and step 4 updates again. Under `abort` every process ends
+/// with one error line naming the step and the workers that hold the tensor (in-process, the one
+/// line names the tensor too), none panics.
+fn non_finite_gradients_skip_or_abort(launch: Launch, tmp: &Path) {
+    for (name, preset, placement, tensor) in NON_FINITE_CASES {
+        let dir = tmp.join(name.replace([' ', ','], "-"));
+        let (ck, out) = (dir.join("ck"), dir.join("out"));
+        let faults = format!(r#"{{"inject_nonfinite": {{"step": 3, "tensor": "{tensor}"}}}}"#);
+        let env = [("DISAGMOE_TEST_FAULTS", faults.as_str())];
+        let every = ["--checkpoint-dir", path(&ck), "--checkpoint-every", "1", "--keep-checkpoints", "4"];
+        let s = summary(&run_bounded(launch.command(
+            preset,
+            4,
+            placement,
+            &[&every[..], &["--out", path(&out)]].concat(),
+            &env,
+        )));
+        assert_eq!(s["skipped_steps"], 1, "{name}: {s}");
+        assert!(losses(&s).iter().all(|l| l.is_finite()), "{name}: only a gradient was poisoned: {s}");
+        let skipped: Vec<bool> = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"].as_bool().unwrap())
+            .collect();
+        assert_eq!(skipped, [false, false, true, false], "{name}: metrics.jsonl's skipped flags");
+        let step = |n: usize| ck.join(format!("step-{n:08}"));
+        for part in ["", "exp_avg", "exp_avg_sq"] {
+            let what = format!("{name}: {} after the skipped step 3", if part.is_empty() { "weights" } else { part });
+            assert_bit_identical(&what, &step(3).join(part), &step(2).join(part));
+        }
+        let (before, after) = (tensors(&step(3)), tensors(&step(4)));
+        let moved = before.iter().filter(|(n, v)| after[*n] != **v).count();
+        assert!(moved > 0, "{name}: step 4 updates the weights again");
+
+        let abort = run_bounded(launch.command(preset, 4, placement, &["--on-nonfinite", "abort"], &env));
+        let err = String::from_utf8_lossy(&abort.stderr);
+        assert!(!abort.status.success(), "{name}: abort mode fails the run: {err}");
+        assert!(!err.contains("panicked"), "{name}: no panic: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.contains("non-finite")).collect();
+        assert!(
+            !lines.is_empty() && lines.iter().all(|l| l.contains("non-finite gradient at step 3")),
+            "{name}: {err}"
+        );
+        // Every process's line says which workers hold the tensor (only a holder can name it).
+        if workers(placement) > 1 {
+            assert!(lines.iter().all(|l| l.contains("(held by worker")), "{name}: {err}");
+        }
+        if matches!(launch, Launch::Local) {
+            assert_eq!(lines.len(), 1, "{name}: one line: {err}");
+            assert!(lines[0].contains(tensor), "{name}: the line names the tensor: {err}");
+        }
+    }
+}
+
+#[test]
+fn non_finite_gradients_are_skipped_on_every_worker_or_abort_every_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    non_finite_gradients_skip_or_abort(Launch::Local, tmp.path());
+}
+
 #[test]
 fn a_resume_under_other_settings_is_refused_naming_them() {
     let tmp = tempfile::tempdir().unwrap();
@@ -512,6 +591,17 @@ mod mpi {
             let final_of = |name: &str| tmp.path().join(name).join(format!("{preset}-out")).join("final");
             assert_close(&format!("{preset}: mpi ep vs local ep"), &final_of("mpi"), &final_of("local"), 1e-5);
         }
+    }
+
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_non_finite_gradients_are_skipped_on_every_rank_or_abort_every_rank() {
+        let tmp = tempfile::tempdir().unwrap();
+        non_finite_gradients_skip_or_abort(Launch::Mpi, tmp.path());
     }
 
     /// SIGUSR1 to `mpirun` (which forwards it to every rank; SIGTERM makes Open MPI kill them)

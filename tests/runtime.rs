@@ -459,8 +459,9 @@ fn a_failing_worker_ends_the_run_with_an_error_naming_it() {
 }
 
 /// The time-out is about progress, not silence: a worker computing for longer than the time-out
-/// keeps its peers waiting through its heartbeat and the run ends normally; one busy for more
-/// than 30 time-outs is reported as hung, by name, and the run ends.
+/// keeps its peers waiting through its heartbeat and the run ends normally; one on the same task
+/// for more than 30 time-outs is reported as hung by its watchdog, in one line naming it and the
+/// task it owed, and the run ends although the hung thread never returns in time.
 #[test]
 fn a_long_compute_is_not_a_stall_but_a_hang_is_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -477,7 +478,11 @@ fn a_long_compute_is_not_a_stall_but_a_hang_is_named() {
     let (out, took) = run(0.3, 12.0);
     fails_naming_worker_2(&out, took);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("worker 2: busy for") && err.contains("hangs"), "the error says it hangs: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("hangs")).collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].contains("worker 2: no progress for"), "the line names the worker: {err}");
+    // Worker 2 is an expert worker: its first task of a step is an expert forward.
+    assert!(lines[0].contains("on fwd experts L") && lines[0].contains("of step 2"), "and the task it owed: {err}");
 }
 
 /// `ep --in-flight 2` (one micro-batch's all-to-all overlapping another's compute) trains the
@@ -782,6 +787,50 @@ mod mpi {
             assert!(!out.status.success(), "the job should fail: {err}");
             assert!(err.contains("worker 2") || err.contains("rank 2"), "names the dead rank: {err}");
             assert!(t0.elapsed() < Duration::from_secs(30), "ended in {:?}", t0.elapsed());
+        }
+    }
+
+    /// A rank that never joins the step's all-reduce, idle (no heartbeat): the others, blocked in
+    /// `MPI_Allreduce`, which has no time-out of its own, are ended by their watchdogs after 30
+    /// time-outs and one more, with a line naming the collective and the step; a worker stuck on one
+    /// task (heartbeats, no progress) ends the job too, in a line naming it and its task.
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_a_deadlocked_collective_or_a_hung_rank_ends_the_job_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("timeout.toml");
+        std::fs::write(&cfg, "comm_timeout_s = 0.3\n").unwrap();
+        let cases = [
+            (
+                "absent_worker",
+                "never joined it",
+                "inside an all-reduce over workers [0, 1, 2, 3] during the end of step 2",
+            ),
+            ("slow_worker", "worker 2: no progress for", "on fwd experts L"),
+        ];
+        for (fault, says, names) in cases {
+            let t0 = Instant::now();
+            let child = mpirun()
+                .arg(env!("CARGO_BIN_EXE_disagmoe"))
+                .args(COMMON)
+                .args(DISAGG)
+                .args(["--transport", "mpi", "--run-config"])
+                .arg(&cfg)
+                .env("DISAGMOE_TEST_FAULTS", format!(r#"{{"{fault}": {{"worker": 2, "step": 2, "seconds": 60}}}}"#))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let out = wait_job(child, Duration::from_secs(120));
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{fault}: the job fails: {err}");
+            assert!(!err.contains("panicked"), "{fault}: no panic: {err}");
+            assert!(err.lines().any(|l| l.contains(says) && l.contains(names)), "{fault}: {err}");
+            assert!(t0.elapsed() < Duration::from_secs(40), "{fault}: ended in {:?}", t0.elapsed());
         }
     }
 

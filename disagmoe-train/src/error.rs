@@ -51,14 +51,18 @@ pub enum TrainError {
         message: String,
     },
     /// A loss or gradient is not finite and the policy is `abort`.
-    #[error("non-finite {what} at step {step}{}; set on_nonfinite = \"skip\" to skip such steps", if tensor.is_empty() { String::new() } else { format!(" in `{tensor}`") })]
+    #[error("non-finite {what} at step {step}{}{}; set on_nonfinite = \"skip\" to skip such steps", if tensor.is_empty() { String::new() } else { format!(" in `{tensor}`") }, held_by(workers))]
     NonFinite {
         /// The step.
         step: usize,
         /// `loss` or `gradient`.
         what: &'static str,
-        /// The parameter whose gradient is not finite (Hugging Face name), if it is a gradient.
+        /// The parameter whose gradient is not finite (Hugging Face name), if it is a gradient and
+        /// this worker holds it.
         tensor: String,
+        /// The workers of a distributed run whose own gradients are not finite (empty on one
+        /// device).
+        workers: Vec<usize>,
     },
     /// A worker of a distributed run failed (or lost its peers); the run stopped.
     #[error("worker {worker}: {cause}")]
@@ -79,18 +83,6 @@ pub enum TrainError {
         backend: &'static str,
         /// What failed, in its own words (first line).
         reason: String,
-    },
-    /// A worker has been busy far longer than any compute should take (its heartbeat says so).
-    #[error("worker {worker}: busy for {seconds:.0} s without taking a message (more than {limit} x --comm-timeout-s; seen by worker {seen_by}): it hangs")]
-    Hung {
-        /// The hung worker.
-        worker: usize,
-        /// How long it has been busy.
-        seconds: f64,
-        /// The limit, in time-outs.
-        limit: u32,
-        /// The worker that noticed.
-        seen_by: usize,
     },
     /// A worker waited too long for its peers.
     #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came, and no peer was busy meanwhile; a peer has stopped, or the run is stuck")]
@@ -121,3 +113,13 @@ impl TrainError {
 
 /// Result alias of this crate.
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+/// ` (held by worker 2)`, ` (held by workers 1, 3)`, or nothing.
+fn held_by(workers: &[usize]) -> String {
+    let list: Vec<String> = workers.iter().map(usize::to_string).collect();
+    match list.len() {
+        0 => String::new(),
+        1 => format!(" (held by worker {})", list[0]),
+        _ => format!(" (held by workers {})", list.join(", ")),
+    }
+}

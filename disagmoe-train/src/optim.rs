@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 #[cfg(feature = "flex")]
@@ -145,6 +145,33 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaresVisitor<'_, B> {
             }
         }
     }
+}
+
+/// Test-only fault (`inject_nonfinite`): multiplies the gradient of parameter `target` by NaN where
+/// `model` holds it and it has one; whether it did.
+pub fn poison_gradient<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    target: ParamId,
+    grads: &mut GradientsParams,
+) -> bool {
+    struct Poison<'a> {
+        target: ParamId,
+        grads: &'a mut GradientsParams,
+        done: bool,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Poison<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.id == self.target {
+                if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                    self.grads.register::<B::InnerBackend, D>(param.id, g.mul_scalar(f64::NAN));
+                    self.done = true;
+                }
+            }
+        }
+    }
+    let mut v = Poison { target, grads, done: false };
+    model.visit(&mut v);
+    v.done
 }
 
 /// The global L2 norm of `grads` over the parameters of `model` (one host read).

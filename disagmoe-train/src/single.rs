@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
@@ -19,7 +19,7 @@ use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
-use crate::optim::{grad_norm, sum_of_squares, AdamW};
+use crate::optim::{grad_norm, poison_gradient, sum_of_squares, AdamW};
 use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
 
 /// The whole model on one device.
@@ -233,7 +233,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         }
         let mut grads = acc.grads();
         if let Some((_, target)) = self.poison.filter(|(s, _)| *s == step) {
-            self.model().visit(&mut Poison { target, grads: &mut grads });
+            poison_gradient(self.model(), target, &mut grads);
         }
         let mut norms = grad_norm::<B, _>(self.model(), &grads);
         if loss_scale != 1.0 {
@@ -247,6 +247,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
                 step,
                 what: if sums.total.is_finite() { "gradient" } else { "loss" },
                 tensor: worst().unwrap_or_default(),
+                workers: Vec::new(),
             });
         }
         if finite {
@@ -299,20 +300,5 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             param_checksum: sum_of_squares(self.model()),
             peak_rss_mb_per_rank: vec![crate::metrics::peak_rss_mb()],
         })
-    }
-}
-
-struct Poison<'a> {
-    target: ParamId,
-    grads: &'a mut GradientsParams,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Poison<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if param.id == self.target {
-            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                self.grads.register::<B::InnerBackend, D>(param.id, g.mul_scalar(f64::NAN));
-            }
-        }
     }
 }

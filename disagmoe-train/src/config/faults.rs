@@ -94,7 +94,7 @@ impl CheckpointKill {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FaultPlan {
-    /// Make one gradient NaN at one step (single device).
+    /// Make one gradient NaN at one step (under every placement: where the tensor is held).
     pub inject_nonfinite: Option<FaultInjection>,
     /// One worker of a distributed run fails.
     pub fail_worker: Option<WorkerFault>,
@@ -102,6 +102,9 @@ pub struct FaultPlan {
     pub kill_in_checkpoint: Option<CheckpointKill>,
     /// One worker takes long over one task.
     pub slow_worker: Option<SlowWorker>,
+    /// One worker stays away from the end of one step (its all-reduces) for `seconds`, waiting
+    /// without a word: a member that never joins a collective.
+    pub absent_worker: Option<SlowWorker>,
 }
 
 impl FaultPlan {
@@ -120,5 +123,6 @@ impl FaultPlan {
             || self.fail_worker.is_some()
             || self.kill_in_checkpoint.is_some()
             || self.slow_worker.is_some()
+            || self.absent_worker.is_some()
     }
 }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -86,6 +87,12 @@ enum Reply {
     Finish(Result<FinalParts>),
 }
 
+impl Reply {
+    fn failed(&self) -> bool {
+        matches!(self, Reply::Start(Err(_)) | Reply::Step(Err(_)) | Reply::Checkpoint(Err(_)) | Reply::Finish(Err(_)))
+    }
+}
+
 /// This process's workers of a distributed run.
 pub struct Distributed {
     info: EngineInfo,
@@ -94,6 +101,9 @@ pub struct Distributed {
     commands: Vec<Sender<Command>>,
     replies: Receiver<(usize, Reply)>,
     handles: Vec<JoinHandle<()>>,
+    /// How long the others' answers are awaited once a worker has failed: a worker stuck on its
+    /// work (its watchdog told the others) never answers, and is left behind.
+    grace: Duration,
     optimizer_steps: u64,
     /// Evaluation passes so far (they tag their messages).
     eval_passes: usize,
@@ -195,12 +205,19 @@ impl Distributed {
                                 return;
                             }
                         };
-                        let port = Port::new(endpoint, link_model(&shared.cfg), shared.settings.timeout);
+                        let port = Port::new(
+                            endpoint,
+                            link_model(&shared.cfg),
+                            shared.settings.timeout,
+                            shared.settings.own_process,
+                        );
                         let mut settings = shared.settings.clone();
                         let fault = shared.cfg.faults.fail_worker.as_ref().filter(|f| f.worker == rank);
                         settings.fail_at = fault.map(|f| (f.step, f.after_tasks, f.exit));
                         let slow = shared.cfg.faults.slow_worker.as_ref().filter(|f| f.worker == rank);
                         settings.slow_at = slow.map(|f| (f.step, f.seconds));
+                        let absent = shared.cfg.faults.absent_worker.as_ref().filter(|f| f.worker == rank);
+                        settings.absent_at = absent.map(|f| (f.step, f.seconds));
                         let mut opt = AdamW::<B>::new(shared.cfg.optimizer.adamw());
                         if let Some((path, steps)) = &shared.resume {
                             // The moments of this worker's tensors, read like its weights.
@@ -258,6 +275,7 @@ impl Distributed {
             commands,
             replies,
             handles,
+            grace: shared.settings.timeout * 2 + Duration::from_secs(1),
             optimizer_steps: shared.resume.as_ref().map_or(0, |(_, steps)| *steps),
             eval_passes: 0,
             peak_rss_mb_per_rank: Vec::new(),
@@ -280,11 +298,16 @@ impl Distributed {
             // A worker that has ended (after a failure) dropped its inbox; its reply says why.
             let _ = tx.send(command());
         }
-        let mut replies = Vec::with_capacity(self.commands.len());
+        let mut replies: Vec<(usize, Reply)> = Vec::with_capacity(self.commands.len());
         while replies.len() < self.commands.len() {
-            match self.replies.recv() {
-                Ok(r) => replies.push(r),
-                Err(_) => break,
+            let next = if replies.iter().any(|(_, r)| r.failed()) {
+                self.replies.recv_timeout(self.grace).ok()
+            } else {
+                self.replies.recv().ok()
+            };
+            match next {
+                Some(r) => replies.push(r),
+                None => break,
             }
         }
         replies.sort_by_key(|(rank, _)| *rank);
@@ -356,12 +379,14 @@ fn reducer_of(transport: TransportKind, layout: &Layout, rank: usize) -> Result<
     })
 }
 
-/// The order in which failures explain a run's end: a worker's own failure (or a hung worker,
-/// named by the one that noticed) first, then any other error, then the time-outs of workers left
-/// waiting, then errors that only relay another's.
+/// The order in which failures explain a run's end: a worker's own failure first (a non-finite
+/// gradient with its tensor named too), then any other error, then the time-outs of workers left
+/// waiting, then errors that only relay another's (a hung worker's line reaches the run this way:
+/// its watchdog tells the others, and the hung worker itself never answers).
 fn root_cause_rank(rank: usize, e: &TrainError) -> u8 {
     match e {
-        TrainError::Hung { .. } => 0,
+        // The worker that holds a non-finite gradient names it; the others only know the step's.
+        TrainError::NonFinite { tensor, .. } if !tensor.is_empty() => 0,
         TrainError::Worker { worker, .. } if *worker != rank => 3,
         TrainError::Worker { .. } => 0,
         TrainError::Stalled { .. } => 2,
@@ -445,7 +470,10 @@ where
     });
     if let Err(e) = &result {
         let silent = shared.cfg.faults.fail_worker.as_ref().is_some_and(|f| f.worker == rank && f.exit);
-        if !silent && !matches!(e, TrainError::Worker { worker, .. } if *worker != rank) {
+        // A non-finite step under `abort` is the same decision on every worker, from the global
+        // sums: nobody waits for the others, and telling them would race their own error.
+        let everyone_knows = matches!(e, TrainError::NonFinite { .. });
+        if !silent && !everyone_knows && !matches!(e, TrainError::Worker { worker, .. } if *worker != rank) {
             let cause = match e {
                 TrainError::Worker { cause, .. } => cause.clone(),
                 other => other.to_string(),
@@ -537,11 +565,18 @@ impl StepEngine for Distributed {
 }
 
 impl Drop for Distributed {
-    /// Ends the worker threads (closing their command channels) before the transport goes.
+    /// Ends the worker threads (closing their command channels) before the transport goes; a
+    /// thread still stuck on its work after the grace period is left behind.
     fn drop(&mut self) {
         self.commands.clear();
+        let until = std::time::Instant::now() + self.grace;
         for h in self.handles.drain(..) {
-            let _ = h.join();
+            while !h.is_finished() && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
         }
     }
 }

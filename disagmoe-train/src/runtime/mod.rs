@@ -126,6 +126,8 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         timeout: Duration::from_secs_f64(cfg.parallel.comm_timeout_s),
         fail_at: None,
         slow_at: None,
+        absent_at: None,
+        poison_at: cfg.faults.inject_nonfinite.as_ref().map(|f| (f.step, f.tensor.clone())),
         own_process: cfg.parallel.transport != TransportKind::Local,
         in_flight,
         routing: cfg.model.routing(),
@@ -149,12 +151,6 @@ pub fn link_model(cfg: &RunConfig) -> Option<LinkModel> {
 
 /// Checks the options a distributed run cannot honour yet.
 fn check_distributed(cfg: &RunConfig) -> Result<()> {
-    if cfg.faults.inject_nonfinite.is_some() {
-        return Err(TrainError::option(
-            "inject_nonfinite",
-            format!("is only supported with placement single for now, got placement {}", cfg.parallel.placement.name()),
-        ));
-    }
     match cfg.parallel.transport {
         TransportKind::Local => Ok(()),
         #[cfg(feature = "mpi")]

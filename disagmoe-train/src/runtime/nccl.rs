@@ -305,12 +305,13 @@ impl NcclGroups {
     }
 }
 
-/// Blocked on the peers inside the collective: the worker is not busy (see the port's heartbeat).
+/// Blocked on the peers inside the collective: the worker is not busy, and its watchdog bounds the
+/// wait (see the port's pulse).
 impl AllReduce for NcclGroups {
     fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().waiting(|| self.all_reduce(group, data))
+        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
     }
     fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
-        via.pulse().waiting(|| self.all_reduce(group, data))
+        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
     }
 }

@@ -10,7 +10,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,9 +20,12 @@ use super::msg::{Envelope, Msg};
 
 #[cfg(feature = "wire")]
 mod codec;
+mod pulse;
 use crate::error::{Result, TrainError};
 #[cfg(feature = "wire")]
 pub use codec::{Reassembly, CLAIM_PER_BYTE, CLAIM_SLACK, TAG_HEAD, TAG_PIECE, TAG_WHOLE};
+use pulse::{Heartbeat, Watch};
+pub use pulse::{Pulse, BUSY_LIMIT_TIMEOUTS};
 
 /// Microseconds on the machine's monotonic clock (`CLOCK_MONOTONIC`): it never steps back or
 /// jumps with the wall clock, and every process of a machine reads the same one, so a time stamped
@@ -77,95 +79,16 @@ pub trait Endpoint: Send {
 /// Sends an envelope to a peer from the heartbeat thread; `false` once the transport is gone.
 pub type Beacon = Box<dyn FnMut(usize, Envelope) -> bool + Send>;
 
-/// Whether a worker is busy (computing, writing, reducing) or waiting for messages, for its
-/// heartbeat.
-#[derive(Debug, Default)]
-pub struct Pulse {
-    /// [`now_us`] when the worker last stopped waiting; 0 while it waits.
-    busy_since_us: AtomicU64,
-}
-
-impl Pulse {
-    /// The worker stops waiting (keeps the earlier start if it was busy already).
-    pub fn busy(&self) {
-        let _ = self.busy_since_us.compare_exchange(0, now_us().max(1), Ordering::Relaxed, Ordering::Relaxed);
-    }
-
-    /// The worker waits for messages (a peer's progress, not its own).
-    pub fn idle(&self) {
-        self.busy_since_us.store(0, Ordering::Relaxed);
-    }
-
-    /// Runs `wait` (something that blocks on the peers) marked as waiting, then busy again.
-    pub fn waiting<T>(&self, wait: impl FnOnce() -> T) -> T {
-        self.idle();
-        let got = wait();
-        self.busy();
-        got
-    }
-
-    /// How long the worker has been busy, or `None` while it waits.
-    pub fn busy_for_us(&self) -> Option<u64> {
-        match self.busy_since_us.load(Ordering::Relaxed) {
-            0 => None,
-            since => Some(now_us().saturating_sub(since)),
-        }
-    }
-}
-
-/// How long a peer may stay busy, in multiples of the time-out, before a worker waiting on it
-/// reports it as hung (30 x the default 60 s: half an hour; a first step's autotuning or a big
-/// checkpoint write fits).
-pub const BUSY_LIMIT_TIMEOUTS: u32 = 30;
-
-/// Heartbeats of a busy worker: every `interval` while its [`Pulse`] says busy, to every peer.
-struct Heartbeat {
-    stop: Option<Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Heartbeat {
-    fn start(mut beacon: Beacon, rank: usize, size: usize, pulse: Arc<Pulse>, interval: Duration) -> Self {
-        let (stop, stopped) = channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name(format!("heartbeat-{rank}"))
-            .spawn(move || {
-                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
-                    let Some(busy_us) = pulse.busy_for_us() else { continue };
-                    let now = now_us();
-                    for dst in (0..size).filter(|&d| d != rank) {
-                        let msg = Msg::Heartbeat { busy_us };
-                        if !beacon(dst, Envelope { src: rank, step: 0, sent_us: now, deliver_us: now, msg }) {
-                            return;
-                        }
-                    }
-                }
-            })
-            .expect("spawn a heartbeat thread");
-        Self { stop: Some(stop), thread: Some(thread) }
-    }
-}
-
-impl Drop for Heartbeat {
-    fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 /// Link emulation and delivery order on top of any [`Endpoint`]: what workers use.
 ///
-/// **Time-outs are about progress, not silence.** While its worker is busy, a port's heartbeat
-/// thread tells every peer so every `timeout / 4` (at most 5 s); a wait ([`Port::recv`]) ends
-/// empty only after `timeout` in which no message came and no peer said it was busy. A peer busy
-/// for more than [`BUSY_LIMIT_TIMEOUTS`] time-outs is reported as hung.
+/// **Time-outs are about progress, not silence** ([`pulse`]): while its worker is busy, a port's
+/// heartbeat thread tells every peer so; a wait ([`Port::recv`]) ends empty only after `timeout`
+/// in which no message came and no peer said it was busy. A worker on one unit of work for more
+/// than [`BUSY_LIMIT_TIMEOUTS`] time-outs is reported as hung by its own watchdog.
 pub struct Port {
     // Dropped first: the heartbeat stops before the endpoint it sends through.
     _heartbeat: Option<Heartbeat>,
     pulse: Arc<Pulse>,
-    busy_limit_us: u64,
     inner: Box<dyn Endpoint>,
     link: Option<LinkModel>,
     nic_free_us: f64,
@@ -177,17 +100,18 @@ pub struct Port {
 
 impl Port {
     /// Wraps an endpoint; `link` turns on emulation; `timeout` is the run's communication
-    /// time-out (it paces the heartbeat and bounds how long a peer may stay busy).
-    pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>, timeout: Duration) -> Self {
+    /// time-out (it paces the heartbeat and bounds how long a worker may stay on one unit of
+    /// work); `own_process`: the worker is a process of its own, which its watchdog ends on a hang.
+    pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>, timeout: Duration, own_process: bool) -> Self {
         let pulse = Arc::new(Pulse::default());
         pulse.busy();
-        let interval = (timeout / 4).clamp(Duration::from_millis(1), Duration::from_secs(5));
-        let heartbeat =
-            inner.beacon().map(|b| Heartbeat::start(b, inner.rank(), inner.size(), pulse.clone(), interval));
+        let heartbeat = inner.beacon().map(|b| {
+            let (rank, size, pulse) = (inner.rank(), inner.size(), pulse.clone());
+            Heartbeat::start(b, Watch { rank, size, pulse, timeout, own_process })
+        });
         Self {
             _heartbeat: heartbeat,
             pulse,
-            busy_limit_us: (timeout * BUSY_LIMIT_TIMEOUTS).as_micros() as u64,
             inner,
             link,
             nic_free_us: 0.0,
@@ -204,24 +128,12 @@ impl Port {
         &self.pulse
     }
 
-    /// Takes in an arrived envelope: a heartbeat is progress of its sender (or, busy beyond the
-    /// limit, a hang); anything else is held for delivery.
-    fn take_in(&mut self, env: Envelope, progress_at: &mut u64) -> Result<()> {
+    /// Takes in an arrived envelope: a heartbeat is progress of its sender (a hung one is ended by
+    /// its own watchdog); anything else is held for delivery.
+    fn take_in(&mut self, env: Envelope, progress_at: &mut u64) {
         match env.msg {
-            Msg::Heartbeat { busy_us } if busy_us > self.busy_limit_us => Err(TrainError::Hung {
-                worker: env.src,
-                seconds: busy_us as f64 / 1e6,
-                limit: BUSY_LIMIT_TIMEOUTS,
-                seen_by: self.rank(),
-            }),
-            Msg::Heartbeat { .. } => {
-                *progress_at = now_us();
-                Ok(())
-            }
-            _ => {
-                self.hold(env);
-                Ok(())
-            }
+            Msg::Heartbeat { .. } => *progress_at = now_us(),
+            _ => self.hold(env),
         }
     }
 
@@ -286,7 +198,7 @@ impl Port {
         let mut progress_at = now_us();
         loop {
             while let Some(env) = self.inner.arrive(Duration::ZERO)? {
-                self.take_in(env, &mut progress_at)?;
+                self.take_in(env, &mut progress_at);
             }
             let now = now_us();
             let deadline = progress_at + timeout_us;
@@ -306,7 +218,7 @@ impl Port {
                 None => deadline,
             };
             if let Some(env) = self.inner.arrive(Duration::from_micros(until.saturating_sub(now).max(1)))? {
-                self.take_in(env, &mut progress_at)?;
+                self.take_in(env, &mut progress_at);
             }
         }
     }

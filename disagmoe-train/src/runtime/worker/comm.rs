@@ -93,6 +93,16 @@ impl Comm {
         Ok(())
     }
 
+    /// This worker starts a unit of work, `what` (its watchdog's progress mark).
+    pub(crate) fn working_on(&self, what: String) {
+        self.port.pulse().working_on(what);
+    }
+
+    /// This worker waits without a word (the test-only fault of a member that never joins).
+    pub(crate) fn idle(&self) {
+        self.port.pulse().idle();
+    }
+
     /// A message that has arrived already, if any.
     pub(crate) fn poll(&mut self) -> Result<Option<Envelope>> {
         self.port.recv(std::time::Duration::ZERO)
@@ -169,7 +179,7 @@ impl Transit for Comm {
                 return Ok(data);
             }
             let step = self.step;
-            let env = self.wait_for_message(|| format!("in an all-reduce of step {step}"))?;
+            let env = self.wait_for_message(|| format!("in an all-reduce of step {step} for worker {src}'s part"))?;
             if let Msg::Abort { worker, cause } = env.msg {
                 return Err(TrainError::Worker { worker, cause });
             }

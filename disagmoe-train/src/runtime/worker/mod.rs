@@ -48,6 +48,15 @@ use crate::trainer::StepReport;
 /// evaluation's messages never mix with a step's.
 pub const EVAL_PASS_BASE: usize = 1 << 48;
 
+/// A pass in words: `step 3`, or `an evaluation pass`.
+fn pass_name(step: usize) -> String {
+    if step >= EVAL_PASS_BASE {
+        "an evaluation pass".into()
+    } else {
+        format!("step {step}")
+    }
+}
+
 /// Settings every worker shares.
 #[derive(Debug, Clone)]
 pub struct StepSettings {
@@ -79,6 +88,11 @@ pub struct StepSettings {
     pub own_process: bool,
     /// Test-only fault: `(step, seconds)` this worker spends in its first task of that step.
     pub slow_at: Option<(usize, f64)>,
+    /// Test-only fault: `(step, seconds)` this worker stays away from the step's end, idle.
+    pub absent_at: Option<(usize, f64)>,
+    /// Test-only fault: `(step, tensor)` whose gradient becomes NaN at that step where it is held
+    /// (see `Worker::inject_nonfinite`).
+    pub poison_at: Option<(usize, String)>,
 }
 
 /// A worker and its state within a step.
@@ -260,6 +274,7 @@ where
     /// Runs `task` (and the test-only faults of the step), timed and traced.
     fn run_task(&mut self, task: Task) -> Result<()> {
         let (step, rank) = (self.comm.step, self.rank());
+        self.comm.working_on(format!("{} of {}", task.name(), pass_name(step)));
         if let Some((_, at, silent)) = self.settings.fail_at.filter(|(s, _, _)| *s == step) {
             if self.tasks_run >= at {
                 if silent && self.settings.own_process {

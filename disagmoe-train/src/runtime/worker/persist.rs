@@ -13,7 +13,7 @@ use disagmoe_models::{SaveDtype, TrainModule};
 use super::Worker;
 use crate::checkpoint::{self, TrainState};
 use crate::config::{CheckpointKill, CheckpointMoment};
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::optim::{sum_of_squares, Moment};
 use crate::runtime::msg::{Msg, ShardReport};
 use crate::runtime::shards::{write_index, write_shards};
@@ -32,15 +32,25 @@ where
     X: TrainModule<B> + Experts<B>,
 {
     /// Parameters each worker holds (by rank) and parameters of the whole model (each counted once),
-    /// the same on every worker.
+    /// the same on every worker; an error on every worker when no worker holds the tensor of the
+    /// test-only fault `inject_nonfinite`.
     pub fn param_counts(&mut self) -> Result<(Vec<usize>, usize)> {
         let rank = self.rank();
         let (own, counted) = self.part().param_counts(&self.layout, rank);
         let workers = self.layout.workers;
-        let mut v = vec![0f64; workers + 1];
+        // Then how many workers hold the tensor of the test-only fault `inject_nonfinite`.
+        let poisoned = self.settings.poison_at.as_ref().map(|(_, tensor)| tensor.clone());
+        let mut v = vec![0f64; workers + 2];
         v[rank] = own as f64;
         v[workers] = counted as f64;
+        v[workers + 1] = poisoned.as_ref().is_some_and(|t| self.names.values().any(|n| n == t)) as u8 as f64;
         self.all_reduce(&self.everyone(), &mut v)?;
+        if let Some(tensor) = poisoned.filter(|_| v[workers + 1] == 0.0) {
+            return Err(TrainError::option(
+                "inject_nonfinite.tensor",
+                format!("`{tensor}` is not a parameter of the model"),
+            ));
+        }
         Ok((v[..workers].iter().map(|&x| x as usize).collect(), v[workers] as usize))
     }
 
@@ -55,6 +65,7 @@ where
         dtype: SaveDtype,
     ) -> Result<(f64, Vec<f64>)> {
         let rank = self.rank();
+        self.comm.working_on("writing the final model".into());
         let part = self.part();
         let mut own = sum_of_squares(&part.experts);
         if self.layout.replicas(rank).first() == Some(&rank) {
@@ -92,6 +103,7 @@ where
         kill: Option<&CheckpointKill>,
     ) -> Result<PathBuf> {
         let (step, rank) = (state.step, self.rank());
+        self.comm.working_on(format!("writing the checkpoint of step {step}"));
         let hook = |at| {
             if let Some(k) = kill {
                 k.maybe(rank, step, at);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use burn::module::Module;
-use burn::optim::GradientsAccumulator;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 
 use disagmoe_models::decoder::AttentionLayer;
@@ -16,7 +16,7 @@ use super::autodiff::{Flatten, Restore, ZeroFill};
 use super::comm::StepMeters;
 use super::{Worker, WorkerPart};
 use crate::error::{Result, TrainError};
-use crate::optim::grad_norm;
+use crate::optim::{grad_norm, poison_gradient};
 use crate::runtime::collectives::ReduceValues;
 use crate::runtime::trace::COMPUTE;
 use crate::runtime::transport::now_us;
@@ -158,10 +158,37 @@ where
         }
     }
 
+    /// The test-only fault `inject_nonfinite`: at its step, the named tensor's gradient becomes NaN
+    /// where it is held: on its expert holder(s), and on the first copy of an attention-side tensor
+    /// (the copies' all-reduce spreads it to the others, as it would a real one).
+    fn inject_nonfinite(&self, grads: &mut GradientsParams) {
+        let Some((_, tensor)) = self.settings.poison_at.as_ref().filter(|(step, _)| *step == self.comm.step) else {
+            return;
+        };
+        let Some(&id) = self.names.iter().find(|(_, name)| *name == tensor).map(|(id, _)| id) else {
+            return;
+        };
+        let part = self.part();
+        let rank = self.rank();
+        if !poison_gradient(&part.experts, id, grads) && self.layout.replicas(rank).first().is_none_or(|&r| r == rank) {
+            poison_gradient(&part.ends, id, grads);
+            poison_gradient(&part.attention, id, grads);
+        }
+    }
+
     /// The step's end (see the module doc); returns the step's report, the same on every worker.
     pub(super) fn end_of_step(&mut self, lr: f64, start: StepMeters, stop: bool, update: bool) -> Result<StepReport> {
         let t0 = now_us();
         let rank = self.rank();
+        let step = self.comm.step;
+        if let Some((_, seconds)) = self.settings.absent_at.filter(|(s, _)| *s == step) {
+            eprintln!(
+                "worker {rank}: staying away from the end of step {step} for {seconds} s on purpose (fault injection)"
+            );
+            self.comm.idle();
+            std::thread::sleep(std::time::Duration::from_secs_f64(seconds));
+        }
+        self.comm.working_on(format!("the end of {} (all-reduces, optimizer step)", super::pass_name(step)));
         let mut grads = {
             let part = self.part.as_ref().expect("part");
             let (body, head) = (self.grads.grads(), self.head_grads.grads());
@@ -170,6 +197,9 @@ where
             sum.accumulate(part, head);
             sum.grads()
         };
+        if update {
+            self.inject_nonfinite(&mut grads);
+        }
         // Losses of this worker's micro-batches, added in micro-batch order.
         let mut mb_losses = std::mem::take(&mut self.stats.mb_losses);
         mb_losses.sort_by_key(|&(mb, _, _)| mb);
@@ -255,10 +285,16 @@ where
             stop: g.stop > 0.0,
         };
         if report.skipped && self.settings.abort_on_nonfinite && update {
+            // Every worker learns which workers hold a non-finite gradient (only a holder can name
+            // the tensor), so that each one's line says where; the same error ends every worker.
+            let mut held = vec![0f64; self.layout.workers];
+            held[rank] = if bad.is_some() { 1.0 } else { 0.0 };
+            self.all_reduce(&self.everyone(), &mut held)?;
             return Err(TrainError::NonFinite {
                 step: self.comm.step,
                 what: if g.losses.total.is_finite() { "gradient" } else { "loss" },
                 tensor: bad.unwrap_or_default(),
+                workers: (0..held.len()).filter(|&w| held[w] > 0.0).collect(),
             });
         }
         // 3. The update, the same decision on every worker.
