@@ -53,6 +53,12 @@ impl DataOptions {
         if self.seq < 2 {
             return Err(TrainError::option("seq", format!("must be at least 2 tokens, got {}", self.seq)));
         }
+        if self.batch.checked_mul(self.seq).is_none() {
+            return Err(TrainError::option(
+                "seq",
+                format!("batch ({}) x seq ({}) tokens per step is beyond any memory", self.batch, self.seq),
+            ));
+        }
         if !(0.0..=0.5).contains(&self.eval_fraction) {
             return Err(TrainError::option(
                 "eval_fraction",
@@ -71,5 +77,22 @@ impl DataOptions {
     /// Tokens in one step's batch.
     pub fn tokens_per_step(&self) -> usize {
         self.batch * self.seq
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `run_config_toml` fuzz target's check: `batch = 2^32`, `seq = 2^32` validated,
+    /// and the tokens per step (`batch x seq`) overflowed.
+    #[test]
+    fn tokens_per_step_that_overflow_are_refused() {
+        let d = DataOptions { batch: 1 << 32, seq: 1 << 32, ..DataOptions::default() };
+        let e = d.validate().unwrap_err().to_string();
+        assert!(e.contains("seq") && e.contains("tokens per step"), "{e}");
+        let d = DataOptions { batch: 1 << 20, seq: 1 << 20, ..DataOptions::default() };
+        assert!(d.validate().is_ok());
+        assert_eq!(d.tokens_per_step(), 1 << 40);
     }
 }
