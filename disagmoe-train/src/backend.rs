@@ -159,10 +159,19 @@ pub fn probe<B: Backend>(device: &B::Device) -> Result<()> {
 }
 
 /// Runs `op` and turns a panic in it into [`TrainError::NoDevice`] for `backend`, printing
-/// nothing. The reason given is the first panic of any thread while `op` runs (a device runtime
-/// fails in its own server thread; the caller then sees only a closed channel). The panic hook is
-/// silenced meanwhile: a probe runs once, before any worker starts.
+/// nothing (see [`catch_quietly`]). A probe runs once, before any worker starts.
 pub fn probe_with<R>(backend: &'static str, op: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<()> {
+    catch_quietly(op).map(|_| ()).map_err(|reason| TrainError::NoDevice { backend, reason })
+}
+
+/// Runs `op`, a call into a library that panics where it should fail (a device runtime without its
+/// driver, a Parquet reader on a damaged file), and turns a panic into its message, printing
+/// nothing: the caller reports it as one line in its own words. The message is the first panic of
+/// any thread while `op` runs (a device runtime fails in its own server thread; the caller then sees
+/// only a closed channel), its first line, cut to its first sentence when long. The process's panic
+/// hook is swapped for a silent one meanwhile (one call at a time), so use this only around such
+/// calls, never around a run's workers.
+pub fn catch_quietly<R>(op: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::result::Result<R, String> {
     use std::sync::{Arc, Mutex};
     fn text(payload: &(dyn std::any::Any + Send)) -> String {
         let message = payload
@@ -190,9 +199,8 @@ pub fn probe_with<R>(backend: &'static str, op: impl FnOnce() -> R + std::panic:
     }));
     let outcome = std::panic::catch_unwind(op);
     std::panic::set_hook(previous);
-    outcome.map(|_| ()).map_err(|payload| {
-        let reason = first.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(|| text(payload.as_ref()));
-        TrainError::NoDevice { backend, reason }
+    outcome.map_err(|payload| {
+        first.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_else(|| text(payload.as_ref()))
     })
 }
 

@@ -30,7 +30,8 @@ fn shard(tensors: &[T]) -> Vec<u8> {
     for (i, (name, dtype, shape, bytes)) in tensors.iter().enumerate() {
         let sep = if i == 0 { "" } else { "," };
         let end = at + bytes.len();
-        header += &format!("{sep}\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":{shape:?},\"data_offsets\":[{at},{end}]}}");
+        header +=
+            &format!("{sep}\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":{shape:?},\"data_offsets\":[{at},{end}]}}");
         at = end;
     }
     header.push('}');

@@ -6,40 +6,18 @@
 //! the input's bytes (`wire_samples`, every message kind) decodes to itself.
 #![no_main]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use disagmoe_fuzz::{peak_during, Counting};
 use disagmoe_train::runtime::msg::Envelope;
 use disagmoe_train::runtime::transport::Reassembly;
 use disagmoe_train::runtime::wire_samples::Sampler;
 use libfuzzer_sys::fuzz_target;
-
-/// Counts live bytes and their peak.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-        PEAK.fetch_max(live, Ordering::Relaxed);
-        System.alloc(layout)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-}
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
 /// Decodes `bytes`, checking the round trip and the memory it took.
 fn decode(bytes: &[u8]) {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    let decoded = Envelope::from_bytes(bytes);
-    let took = PEAK.load(Ordering::Relaxed) - before;
+    let (decoded, took) = peak_during(|| Envelope::from_bytes(bytes));
     // serde reserves at most 1 MiB per open sequence before its elements arrive; envelopes nest
     // at most 4 deep.
     let bound = 32 * bytes.len() + (4 << 20);

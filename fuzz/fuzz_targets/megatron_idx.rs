@@ -9,31 +9,13 @@
 //! whatever the counts in the header claim.
 #![no_main]
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use disagmoe_fuzz::{peak_during, work_dir, Counting};
 use disagmoe_train::data::indexed::IndexedDataset;
 use disagmoe_train::data::{ByteTokenizer, PackedDataset, Packing};
 use libfuzzer_sys::fuzz_target;
-
-/// Counts live bytes and their peak.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-        PEAK.fetch_max(live, Ordering::Relaxed);
-        System.alloc(layout)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-}
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -55,8 +37,7 @@ fn token(bin: &[u8], size: usize, i: usize) -> i64 {
 fn prefix() -> &'static PathBuf {
     static PREFIX: OnceLock<PathBuf> = OnceLock::new();
     PREFIX.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("disagmoe-fuzz-idx-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = work_dir("idx");
         std::fs::write(dir.join("d.bin"), bin()).unwrap();
         dir.join("d")
     })
@@ -101,10 +82,7 @@ fn check(data: &[u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    check(data);
-    let took = PEAK.load(Ordering::Relaxed) - before;
+    let ((), took) = peak_during(|| check(data));
     let bound = 8 * (data.len() + BIN_LEN) + (1 << 20);
     assert!(took <= bound, "an index of {} bytes took {took} bytes (bound {bound})", data.len());
 });

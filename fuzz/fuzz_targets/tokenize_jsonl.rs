@@ -7,23 +7,10 @@
 //! document per sequence.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
-use disagmoe_train::data::tokenize::{tokenize, TokenizeOptions, BYTE_EOS};
+use disagmoe_fuzz::tokenize_bytes;
+use disagmoe_train::data::tokenize::BYTE_EOS;
 use disagmoe_train::data::Tokens;
 use libfuzzer_sys::fuzz_target;
-
-/// The working directory of this process (tokenize's threads: one).
-fn dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-        let dir = std::env::temp_dir().join(format!("disagmoe-fuzz-jsonl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    })
-}
 
 /// The documents of a JSON-lines text, as the module docs define them (`None`: refused).
 fn documents(data: &[u8]) -> Option<Vec<String>> {
@@ -44,21 +31,7 @@ fn documents(data: &[u8]) -> Option<Vec<String>> {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let dir = dir();
-    let (input, out) = (dir.join("in.jsonl"), dir.join("out"));
-    let partial = dir.join("out.partial");
-    std::fs::write(&input, data).unwrap();
-    let opts = TokenizeOptions {
-        inputs: vec![input],
-        out: out.clone(),
-        tokenizer: None,
-        text_field: "text".into(),
-        eos: None,
-        shard_tokens: 1 + (data.len() % 64) as u64,
-        progress: false,
-    };
-    let report = tokenize(&opts);
-    assert!(!partial.exists(), "no partial directory is left");
+    let (report, out) = tokenize_bytes(data, "jsonl");
     let want = documents(data).filter(|d| !d.is_empty());
     let Ok(report) = report else {
         assert!(want.is_none(), "{want:?} refused: {}", report.err().unwrap());
@@ -66,17 +39,19 @@ fuzz_target!(|data: &[u8]| {
     };
     let want = want.expect("tokenize succeeds only on documents");
     let (tokens, manifest) = Tokens::open_tokenized(&out).expect("the written directory opens");
-    let stream: Vec<i64> =
-        want.iter().flat_map(|d| d.bytes().map(i64::from).chain([i64::from(BYTE_EOS)])).collect();
+    let stream: Vec<i64> = want.iter().flat_map(|d| d.bytes().map(i64::from).chain([i64::from(BYTE_EOS)])).collect();
     assert_eq!((report.documents, report.tokens), (want.len() as u64, stream.len() as u64));
     assert_eq!((manifest.documents, manifest.tokens, tokens.len()), (report.documents, report.tokens, report.tokens));
     let mut read = Vec::new();
     tokens.read_into(0..tokens.len(), &mut read).expect("the shards read");
     assert!(read == stream, "the shards hold the documents");
-    let mut ends: Vec<u64> = want.iter().scan(0, |at, d| {
-        *at += d.len() as u64 + 1;
-        Some(*at)
-    }).collect();
+    let mut ends: Vec<u64> = want
+        .iter()
+        .scan(0, |at, d| {
+            *at += d.len() as u64 + 1;
+            Some(*at)
+        })
+        .collect();
     ends.insert(0, 0);
     assert_eq!(tokens.doc_starts().expect("shards have documents"), ends);
     std::fs::remove_dir_all(&out).unwrap();

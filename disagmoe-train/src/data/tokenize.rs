@@ -244,9 +244,25 @@ fn read_documents(path: &Path, field: &str, each: &mut dyn FnMut(Doc) -> Result<
         Format::Parquet => {
             use parquet::file::reader::{FileReader, SerializedFileReader};
             use parquet::record::Field;
-            let file = std::fs::File::open(path).map_err(io)?;
-            let reader =
-                SerializedFileReader::new(file).map_err(|e| corpus(format!("is not a readable Parquet file: {e}")))?;
+            let file = StrictFile::open(path).map_err(io)?;
+            let unreadable = |e: String| corpus(format!("is not a readable Parquet file: {e}"));
+            let reader = parquet_call(|| SerializedFileReader::new(file))
+                .map_err(unreadable)?
+                .map_err(|e| unreadable(e.to_string()))?;
+            // The parquet crate panics on a column chunk whose offset or size is negative
+            // (`ColumnChunkMetaData::byte_range`): refuse such metadata first.
+            for (g, group) in reader.metadata().row_groups().iter().enumerate() {
+                for c in group.columns() {
+                    let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
+                    if start < 0 || c.compressed_size() < 0 {
+                        return Err(corpus(format!(
+                            "is damaged: row group {g} places column `{}` at byte {start}, {} bytes long",
+                            c.column_path().string(),
+                            c.compressed_size()
+                        )));
+                    }
+                }
+            }
             let schema = reader.metadata().file_metadata().schema();
             let columns: Vec<String> = schema.get_fields().iter().map(|f| f.name().to_string()).collect();
             let Some(column) = schema.get_fields().iter().find(|f| f.name() == field) else {
@@ -259,10 +275,14 @@ fn read_documents(path: &Path, field: &str, each: &mut dyn FnMut(Doc) -> Result<
                 .with_fields(vec![column.clone()])
                 .build()
                 .map_err(|e| corpus(format!("cannot select column `{field}`: {e}")))?;
-            let rows = reader
-                .get_row_iter(Some(projection))
-                .map_err(|e| corpus(format!("cannot read column `{field}`: {e}")))?;
-            for (number, row) in rows.enumerate() {
+            let cannot_read = |e: String| corpus(format!("cannot read column `{field}`: {e}"));
+            let mut rows = parquet_call(|| reader.get_row_iter(Some(projection)))
+                .map_err(cannot_read)?
+                .map_err(|e| cannot_read(e.to_string()))?;
+            for number in 0.. {
+                let row =
+                    parquet_call(|| rows.next()).map_err(|e| corpus(format!("row {number} is unreadable: {e}")))?;
+                let Some(row) = row else { break };
                 let row = row.map_err(|e| corpus(format!("row {number} is unreadable: {e}")))?;
                 match row.into_columns().into_iter().next().map(|(_, f)| f) {
                     Some(Field::Str(s)) if !s.is_empty() => each(Doc { text: s })?,
@@ -277,6 +297,71 @@ fn read_documents(path: &Path, field: &str, each: &mut dyn FnMut(Doc) -> Result<
         }
     }
     Ok(())
+}
+
+/// A Parquet file as the parquet crate reads it, stricter at its end than `std::fs::File`: a read
+/// past the end fails (`UnexpectedEof`) instead of returning no bytes, and a byte range past the end
+/// is refused before anything is allocated for it. parquet 60.1 skips a page header's unknown
+/// fields through `Read` and takes "no bytes" for a skip done: a 448-byte file whose page header
+/// claimed a list of 2^31 doubles kept it reading nothing for minutes (found by the
+/// `tokenize_parquet` fuzz target).
+struct StrictFile {
+    file: std::fs::File,
+    len: u64,
+}
+
+impl StrictFile {
+    fn open(path: &Path) -> std::io::Result<Self> {
+        let file = std::fs::File::open(path)?;
+        let len = file.metadata()?.len();
+        Ok(Self { file, len })
+    }
+}
+
+impl parquet::file::reader::Length for StrictFile {
+    fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+impl parquet::file::reader::ChunkReader for StrictFile {
+    type T = StrictRead;
+
+    fn get_read(&self, start: u64) -> parquet::errors::Result<StrictRead> {
+        self.file.get_read(start).map(StrictRead)
+    }
+
+    fn get_bytes(&self, start: u64, length: usize) -> parquet::errors::Result<bytes::Bytes> {
+        if start.checked_add(length as u64).is_none_or(|end| end > self.len) {
+            return Err(parquet::errors::ParquetError::EOF(format!(
+                "{length} bytes at byte {start} of a file of {}",
+                self.len
+            )));
+        }
+        self.file.get_bytes(start, length)
+    }
+}
+
+/// A reader of a [`StrictFile`]: reading at its end is an error.
+struct StrictRead(std::io::BufReader<std::fs::File>);
+
+impl std::io::Read for StrictRead {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self.0.read(buf)? {
+            0 if !buf.is_empty() => {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "read past the end of the file"))
+            }
+            n => Ok(n),
+        }
+    }
+}
+
+/// Runs `call` into the parquet crate, whose readers panic on some damaged files instead of
+/// failing (60.1: a column chunk at a negative offset, a page whose values run past its end): a
+/// panic becomes an error with its message, nothing printed.
+fn parquet_call<T>(call: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    crate::backend::catch_quietly(std::panic::AssertUnwindSafe(call))
+        .map_err(|message| format!("the Parquet reader failed: {message}"))
 }
 
 /// Writes documents into shards, opening the next shard when one is full.
@@ -478,4 +563,72 @@ pub fn check_tokenizer(manifest: &Manifest, dir: &Path, run_tokenizer: Option<&P
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `tokenize_parquet` fuzz target: a column chunk at a negative offset made the
+    /// parquet crate panic (`column start and length should not be negative`).
+    #[test]
+    fn a_column_chunk_at_a_negative_offset_is_refused() {
+        const CRASH: &[u8] = b"PA\x00\x00\x15\x02\x19,H\x03doc\x15\x02\x00\x15\x0c%\x00\x18\x04text%\x00\x00\x16\
+            \x08\x19\x1c\x19\x1c&\x00\x1c\x15\x0c\x19%\x00\x06\x19\x18\x04text\x15\x00\x16\x08\
+            \x16^\x16\x0f&\x08I\x1c\x15\x00\x15\x00\x15\x02\x00\x00\x16f\x15\x14\x00\x16^\x16\
+            \x08&\x08\x16^\x14\x00\x00(\x19p0\x19\x1c\x1c\x00\x00\x00t\x00\x00\x00PAR1on 20.1.0\
+            \x19\x1c\x1c\x00\x00\x00t\x00\x00\x00PAR1";
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("damaged.parquet");
+        std::fs::write(&path, CRASH).unwrap();
+        let e = read_documents(&path, "text", &mut |_| Ok(())).err().unwrap().to_string();
+        assert!(e.contains("damaged.parquet") && e.contains("is damaged") && e.contains("column `text`"), "{e}");
+    }
+
+    /// Found by the `tokenize_parquet` fuzz target: a dictionary page claiming more values than it
+    /// holds made the parquet crate panic (`range end index 4 out of range for slice of length 0`).
+    #[test]
+    fn a_page_whose_values_run_past_its_end_is_refused() {
+        const CRASH: &[u8] = b"PAR1\x15\x04\x15\x1a\x15\xff\xff\xff\xff\xff\x1aL\x15\x02\x15\x00\x12\x00\x00\x09\
+            \x02>\x15\x02\x19,H\x03doc\x15\x02\x00\x15\x0c%\x00\x18\x04text\x00\x16\x02\x19\x1c\
+            \x19\x1c&\x00\x1c\x15\x0c\x195\x00\x06\x10\x19\x18\x04text\x15\x00\x16\x02\x16\\\x16\
+            \\&>&\x08\x1c6\x00(\x09raw bytes\x18\x09raw bytes\x11\x11\x00\x19,\x15\x04\x15\x00\
+            \x15\x02\x00\x15\x00\x15\x10\x15\x02\x00<\x16\x12\x00\x00\x16\xa6\x01\x15\x1a\x16d\
+            \x15B\x00\x16\\\x16\x02&\x08\x16\\\x14\x00\x00(\x19parquet-rs version 60.1.0\x19\x1c\
+            \x1c\x00\x00\x00\xa1\x00\x00\x00PAR1";
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("short.parquet");
+        std::fs::write(&path, CRASH).unwrap();
+        let e = read_documents(&path, "text", &mut |_| Ok(())).err().unwrap().to_string();
+        assert!(e.contains("short.parquet") && e.contains("row 0 is unreadable: the Parquet reader failed"), "{e}");
+    }
+
+    /// Found by the `tokenize_parquet` fuzz target: a page header claiming a list of 2^31 doubles,
+    /// which parquet 60.1 skipped by reading nothing 2^31 times at the end of a 448-byte file
+    /// (about 50 s; longer lists, longer). The file read past its end is now an error.
+    #[test]
+    fn a_page_header_that_runs_past_the_end_of_the_file_is_refused() {
+        const CRASH: &[u8] =
+            b"PAR1\x15\x04\x150\x15,L\x15\x06\x15\x00\x12\x00\x00\x18\x00\x00\x0d\x01<\x01\x00\x00\x00\x00\
+            \x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00\x15\x00\x15\x08\x15\x0c,\x15\x06\x15\x10\x15\
+            \x06\x15\x06\x00\x00\x04\x0c\x02\x03$\x00\xeb\xfb\xea\x8e\x15r\x01\x00L\x15\x04\x15\x00\x12\
+            \x00\x009l\x0d\x00\x00\x00\x00\x11\x00\x00a\x20Parquet\x20row$\x00\x00\x00\x00\x00\x19\x1c\
+            \x16\x8c\x02\x158\x16\x00\x00\x19\x16b\x00\x15\x02\x19<H\x03doc\x15\x04\x00\x15\x04%\x00\x18\
+            \x02id\x00\x15\x0c%\x02\x18\x04text%\x00\x00\x16\x06\x19\x1c\x19,&\x00\x1c\x15\x04\x195\x00\
+            \x06\x10\x19\x18\x02id\x15\x02\x16\x06\x16v\x16v&P&\x08\x1c\x18\x08\x02\x00\x00\x00\x00\x00\
+            \x00\x00\x18\x08\x00\x00\x00\x00\x00\x00\x00\x00\x16\x00(\x08\x02\x00\x00\x00\x00;\x00\x00\
+            \x18\x08\x00\x00\x00\x00\x00\x00\x00\x00\x11\x11\x00\x19,\x15\x04\x15\x00\x15\x02\x00\x15\
+            \x00\x15\x10\x15\x02\x00\x00\x16\x8a\x04\x15\x14\x16\xc4\x02\x15>\x00&\x00\x1c\x15\x0c\x195\
+            \x00\x06\x10\x19\x18\x04text\x15\x02\x16\x06\x16\xc2\x01\x16\xc6\x01&\x8c\x02&~\x1c6\x02($th\
+            e\x20last\x20row,\x20longer\x20than\x20the\x20others\x18\x0da\x20Parquet\x20row\x11\x11\x00\
+            \x19,\x15\x04\x15\x00\x15\x02\x00\x15\x00\x15\x10\x15\x02\x00<\x16b)&\x02\x04\x00\x00\x16\
+            \x9e\x04\x15\x1c\x16\x82\x03\x15\x88\x01\x00\x16\xb8\x02\x16\x06&\x08\x16\xbc\x02\x14\x00\
+            \x00(\x19parquerow\x19\x18$thsion\x2060.1.0\x19,\x1c\x00\x00\x1c\x00\x00\x00>\x01\x00\x00PAR\
+            1";
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("long.parquet");
+        std::fs::write(&path, CRASH).unwrap();
+        let e = read_documents(&path, "text", &mut |_| Ok(())).err().unwrap().to_string();
+        assert!(e.contains("long.parquet") && e.contains("past the end of the file"), "{e}");
+    }
 }
