@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use disagmoe_train::runtime;
 use disagmoe_train::{
-    AllocationMode, DefaultBackend, FaultPlan, NonFinitePolicy, Placement, Precision, Recompute, RunConfig,
-    TrainBackend, TrainSummary, TransportKind,
+    AllocationMode, DefaultBackend, ExchangeDtype, FaultPlan, NonFinitePolicy, Placement, Precision, Recompute,
+    RunConfig, TrainBackend, TrainSummary, TransportKind,
 };
 
 /// On or off.
@@ -213,6 +213,15 @@ pub struct TrainArgs {
     /// A worker that hears nothing for this long ends the run with an error [default: 60].
     #[arg(long, value_name = "SECONDS")]
     pub comm_timeout_s: Option<f64>,
+    /// What the token exchange's payloads travel in between workers: f32, bf16, or fp8 (the
+    /// dispatched activations in float8 e4m3 with one scale per 128 values of a token, the
+    /// combine in bf16) [default: the --precision's: f32 under f32, bf16 under bf16 and f16].
+    #[arg(long, value_name = "f32|bf16|fp8")]
+    pub exchange_dtype: Option<ExchangeDtype>,
+    /// The exchange's gradient messages: f32 or bf16 [default: bf16 when --exchange-dtype is
+    /// bf16 or fp8, f32 otherwise].
+    #[arg(long, value_name = "f32|bf16")]
+    pub exchange_grad_dtype: Option<ExchangeDtype>,
 }
 
 /// `--placement` values.
@@ -296,6 +305,12 @@ impl TrainArgs {
             link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
             comm_timeout_s => parallel.comm_timeout_s,
         );
+        if let Some(d) = self.exchange_dtype {
+            cfg.parallel.exchange_dtype = Some(d);
+        }
+        if let Some(d) = self.exchange_grad_dtype {
+            cfg.parallel.exchange_grad_dtype = Some(d);
+        }
         if !self.devices.is_empty() {
             cfg.parallel.devices = self.devices.clone();
         }
@@ -440,6 +455,10 @@ pub struct CompareRow {
     pub link_s: f64,
     /// Bytes each worker sent per step (token exchange and gradient all-reduce).
     pub bytes_sent_per_worker: f64,
+    /// Of them, the token exchange's, as packed in `exchange_dtype`.
+    pub exchange_bytes_per_worker: f64,
+    /// What the exchange's payloads travelled in.
+    pub exchange_dtype: Option<String>,
     pub tokens_per_s: f64,
     /// The run's whole summary.
     pub summary: TrainSummary,
@@ -526,12 +545,17 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             compute_s: s.compute_s,
             link_s: s.link_s,
             bytes_sent_per_worker: s.bytes_sent_per_worker,
+            exchange_bytes_per_worker: s.exchange_bytes_per_worker,
+            exchange_dtype: s.exchange_dtype.clone(),
             tokens_per_s: s.tokens_per_s,
             summary: s,
         });
     }
+    if let Some(dtype) = rows.first().and_then(|r| r.exchange_dtype.as_deref()) {
+        eprintln!("exchange payloads: {dtype}");
+    }
     eprintln!(
-        "{:<11} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>10}",
+        "{:<11} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>13} {:>10}",
         "",
         "in-flight",
         "workers",
@@ -542,11 +566,12 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
         "compute_s",
         "link_s",
         "MB sent/wkr",
+        "exchange MB",
         "tokens/s"
     );
     for r in &rows {
         eprintln!(
-            "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>13.2} {:>10.0}",
+            "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>13.2} {:>13.2} {:>10.0}",
             r.placement,
             r.in_flight,
             r.workers,
@@ -557,6 +582,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             r.compute_s,
             r.link_s,
             r.bytes_sent_per_worker / 1e6,
+            r.exchange_bytes_per_worker / 1e6,
             r.tokens_per_s
         );
         if let (Some(step), Some(exposed), Some(compute)) =

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use disagmoe_core::cost::{CostModel, Workload};
+use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
 use disagmoe_core::hardware::Cluster;
 use disagmoe_core::model_shape::ModelShape;
 use disagmoe_core::plan::{plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
@@ -30,6 +31,11 @@ pub struct JobArgs {
     /// Sequences per optimizer step (default: 2 x GPUs x micro-batch).
     #[arg(long = "global-batch")]
     pub global_batch: Option<usize>,
+    /// What the token exchange's payloads travel in: bf16, fp8 (dispatch in e4m3 with a scale per
+    /// 128 values, combine and gradients in bf16) or f32; the transfers of AF-Pipe and the
+    /// baselines' all-to-alls alike [default: bf16].
+    #[arg(long, value_name = "f32|bf16|fp8")]
+    pub exchange_dtype: Option<ExchangeDtype>,
 }
 
 impl JobArgs {
@@ -52,7 +58,11 @@ impl JobArgs {
             })?,
         };
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
-        Ok(CostModel::new(model, cluster, workload)?)
+        let mut cost = CostModel::new(model, cluster, workload)?;
+        if let Some(d) = self.exchange_dtype {
+            cost.precision.exchange = ExchangePrecision::of(d);
+        }
+        Ok(cost)
     }
 }
 

@@ -15,6 +15,7 @@
 //! memory-bound.
 
 use crate::error::{check_nonzero, invalid, Result};
+use crate::exchange::ExchangePrecision;
 use crate::hardware::Cluster;
 use crate::model_shape::{AttentionShape, ModelShape};
 use serde::{Deserialize, Serialize};
@@ -69,12 +70,38 @@ pub struct Precision {
     pub activation_bytes: f64,
     /// Gradients as all-reduced (bf16: 2).
     pub grad_comm_bytes: f64,
+    /// What the token exchange's messages travel in (dispatch, combine, gradients; bf16 by default,
+    /// `plan --exchange-dtype`): the M2N/N2M transfers of AF-Pipe and the baselines' all-to-alls.
+    #[serde(default = "bf16_exchange")]
+    pub exchange: ExchangePrecision,
+}
+
+fn bf16_exchange() -> ExchangePrecision {
+    ExchangePrecision::BF16
 }
 
 impl Default for Precision {
     fn default() -> Self {
-        Self { param_bytes: 2.0, grad_bytes: 4.0, optimizer_bytes: 12.0, activation_bytes: 2.0, grad_comm_bytes: 2.0 }
+        Self {
+            param_bytes: 2.0,
+            grad_bytes: 4.0,
+            optimizer_bytes: 12.0,
+            activation_bytes: 2.0,
+            grad_comm_bytes: 2.0,
+            exchange: ExchangePrecision::BF16,
+        }
     }
+}
+
+/// One of the token exchange's transfers, for its payload's dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeTransfer {
+    /// Forward M2N (attention -> experts): token activations.
+    Dispatch,
+    /// Forward N2M (experts -> attention): expert outputs.
+    Combine,
+    /// Either backward transfer: gradients.
+    Gradient,
 }
 
 /// Work of one GPU for one operation.
@@ -236,13 +263,36 @@ impl CostModel {
         w.hbm_bytes - none.ffn_forward(layer, gpus).hbm_bytes
     }
 
+    /// Bytes on the wire of one value of the exchange's `transfer`, its scales included
+    /// (`disagmoe_core::exchange`; 2 for bf16).
+    pub fn exchange_value_bytes(&self, transfer: ExchangeTransfer) -> f64 {
+        let e = self.precision.exchange;
+        let dtype = match transfer {
+            ExchangeTransfer::Dispatch => e.dispatch,
+            ExchangeTransfer::Combine => e.combine,
+            ExchangeTransfer::Gradient => e.grads,
+        };
+        dtype.row_bytes(self.model.hidden) / self.model.hidden as f64
+    }
+
     /// Bytes one micro-batch moves from an attention group to an expert group of `f` ranks in
-    /// layer `layer` (M2N): each token once per destination rank. N2M moves the same amount back.
-    pub fn m2n_bytes(&self, layer: usize, f: usize) -> f64 {
+    /// layer `layer` in `transfer`: each token once per destination rank, in the dtype of the
+    /// transfer (M2N: the dispatch; N2M: the combine; their gradients).
+    pub fn exchange_bytes(&self, layer: usize, f: usize, transfer: ExchangeTransfer) -> f64 {
         self.workload.tokens_per_micro_batch()
             * self.destinations_per_token(layer, f)
             * self.model.hidden as f64
-            * self.precision.activation_bytes
+            * self.exchange_value_bytes(transfer)
+    }
+
+    /// [`Self::exchange_bytes`] of the forward M2N (the dispatch).
+    pub fn m2n_bytes(&self, layer: usize, f: usize) -> f64 {
+        self.exchange_bytes(layer, f, ExchangeTransfer::Dispatch)
+    }
+
+    /// [`Self::exchange_bytes`] of the forward N2M (the combine).
+    pub fn n2m_bytes(&self, layer: usize, f: usize) -> f64 {
+        self.exchange_bytes(layer, f, ExchangeTransfer::Combine)
     }
 
     /// Bandwidth, bytes/s, of a group's port to the other groups: `gpus` x NVLink on a one-node
@@ -264,12 +314,13 @@ impl CostModel {
     /// `ep` ranks, each holding `tokens_per_rank` tokens; Megatron's all-to-all dispatcher sends
     /// one copy per (token, chosen expert). Ranks beyond one node go through the rank's share of
     /// the node's NICs.
-    pub fn ep_all_to_all_time(&self, layer: usize, ep: usize, tokens_per_rank: f64) -> f64 {
+    /// `transfer` sets the payload's dtype (the exchange's precision).
+    pub fn ep_all_to_all_time(&self, layer: usize, ep: usize, tokens_per_rank: f64, transfer: ExchangeTransfer) -> f64 {
         if ep <= 1 {
             return 0.0;
         }
         let copies = if self.model.is_dense(layer) { 0.0 } else { self.model.moe.top_k as f64 };
-        let bytes = tokens_per_rank * copies * self.model.hidden as f64 * self.precision.activation_bytes;
+        let bytes = tokens_per_rank * copies * self.model.hidden as f64 * self.exchange_value_bytes(transfer);
         let node = &self.cluster.node;
         let ep_f = ep as f64;
         let local = (ep.min(node.gpus_per_node) as f64 - 1.0) / ep_f;
@@ -443,6 +494,21 @@ mod tests {
         assert!(d8 > 4.0 && d8 < 8.0, "{d8}");
         assert!((d128 - 8.0).abs() < 1e-9, "{d128}");
         assert!(c.destinations_per_token(0, 16) < d128);
+    }
+
+    #[test]
+    fn the_exchange_dtype_sets_each_transfers_bytes() {
+        let mut c = cm("qwen3-235b-a22b", 4096); // hidden 4096: 32 fp8 blocks a token
+        let bf16 = c.m2n_bytes(0, 8);
+        assert_eq!((c.n2m_bytes(0, 8), c.exchange_bytes(0, 8, ExchangeTransfer::Gradient)), (bf16, bf16));
+        let t = c.ep_all_to_all_time(0, 8, 4096.0, ExchangeTransfer::Dispatch);
+        c.precision.exchange = ExchangePrecision::of(crate::exchange::ExchangeDtype::Fp8);
+        assert!((c.m2n_bytes(0, 8) / bf16 - (1.0 + 4.0 / 128.0) / 2.0).abs() < 1e-12);
+        assert_eq!((c.n2m_bytes(0, 8), c.exchange_bytes(0, 8, ExchangeTransfer::Gradient)), (bf16, bf16));
+        assert!(c.ep_all_to_all_time(0, 8, 4096.0, ExchangeTransfer::Dispatch) < t);
+        assert_eq!(c.ep_all_to_all_time(0, 8, 4096.0, ExchangeTransfer::Combine), t);
+        c.precision.exchange = ExchangePrecision::F32;
+        assert_eq!(c.m2n_bytes(0, 8), 2.0 * bf16);
     }
 
     #[test]

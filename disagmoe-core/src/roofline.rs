@@ -80,7 +80,8 @@ pub fn component_roofline(
         };
         flops += w.flops * gpus as f64;
         compute_s += cost.gpu_time(w);
-        bytes += cost.m2n_bytes(l, ffn_gpus);
+        // Each port carries M2N one way and N2M the other: the larger binds.
+        bytes += cost.m2n_bytes(l, ffn_gpus).max(cost.n2m_bytes(l, ffn_gpus));
     }
     let n = layers as f64;
     let (flops, compute_s, bytes) = (flops / n, compute_s / n, bytes / n);

@@ -78,6 +78,9 @@ pub struct StepMetrics {
     /// Bytes sent, summed over workers (0 on one device).
     #[serde(default)]
     pub bytes_sent: f64,
+    /// Of them, the token exchange's by message kind (as packed), summed over workers.
+    #[serde(default, skip_serializing_if = "ExchangeBytes::is_zero")]
+    pub exchange_bytes: ExchangeBytes,
     /// Expert load of each MoE layer.
     pub expert_load: Vec<ExpertLoad>,
     /// Mean next-token cross-entropy on the held-out windows, at the steps that evaluated.
@@ -86,6 +89,65 @@ pub struct StepMetrics {
     /// `exp(eval_loss)`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_perplexity: Option<f64>,
+}
+
+/// Bytes of the token exchange by message kind, as packed in the run's exchange precision
+/// (`disagmoe_core::exchange`): forward M2N and N2M, the residual hand-off, and the three
+/// gradients that mirror them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct ExchangeBytes {
+    /// Attention -> expert holders: token activations, gate weights, token and expert ids.
+    pub dispatch: f64,
+    /// Expert holders -> the next layer's attention: outputs and token ids.
+    pub combine: f64,
+    /// Attention -> the next layer's attention: the residual stream and balance-loss sums.
+    pub residual: f64,
+    /// Backward, to expert holders: the gradient of their outputs.
+    pub grad_combine: f64,
+    /// Backward, to the previous attention worker: the residual's gradient.
+    pub grad_residual: f64,
+    /// Backward, expert holders -> attention: gradients of the dispatched rows and gate weights.
+    pub grad_dispatch: f64,
+}
+
+impl ExchangeBytes {
+    /// The kinds in order, with their names.
+    pub const KINDS: [&'static str; 6] =
+        ["dispatch", "combine", "residual", "grad_combine", "grad_residual", "grad_dispatch"];
+
+    /// Bytes of kind `i` (of [`Self::KINDS`]).
+    pub fn kind_mut(&mut self, i: usize) -> &mut f64 {
+        match i {
+            0 => &mut self.dispatch,
+            1 => &mut self.combine,
+            2 => &mut self.residual,
+            3 => &mut self.grad_combine,
+            4 => &mut self.grad_residual,
+            _ => &mut self.grad_dispatch,
+        }
+    }
+
+    /// All kinds.
+    pub fn total(&self) -> f64 {
+        self.dispatch + self.combine + self.residual + self.grad_combine + self.grad_residual + self.grad_dispatch
+    }
+
+    /// Whether nothing was exchanged (one device).
+    pub fn is_zero(&self) -> bool {
+        self.total() == 0.0
+    }
+
+    /// Each kind plus `other`'s.
+    pub fn add(&mut self, other: &ExchangeBytes) {
+        let mut other = *other;
+        (0..6).for_each(|i| *self.kind_mut(i) += *other.kind_mut(i));
+    }
+
+    /// Each kind times `f`.
+    pub fn scaled(mut self, f: f64) -> ExchangeBytes {
+        (0..6).for_each(|i| *self.kind_mut(i) *= f);
+        self
+    }
 }
 
 /// Appends JSON lines to a file, flushing after each.

@@ -251,8 +251,10 @@ impl AllocationProblem {
                             .sum::<f64>()
                     })
                     .fold(0.0, f64::max);
-                let per_group: Vec<f64> =
-                    groups.iter().map(|ls| ls.iter().map(|&l| 2.0 * cost.m2n_bytes(l, f)).sum::<f64>()).collect();
+                let per_group: Vec<f64> = groups
+                    .iter()
+                    .map(|ls| ls.iter().map(|&l| cost.m2n_bytes(l, f) + cost.n2m_bytes(l, f)).sum::<f64>())
+                    .collect();
                 let bytes = per_group.iter().copied().fold(0.0, f64::max);
                 let mean_bytes = per_group.iter().sum::<f64>() / p as f64;
                 for nics in nic_choices(f) {

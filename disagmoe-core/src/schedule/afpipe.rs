@@ -11,7 +11,7 @@
 
 use super::{Deps, Op, OpId, OpKind, Schedule, Stream, StreamKind as K, Transfer, Worker, WorkerRole, NO_LAYER};
 use crate::allocator::Allocation;
-use crate::cost::CostModel;
+use crate::cost::{CostModel, ExchangeTransfer};
 use crate::error::{CoreError, Result};
 use crate::layout::layer_group;
 use crate::simulator::{run_program, OpInfo, Program};
@@ -71,11 +71,19 @@ struct Layer {
     attn_bwd: Compute,
     ffn: Compute,
     ffn_bwd: Compute,
-    /// Bytes of each M2N and N2M transfer (and of their gradients).
+    /// The forward M2N (A to F) and N2M (F to A) transfers, and their gradients (F to A, A to F).
+    dispatch: Hop,
+    combine: Hop,
+    grad_combine: Hop,
+    grad_dispatch: Hop,
+}
+
+/// One transfer of a layer: its bytes (in the exchange's dtype for it) and seconds alone on idle
+/// ports.
+#[derive(Debug, Clone, Copy)]
+struct Hop {
     bytes: f64,
-    /// Seconds of an A-to-F and of an F-to-A transfer alone on idle ports.
-    a_to_f: f64,
-    f_to_a: f64,
+    secs: f64,
 }
 
 /// A gradient all-reduce at the end of the step.
@@ -169,15 +177,24 @@ impl AfPipe {
         let layers = (0..m.layers)
             .map(|l| {
                 let (attn, ffn) = (cost.attention_forward(l, a), cost.ffn_forward(l, f));
-                let bytes = cost.m2n_bytes(l, f);
+                let hop = |transfer, to_ffn: bool| {
+                    let bytes = cost.exchange_bytes(l, f, transfer);
+                    let secs = if to_ffn {
+                        cost.transfer_time(bytes, a_bw, f_bw)
+                    } else {
+                        cost.transfer_time(bytes, f_bw, a_bw)
+                    };
+                    Hop { bytes, secs }
+                };
                 Layer {
                     attn: compute(attn),
                     attn_bwd: bwd(attn),
                     ffn: compute(ffn),
                     ffn_bwd: bwd(ffn),
-                    bytes,
-                    a_to_f: cost.transfer_time(bytes, a_bw, f_bw),
-                    f_to_a: cost.transfer_time(bytes, f_bw, a_bw),
+                    dispatch: hop(ExchangeTransfer::Dispatch, true),
+                    combine: hop(ExchangeTransfer::Combine, false),
+                    grad_combine: hop(ExchangeTransfer::Gradient, true),
+                    grad_dispatch: hop(ExchangeTransfer::Gradient, false),
                 }
             })
             .collect();
@@ -286,14 +303,14 @@ impl AfPipe {
             flops: c.flops,
             bytes,
         };
-        let send = |from: usize, to: usize, transfer: Transfer, backward: bool, mb: usize, l: usize, secs: f64| {
+        let send = |from: usize, to: usize, transfer: Transfer, backward: bool, mb: usize, l: usize, hop: Hop| {
             let stream = if backward { GRAD_COMM } else { COMM };
             let kind = OpKind::Send { to, transfer, backward };
-            op(from, stream, kind, mb, l as u32, Compute { secs, flops: 0.0 }, self.layers[l].bytes)
+            op(from, stream, kind, mb, l as u32, Compute { secs: hop.secs, flops: 0.0 }, hop.bytes)
         };
-        let recv = |from: usize, to: usize, mb: usize, l: usize| {
+        let recv = |from: usize, to: usize, mb: usize, l: usize, hop: Hop| {
             let c = Compute { secs: 0.0, flops: 0.0 };
-            op(to, RECV, OpKind::Recv { from }, mb, l as u32, c, self.layers[l].bytes)
+            op(to, RECV, OpKind::Recv { from }, mb, l as u32, c, hop.bytes)
         };
         if id >= self.tail() {
             let r = self.all_reduces[id - self.tail()];
@@ -306,11 +323,11 @@ impl AfPipe {
                 let (c, lu) = (&self.layers[l], l as u32);
                 match k {
                     0 => op(aw(l), FORWARD, OpKind::AttentionForward, mb, lu, c.attn, 0.0),
-                    1 => send(aw(l), fw(l), Transfer::M2n, false, mb, l, c.a_to_f),
-                    2 => recv(aw(l), fw(l), mb, l),
+                    1 => send(aw(l), fw(l), Transfer::M2n, false, mb, l, c.dispatch),
+                    2 => recv(aw(l), fw(l), mb, l, c.dispatch),
                     3 => op(fw(l), FORWARD, OpKind::ExpertForward, mb, lu, c.ffn, 0.0),
-                    4 => send(fw(l), aw(l + 1), Transfer::N2m, false, mb, l, c.f_to_a),
-                    _ => recv(fw(l), aw(l + 1), mb, l),
+                    4 => send(fw(l), aw(l + 1), Transfer::N2m, false, mb, l, c.combine),
+                    _ => recv(fw(l), aw(l + 1), mb, l, c.combine),
                 }
             }
             Slot::HeadForward => op(aw(self.layers.len()), FORWARD, OpKind::HeadForward, mb, NO_LAYER, self.head, 0.0),
@@ -320,11 +337,11 @@ impl AfPipe {
             Slot::Backward(l, k) => {
                 let (c, lu) = (&self.layers[l], l as u32);
                 match k {
-                    0 => send(aw(l + 1), fw(l), Transfer::N2m, true, mb, l, c.a_to_f),
-                    1 => recv(aw(l + 1), fw(l), mb, l),
+                    0 => send(aw(l + 1), fw(l), Transfer::N2m, true, mb, l, c.grad_combine),
+                    1 => recv(aw(l + 1), fw(l), mb, l, c.grad_combine),
                     2 => op(fw(l), BACKWARD, OpKind::ExpertBackward, mb, lu, c.ffn_bwd, 0.0),
-                    3 => send(fw(l), aw(l), Transfer::M2n, true, mb, l, c.f_to_a),
-                    4 => recv(fw(l), aw(l), mb, l),
+                    3 => send(fw(l), aw(l), Transfer::M2n, true, mb, l, c.grad_dispatch),
+                    4 => recv(fw(l), aw(l), mb, l, c.grad_dispatch),
                     _ => op(aw(l), BACKWARD, OpKind::AttentionBackward, mb, lu, c.attn_bwd, 0.0),
                 }
             }

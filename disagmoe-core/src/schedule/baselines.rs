@@ -27,10 +27,13 @@
 
 use super::dualpipe::{check_dualpipe, dualpipe_program, DualStep};
 use super::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind as K, Transfer, WorkerRole, NO_LAYER};
-use crate::cost::CostModel;
+use crate::cost::{CostModel, ExchangeTransfer};
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
+
+/// The payloads of an EP all-to-all, in the order of `LayerCost::a2a_s`.
+const A2A: [ExchangeTransfer; 3] = [ExchangeTransfer::Dispatch, ExchangeTransfer::Combine, ExchangeTransfer::Gradient];
 
 /// A baseline schedule family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -193,8 +196,9 @@ struct LayerCost {
     ffn_flops: f64,
     ffn_work: crate::cost::Work,
     ffn_weights: f64,
-    a2a_s: f64,
-    a2a_bytes: f64,
+    /// Seconds and bytes of one all-to-all by payload (dispatch, combine, gradient).
+    a2a_s: [f64; 3],
+    a2a_bytes: [f64; 3],
     dense: bool,
 }
 
@@ -246,8 +250,9 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                 ffn_flops: f.flops,
                 ffn_work: f,
                 ffn_weights: ep_group.ffn_weight_bytes(l, ep),
-                a2a_s: cost.ep_all_to_all_time(l, ep, tokens),
-                a2a_bytes: tokens * m.moe.top_k as f64 * m.hidden as f64 * cost.precision.activation_bytes * dp as f64,
+                a2a_s: A2A.map(|t| cost.ep_all_to_all_time(l, ep, tokens, t)),
+                a2a_bytes: A2A
+                    .map(|t| tokens * m.moe.top_k as f64 * m.hidden as f64 * cost.exchange_value_bytes(t) * dp as f64),
                 dense: m.is_dense(l),
             }
         })
@@ -412,7 +417,10 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                     (OpKind::Dispatch { backward: false }, OpKind::Combine { backward: false })
                 };
                 let n = chunks;
-                let a2a = c.a2a_s / n as f64 + cost.cluster.node.latency_s * (n > 1) as u8 as f64;
+                // Seconds and bytes of one chunk's all-to-all of payload `i` (of `A2A`).
+                let a2a = |i: usize| c.a2a_s[i] / n as f64 + cost.cluster.node.latency_s * (n > 1) as u8 as f64;
+                let bytes = |i: usize| c.a2a_bytes[i] / n as f64;
+                let (p1, p2) = if backward { (2, 2) } else { (0, 1) };
                 let piece = if n > 1 { cost.gpu_time(c.ffn_work.chunk(n, c.ffn_weights, reread)) } else { c.ffn_s };
                 let base = std::mem::take(&mut deps);
                 let mut firsts = Vec::new();
@@ -421,30 +429,19 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                 for i in 0..n {
                     // Later chunks also wait for the first, which carries any patched stage input.
                     let d_deps = if i == 0 { base.clone() } else { base.iter().copied().chain([firsts[0]]).collect() };
-                    let d1 = b.op(w, K::Comm, k1, mb, lu, i as u16, d_deps, a2a, 0.0, c.a2a_bytes / n as f64);
+                    let d1 = b.op(w, K::Comm, k1, mb, lu, i as u16, d_deps, a2a(p1), 0.0, bytes(p1));
                     note(d1, &mut first_op);
                     firsts.push(d1);
                     if i >= 1 {
                         let prev = comps[i - 1];
-                        outs.push(b.op(
-                            w,
-                            K::Comm,
-                            k2,
-                            mb,
-                            lu,
-                            (i - 1) as u16,
-                            vec![prev],
-                            a2a,
-                            0.0,
-                            c.a2a_bytes / n as f64,
-                        ));
+                        outs.push(b.op(w, K::Comm, k2, mb, lu, (i - 1) as u16, vec![prev], a2a(p2), 0.0, bytes(p2)));
                     }
                     // Full recomputation keeps only the layer input, so recomputing the expert
                     // forward first re-runs the dispatch (the expert inputs live on other ranks).
                     // The combine is not re-run: an implementation can skip it.
                     let e_deps = if backward && layout.recompute {
                         let kind = OpKind::Dispatch { backward: false };
-                        vec![b.op(w, K::Comm, kind, mb, lu, i as u16, vec![d1], a2a, 0.0, c.a2a_bytes / n as f64)]
+                        vec![b.op(w, K::Comm, kind, mb, lu, i as u16, vec![d1], a2a(0), 0.0, bytes(0))]
                     } else {
                         vec![d1]
                     };
@@ -466,7 +463,7 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
                     comps.push(e);
                 }
                 let last = comps[n - 1];
-                outs.push(b.op(w, K::Comm, k2, mb, lu, (n - 1) as u16, vec![last], a2a, 0.0, c.a2a_bytes / n as f64));
+                outs.push(b.op(w, K::Comm, k2, mb, lu, (n - 1) as u16, vec![last], a2a(p2), 0.0, bytes(p2)));
                 deps = outs;
             }
             if backward {

@@ -7,7 +7,7 @@
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
-//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
@@ -41,7 +41,7 @@ pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPl
 pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
 pub use self::optimizer::OptimizerOptions;
-pub use self::parallel::{AllocationMode, ParallelOptions, Placement, TransportKind};
+pub use self::parallel::{AllocationMode, ExchangeDtype, ExchangePrecision, ParallelOptions, Placement, TransportKind};
 pub use self::precision::{NonFinitePolicy, Precision, PrecisionOptions};
 use crate::error::{Result, TrainError};
 
@@ -173,6 +173,8 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("link_latency_us", "link_latency_us"),
             ("trace", "trace"),
             ("comm_timeout_s", "comm_timeout_s"),
+            ("exchange_dtype", "exchange_dtype"),
+            ("exchange_grad_dtype", "exchange_grad_dtype"),
         ],
     ),
     (
@@ -329,7 +331,7 @@ mod tests {
                     serde_json::Value::Number(n) if n.is_u64() => vec![(n.as_u64().unwrap() + 1).to_string()],
                     serde_json::Value::Number(n) => vec![format!("{:?}", n.as_f64().unwrap() + 0.5)],
                     serde_json::Value::String(s) => vec![format!("{s:?}")],
-                    _ => vec!["1".into(), "0.5".into(), "\"x\"".into(), "[]".into(), "true".into()],
+                    _ => vec!["1".into(), "0.5".into(), "\"x\"".into(), "[]".into(), "true".into(), "\"bf16\"".into()],
                 };
                 let (nested, text) = candidates
                     .iter()

@@ -43,7 +43,10 @@ fn node_ranks() -> usize {
         .max(1)
 }
 
+pub use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
 pub use disagmoe_core::layout::Placement;
+
+use super::Precision;
 
 /// How a disaggregated run's workers are split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -119,6 +122,14 @@ pub struct ParallelOptions {
     /// send heartbeats) ends the run with an error, seconds; a peer busy for more than 30 times
     /// this is reported as hung.
     pub comm_timeout_s: f64,
+    /// What the token exchange's payloads travel in between workers: `f32`, `bf16`, or `fp8`
+    /// (dispatched activations in float8 e4m3 with a scale per 128 values of a token, the combine
+    /// in bf16). Default: the compute precision's (f32 under f32, bf16 under bf16 and f16). See
+    /// `disagmoe_core::exchange`.
+    pub exchange_dtype: Option<ExchangeDtype>,
+    /// The exchange's gradient messages: `f32` or `bf16` (never fp8). Default: bf16 when the
+    /// exchange is bf16 or fp8, f32 otherwise.
+    pub exchange_grad_dtype: Option<ExchangeDtype>,
 }
 
 impl Default for ParallelOptions {
@@ -139,6 +150,8 @@ impl Default for ParallelOptions {
             link_latency_us: 0.0,
             trace: None,
             comm_timeout_s: 60.0,
+            exchange_dtype: None,
+            exchange_grad_dtype: None,
         }
     }
 }
@@ -194,6 +207,16 @@ impl ParallelOptions {
             };
             (usable / (self.workers_here() * ranks_here)).max(1)
         })
+    }
+
+    /// What each kind of exchange message travels in, for a run computing in `compute` (checked
+    /// by [`Self::validate`]; an invalid choice reads as f32 here).
+    pub fn exchange_precision(&self, compute: Precision) -> ExchangePrecision {
+        let dtype = self.exchange_dtype.unwrap_or(match compute {
+            Precision::F32 => ExchangeDtype::F32,
+            Precision::Bf16 | Precision::F16 => ExchangeDtype::Bf16,
+        });
+        ExchangePrecision::new(dtype, self.exchange_grad_dtype).unwrap_or(ExchangePrecision::F32)
     }
 
     /// Whether the run is distributed over workers.
@@ -271,6 +294,11 @@ impl ParallelOptions {
                     self.comm_timeout_s
                 ),
             ));
+        }
+        if let Err(e) =
+            ExchangePrecision::new(self.exchange_dtype.unwrap_or(ExchangeDtype::Bf16), self.exchange_grad_dtype)
+        {
+            return Err(TrainError::option("exchange_grad_dtype", e.trim_start_matches("exchange_grad_dtype ")));
         }
         if self.placement == Placement::Single && (self.link_gbps.is_some() || self.trace.is_some()) {
             return Err(TrainError::option(

@@ -132,6 +132,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         in_flight,
         routing: cfg.model.routing(),
         recompute: cfg.memory.recompute,
+        exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
     }
 }
 

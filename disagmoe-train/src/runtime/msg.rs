@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision, FP8_BLOCK};
 use disagmoe_models::LayerRouting;
 
 use super::trace::TraceEvent;
@@ -27,6 +28,161 @@ impl HostTensor {
     /// Rows (the first dimension; 0 for an empty tensor).
     pub fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(0)
+    }
+}
+
+/// A tensor of the token exchange as it travels: f32 as computed, or packed into a lower
+/// precision on its way to another worker ([`Packed::pack`], see `disagmoe_core::exchange`): bf16
+/// (rounded to nearest even), or float8 e4m3 with one f32 scale per block of `block` values of a
+/// row (the last block of a row may be shorter). A block's scale maps its largest magnitude to
+/// e4m3's largest finite value (448), so no value saturates; a block holding a NaN or an infinity
+/// unpacks as NaN (the run's non-finite check sees it). Packed values travel as raw little-endian
+/// bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Packed {
+    /// f32 values as computed.
+    F32(HostTensor),
+    /// bfloat16 values, 2 bytes each.
+    Bf16 {
+        /// Dimensions.
+        shape: Vec<usize>,
+        /// Row-major values' bits, little-endian.
+        #[serde(with = "serde_bytes")]
+        bits: Vec<u8>,
+    },
+    /// float8 e4m3 values, a byte each, and their scales.
+    Fp8 {
+        /// Dimensions.
+        shape: Vec<usize>,
+        /// Values of a row per scale.
+        block: u32,
+        /// Row-major e4m3 codes.
+        #[serde(with = "serde_bytes")]
+        codes: Vec<u8>,
+        /// Per row, one scale per block: a value is `code x scale`.
+        scales: Vec<f32>,
+    },
+}
+
+impl From<HostTensor> for Packed {
+    fn from(t: HostTensor) -> Self {
+        Packed::F32(t)
+    }
+}
+
+impl Packed {
+    /// Dimensions.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Packed::F32(t) => &t.shape,
+            Packed::Bf16 { shape, .. } | Packed::Fp8 { shape, .. } => shape,
+        }
+    }
+
+    /// Rows (the first dimension; 0 for an empty tensor).
+    pub fn rows(&self) -> usize {
+        self.shape().first().copied().unwrap_or(0)
+    }
+
+    /// Bytes on the wire: values and scales.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Packed::F32(t) => t.data.len() * 4,
+            Packed::Bf16 { bits, .. } => bits.len(),
+            Packed::Fp8 { codes, scales, .. } => codes.len() + scales.len() * 4,
+        }
+    }
+
+    /// Whether the values fill the shape exactly (and an fp8 tensor has a scale per block of each
+    /// row); its rows when they do.
+    pub fn check(&self) -> std::result::Result<usize, String> {
+        let shape = self.shape();
+        let size = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).filter(|_| !shape.is_empty());
+        let (values, scales_ok) = match self {
+            Packed::F32(t) => (t.data.len(), true),
+            Packed::Bf16 { bits, .. } => (bits.len() / 2, bits.len() % 2 == 0),
+            Packed::Fp8 { block, codes, scales, .. } => {
+                let width = *shape.last().unwrap_or(&0);
+                let rows = if width == 0 { 0 } else { codes.len() / width };
+                let blocks = (*block > 0).then(|| width.div_ceil(*block as usize));
+                (codes.len(), blocks.and_then(|b| rows.checked_mul(b)) == Some(scales.len()))
+            }
+        };
+        match size {
+            Some(n) if n == values && scales_ok => Ok(self.rows()),
+            _ => Err(format!("{} values for shape {:?}", values, shape)),
+        }
+    }
+
+    /// The tensor in `dtype` (an f32 tensor packed; one already packed is left as it is).
+    pub fn pack(self, dtype: ExchangeDtype) -> Packed {
+        let Packed::F32(HostTensor { shape, data }) = self else { return self };
+        match dtype {
+            ExchangeDtype::F32 => Packed::F32(HostTensor { shape, data }),
+            ExchangeDtype::Bf16 => {
+                let bits = data.iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect();
+                Packed::Bf16 { shape, bits }
+            }
+            ExchangeDtype::Fp8 => {
+                let width = shape.last().copied().unwrap_or(0).max(1);
+                let block = FP8_BLOCK.min(width);
+                let mut codes = Vec::with_capacity(data.len());
+                let mut scales = Vec::with_capacity(data.len().div_ceil(block));
+                for row in data.chunks(width) {
+                    for part in row.chunks(block) {
+                        let scale = fp8_scale(part);
+                        scales.push(scale);
+                        codes.extend(part.iter().map(|&v| float8::F8E4M3::from_f32(v / scale).to_bits()));
+                    }
+                }
+                Packed::Fp8 { shape, block: block as u32, codes, scales }
+            }
+        }
+    }
+
+    /// The f32 values (a packed tensor's exactly as its dtype holds them).
+    pub fn unpack(self) -> HostTensor {
+        match self {
+            Packed::F32(t) => t,
+            Packed::Bf16 { shape, bits } => {
+                let data = bits
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                    .collect();
+                HostTensor { shape, data }
+            }
+            Packed::Fp8 { shape, block, codes, scales } => {
+                let width = shape.last().copied().unwrap_or(0).max(1);
+                let mut data = Vec::with_capacity(codes.len());
+                let mut scale = scales.iter();
+                for row in codes.chunks(width) {
+                    for part in row.chunks(block as usize) {
+                        let s = *scale.next().expect("checked: a scale per block");
+                        data.extend(part.iter().map(|&c| float8::F8E4M3::from_bits(c).to_f32() * s));
+                    }
+                }
+                HostTensor { shape, data }
+            }
+        }
+    }
+}
+
+/// The scale of an fp8 block: its largest magnitude over e4m3's largest finite value (1 for a
+/// block of zeros; NaN when the block holds a NaN or an infinity, so that it unpacks as NaN).
+fn fp8_scale(part: &[f32]) -> f32 {
+    let mut amax = 0f32;
+    for &v in part {
+        if !v.is_finite() {
+            return f32::NAN;
+        }
+        amax = amax.max(v.abs());
+    }
+    if amax == 0.0 {
+        1.0
+    } else {
+        // A scale that would flush to zero or overflow (magnitudes near f32's ends) stays usable:
+        // the smallest normal scale still maps amax within e4m3's range.
+        (amax / float8::F8E4M3::MAX.to_f32()).max(f32::MIN_POSITIVE)
     }
 }
 
@@ -72,9 +228,9 @@ pub enum Msg {
         /// Token indices within the micro-batch.
         tokens: Vec<u32>,
         /// `[n, M]` expert inputs.
-        y: HostTensor,
+        y: Packed,
         /// `[n, k]` gate weights (routed layers).
-        weights: Option<HostTensor>,
+        weights: Option<Packed>,
         /// `n * k` global expert ids.
         ids: Vec<u32>,
     },
@@ -87,7 +243,7 @@ pub enum Msg {
         /// Token indices within the micro-batch.
         tokens: Vec<u32>,
         /// `[n, M]`
-        out: HostTensor,
+        out: Packed,
     },
     /// Attention worker -> the next layer's attention worker: the residual stream.
     Residual {
@@ -96,7 +252,7 @@ pub enum Msg {
         /// Layer that produced it.
         layer: usize,
         /// `[T, M]`
-        x: HostTensor,
+        x: Packed,
         /// Load-balancing sums so far.
         aux: AuxSums,
     },
@@ -107,7 +263,7 @@ pub enum Msg {
         /// Layer.
         layer: usize,
         /// `[n, M]`, rows as in the holder's `Combine`.
-        g: HostTensor,
+        g: Packed,
     },
     /// Backward, to `layer`'s attention worker: the gradient of its residual, and the gradient of
     /// the loss with respect to each expert's summed router probability (empty without aux loss).
@@ -117,7 +273,7 @@ pub enum Msg {
         /// Layer.
         layer: usize,
         /// `[T, M]`
-        g: HostTensor,
+        g: Packed,
         /// Per routed layer, the gradient of the loss with respect to its score sums (empty
         /// without a balance loss).
         aux_coef: Vec<LayerCoefficients>,
@@ -129,9 +285,9 @@ pub enum Msg {
         /// Layer.
         layer: usize,
         /// `[n, M]`
-        gy: HostTensor,
+        gy: Packed,
         /// `[n, k]`
-        gw: Option<HostTensor>,
+        gw: Option<Packed>,
     },
     /// A chunk of a ring all-reduce.
     Reduce {
@@ -167,7 +323,7 @@ pub enum Msg {
 impl Msg {
     /// Bytes a real transfer would move (payload only).
     pub fn payload_bytes(&self) -> usize {
-        let t = |h: &HostTensor| h.data.len() * 4;
+        let t = |h: &Packed| h.bytes();
         match self {
             Msg::Dispatch { tokens, y, weights, ids, .. } => {
                 tokens.len() * 4 + t(y) + weights.as_ref().map(t).unwrap_or(0) + ids.len() * 4
@@ -191,14 +347,8 @@ impl Msg {
     /// share's rows, gate weights and expert ids agree with its token list. A message that is not
     /// (a damaged or foreign one) is refused before anything indexes into it.
     pub fn check(&self) -> std::result::Result<(), String> {
-        let tensor = |what: &str, h: &HostTensor| -> std::result::Result<usize, String> {
-            let size = h.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            match size {
-                Some(n) if n == h.data.len() && !h.shape.is_empty() => Ok(h.rows()),
-                _ => Err(format!("{}: {} values for shape {:?}", what, h.data.len(), h.shape)),
-            }
-        };
-        let rows = |what: &str, h: &HostTensor, n: usize| match tensor(what, h)? {
+        let tensor = |what: &str, h: &Packed| h.check().map_err(|e| format!("{what}: {e}"));
+        let rows = |what: &str, h: &Packed, n: usize| match tensor(what, h)? {
             r if r == n => Ok(()),
             r => Err(format!("{what}: {r} rows for {n} tokens")),
         };
@@ -207,8 +357,8 @@ impl Msg {
                 rows("dispatch y", y, tokens.len())?;
                 if let Some(w) = weights {
                     rows("dispatch weights", w, tokens.len())?;
-                    let k = w.shape.get(1).copied().unwrap_or(0);
-                    if w.shape.len() != 2 || ids.len() != tokens.len() * k {
+                    let k = w.shape().get(1).copied().unwrap_or(0);
+                    if w.shape().len() != 2 || ids.len() != tokens.len() * k {
                         return Err(format!("dispatch: {} expert ids for {} tokens x {k}", ids.len(), tokens.len()));
                     }
                 }
@@ -222,6 +372,40 @@ impl Msg {
                 gw.as_ref().map_or(Ok(()), |w| rows("gradient of gate weights", w, n))
             }
             _ => Ok(()),
+        }
+    }
+
+    /// The message as it leaves for another worker: each tensor of the token exchange packed in
+    /// its kind's dtype (dispatched activations in `dispatch`; the holders' outputs, the residual
+    /// and gate weights in `combine`; gradients in `grads`); any other message as it is.
+    pub fn pack(self, p: &ExchangePrecision) -> Msg {
+        let (d, c, g) = (p.dispatch, p.combine, p.grads);
+        match self {
+            Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
+                Msg::Dispatch { mb, layer, tokens, y: y.pack(d), weights: weights.map(|w| w.pack(c)), ids }
+            }
+            Msg::Combine { mb, layer, tokens, out } => Msg::Combine { mb, layer, tokens, out: out.pack(c) },
+            Msg::Residual { mb, layer, x, aux } => Msg::Residual { mb, layer, x: x.pack(c), aux },
+            Msg::GradCombine { mb, layer, g: t } => Msg::GradCombine { mb, layer, g: t.pack(g) },
+            Msg::GradResidual { mb, layer, g: t, aux_coef } => Msg::GradResidual { mb, layer, g: t.pack(g), aux_coef },
+            Msg::GradDispatch { mb, layer, gy, gw } => {
+                Msg::GradDispatch { mb, layer, gy: gy.pack(g), gw: gw.map(|w| w.pack(g)) }
+            }
+            other => other,
+        }
+    }
+
+    /// A token-exchange message's kind, its index in `metrics::ExchangeBytes::KINDS` (dispatch,
+    /// combine, residual, then their gradients); `None` for any other message.
+    pub fn exchange_kind(&self) -> Option<usize> {
+        match self {
+            Msg::Dispatch { .. } => Some(0),
+            Msg::Combine { .. } => Some(1),
+            Msg::Residual { .. } => Some(2),
+            Msg::GradCombine { .. } => Some(3),
+            Msg::GradResidual { .. } => Some(4),
+            Msg::GradDispatch { .. } => Some(5),
+            _ => None,
         }
     }
 
@@ -349,7 +533,7 @@ mod tests {
     #[test]
     fn a_message_that_does_not_fit_the_run_is_refused_by_name() {
         let run = RunBounds { workers: 4, micro_batches: 2, layers: 3, tokens: 8 };
-        let t = |rows: usize| HostTensor { shape: vec![rows, 2], data: vec![0.0; rows * 2] };
+        let t = |rows: usize| Packed::from(HostTensor { shape: vec![rows, 2], data: vec![0.0; rows * 2] });
         let combine = |mb, layer, tokens: Vec<u32>| {
             let out = t(tokens.len());
             Msg::Combine { mb, layer, tokens, out }
@@ -365,5 +549,65 @@ mod tests {
             let e = msg.admit(src, &run).expect_err(what);
             assert!(e.contains(says), "{what}: {e}");
         }
+    }
+
+    /// bf16: half's rounding to nearest even, bit for bit, 2 bytes a value; fp8: within e4m3's
+    /// relative step of each block's largest magnitude, 1 byte a value plus a scale per block.
+    #[test]
+    fn exchange_tensors_pack_in_bf16_and_fp8_and_unpack_to_what_those_formats_hold() {
+        let width = 300usize; // blocks of 128, 128 and 44
+        let data: Vec<f32> = (0..2 * width).map(|i| (i as f32 * 0.37).sin() * 10f32.powi(i as i32 % 7 - 3)).collect();
+        let t = HostTensor { shape: vec![2, width], data: data.clone() };
+        assert_eq!(Packed::from(t.clone()).pack(ExchangeDtype::F32), Packed::F32(t.clone()));
+
+        let bf = Packed::from(t.clone()).pack(ExchangeDtype::Bf16);
+        assert_eq!((bf.bytes(), bf.check()), (2 * data.len(), Ok(2)));
+        let back = bf.unpack();
+        assert_eq!(back.shape, t.shape);
+        for (a, b) in data.iter().zip(&back.data) {
+            assert_eq!(b.to_bits(), half::bf16::from_f32(*a).to_f32().to_bits());
+        }
+        // Ties go to even: 1 + 2^-8 is halfway between two bf16 values.
+        let tie =
+            Packed::from(HostTensor { shape: vec![2], data: vec![1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8)] });
+        assert_eq!(tie.pack(ExchangeDtype::Bf16).unpack().data, vec![1.0, 1.0 + 4.0 * 2f32.powi(-8)]);
+
+        let f8 = Packed::from(t.clone()).pack(ExchangeDtype::Fp8);
+        assert_eq!((f8.bytes(), f8.check()), (data.len() + 2 * 3 * 4, Ok(2)));
+        let back = f8.unpack();
+        for (row, got) in data.chunks(width).zip(back.data.chunks(width)) {
+            for (block, got) in row.chunks(FP8_BLOCK).zip(got.chunks(FP8_BLOCK)) {
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (a, b) in block.iter().zip(got) {
+                    // e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value, and values
+                    // 2^-9 of the block's largest or below are subnormal there.
+                    assert!((a - b).abs() <= a.abs() / 16.0 + amax * 2f32.powi(-18), "{a} -> {b}");
+                }
+                assert!(got.iter().fold(0f32, |m, v| m.max(v.abs())) == amax, "the largest stays exact");
+            }
+        }
+        // Values far past e4m3's range (448) and far below it are scaled, not saturated or flushed;
+        // zeros stay zeros; a non-finite value makes its block NaN (the others are untouched).
+        let odd = HostTensor { shape: vec![4, 2], data: vec![1e30, -3e29, 1e-30, 5e-31, 0.0, 0.0, f32::INFINITY, 1.0] };
+        let back = Packed::from(odd).pack(ExchangeDtype::Fp8).unpack().data;
+        assert!((back[0] - 1e30).abs() <= 1e30 / 16.0 && (back[1] + 3e29).abs() <= 3e29 / 16.0, "{back:?}");
+        assert!((back[2] - 1e-30).abs() <= 1e-30 / 16.0 && (back[3] - 5e-31).abs() <= 5e-31 / 16.0, "{back:?}");
+        assert_eq!(&back[4..6], &[0.0, 0.0]);
+        assert!(back[6].is_nan() && back[7].is_nan(), "{back:?}");
+        // Only the exchange's tensors are packed, each kind in its dtype.
+        let p = ExchangePrecision::new(ExchangeDtype::Fp8, None).unwrap();
+        let dispatch = Msg::Dispatch {
+            mb: 0,
+            layer: 0,
+            tokens: vec![0],
+            y: HostTensor { shape: vec![1, 4], data: vec![1.0; 4] }.into(),
+            weights: Some(HostTensor { shape: vec![1, 2], data: vec![0.5; 2] }.into()),
+            ids: vec![0, 1],
+        };
+        let Msg::Dispatch { y, weights: Some(w), .. } = dispatch.pack(&p) else { unreachable!() };
+        assert!(matches!((&y, &w), (Packed::Fp8 { .. }, Packed::Bf16 { .. })), "{y:?} {w:?}");
+        let g = Msg::GradCombine { mb: 0, layer: 0, g: HostTensor { shape: vec![1, 4], data: vec![1.0; 4] }.into() };
+        assert!(matches!(g.pack(&p), Msg::GradCombine { g: Packed::Bf16 { .. }, .. }));
+        assert_eq!(Msg::Shutdown.pack(&p), Msg::Shutdown);
     }
 }

@@ -7,11 +7,13 @@
 //! messages whose decoded size most exceeds their bytes); lengths by size class (empty, a few,
 //! hundreds, thousands, tens of thousands, and now and then a multi-MiB tensor); tensors of any
 //! width, zero columns included; floats from raw bits (subnormals, infinities and both zeros
-//! included; NaN left out so that `==` can compare, its bits round-trip like any other's).
+//! included; NaN left out so that `==` can compare, its bits round-trip like any other's). An
+//! exchange tensor travels as f32, bf16 or fp8 (any block size, codes of any bits, scales as any
+//! float).
 
 use disagmoe_models::LayerRouting;
 
-use super::msg::{AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, ReduceData, ShardReport};
+use super::msg::{AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Packed, ReduceData, ShardReport};
 use super::trace::TraceEvent;
 
 /// Where the random choices come from: a seeded generator in tests, the fuzzer's bytes in fuzzing.
@@ -150,6 +152,25 @@ impl<C: Choices> Sampler<C> {
         HostTensor { shape, data }
     }
 
+    /// An exchange tensor of `rows` rows (see [`Self::tensor`]) as f32, bf16 or fp8.
+    fn packed(&mut self, rows: Option<usize>) -> Packed {
+        let t = self.tensor(rows);
+        match self.below(3) {
+            0 => t.into(),
+            1 => {
+                let bits = t.data.iter().flat_map(|v| (self.u32() as u16 ^ v.to_bits() as u16).to_le_bytes()).collect();
+                Packed::Bf16 { shape: t.shape, bits }
+            }
+            _ => {
+                let width = t.shape.last().copied().unwrap_or(0);
+                let block = 1 + self.below(300) as usize;
+                let blocks = t.data.len().checked_div(width).unwrap_or(0) * width.div_ceil(block);
+                let codes = t.data.iter().map(|v| v.to_bits() as u8).collect();
+                Packed::Fp8 { shape: t.shape, block: block as u32, codes, scales: self.f32s(blocks) }
+            }
+        }
+    }
+
     fn routing(&mut self) -> LayerRouting {
         let (sequences, experts) = (self.below(9) as usize, self.below(65) as usize);
         LayerRouting {
@@ -181,9 +202,13 @@ impl<C: Choices> Sampler<C> {
     }
 
     /// A gate-weight tensor `[n, k]` (k from 1 to 8).
-    fn weights(&mut self, n: usize) -> HostTensor {
+    fn weights(&mut self, n: usize) -> Packed {
         let k = 1 + self.below(8) as usize;
-        HostTensor { shape: vec![n, k], data: self.f32s(n * k) }
+        let w = HostTensor { shape: vec![n, k], data: self.f32s(n * k) };
+        match self.below(2) {
+            0 => w.into(),
+            _ => Packed::from(w).pack(disagmoe_core::exchange::ExchangeDtype::Bf16),
+        }
     }
 
     /// One message of kind `kind` (`0..KINDS`).
@@ -193,12 +218,12 @@ impl<C: Choices> Sampler<C> {
             0 => {
                 let tokens = self.tokens();
                 let n = tokens.len();
-                let y = self.tensor(Some(n));
+                let y = self.packed(Some(n));
                 let (weights, ids) = match self.below(2) {
                     0 => (None, Vec::new()),
                     _ => {
                         let w = self.weights(n);
-                        let ids = self.u32s(n * w.shape[1]);
+                        let ids = self.u32s(n * w.shape()[1]);
                         (Some(w), ids)
                     }
                 };
@@ -206,13 +231,13 @@ impl<C: Choices> Sampler<C> {
             }
             1 => {
                 let tokens = self.tokens();
-                let out = self.tensor(Some(tokens.len()));
+                let out = self.packed(Some(tokens.len()));
                 Msg::Combine { mb, layer, tokens, out }
             }
-            2 => Msg::Residual { mb, layer, x: self.tensor(None), aux: self.aux() },
-            3 => Msg::GradCombine { mb, layer, g: self.tensor(None) },
+            2 => Msg::Residual { mb, layer, x: self.packed(None), aux: self.aux() },
+            3 => Msg::GradCombine { mb, layer, g: self.packed(None) },
             4 => {
-                let g = self.tensor(None);
+                let g = self.packed(None);
                 let n = self.below(4) as usize;
                 let aux_coef = (0..n)
                     .map(|_| {
@@ -223,7 +248,7 @@ impl<C: Choices> Sampler<C> {
                 Msg::GradResidual { mb, layer, g, aux_coef }
             }
             5 => {
-                let gy = self.tensor(None);
+                let gy = self.packed(None);
                 let gw = match self.below(2) {
                     0 => None,
                     _ => Some(self.weights(gy.rows())),

@@ -54,6 +54,9 @@ pub struct StepTiming {
     /// Bytes workers sent: the token exchange's messages, and each all-reduce as a ring sends it
     /// (2(n-1)/n of the data per member) whatever reduced it.
     pub bytes_sent: f64,
+    /// Of them, the token exchange's messages (their payloads as packed: see
+    /// `disagmoe_core::exchange`).
+    pub exchange_bytes: crate::metrics::ExchangeBytes,
 }
 
 /// What one step did, the same on every worker.

@@ -91,6 +91,7 @@ impl History {
         self.timing.compute_s += m.compute_s;
         self.timing.link_s += m.link_s;
         self.timing.bytes_sent += m.bytes_sent;
+        self.timing.exchange_bytes.add(&m.exchange_bytes);
     }
 }
 
@@ -247,6 +248,15 @@ pub fn run(
         compute_s: per_step(seen.timing.compute_s),
         link_s: per_step(seen.timing.link_s),
         bytes_sent_per_worker: per_step(seen.timing.bytes_sent) / info.workers.max(1) as f64,
+        exchange_bytes_per_worker: per_step(seen.timing.exchange_bytes.total()) / info.workers.max(1) as f64,
+        exchange_bytes_by_kind_per_worker: seen
+            .timing
+            .exchange_bytes
+            .scaled(per_step(1.0) / info.workers.max(1) as f64),
+        exchange_dtype: cfg
+            .parallel
+            .distributed()
+            .then(|| cfg.parallel.exchange_precision(cfg.precision.compute).describe()),
         threads_per_worker: cfg.parallel.threads_per_worker(),
         in_flight: cfg.parallel.distributed().then_some(info.in_flight),
         losses: seen.losses,

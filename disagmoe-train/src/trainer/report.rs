@@ -88,6 +88,14 @@ pub struct TrainSummary {
     pub link_s: f64,
     /// Mean per step and worker of the bytes sent (see [`crate::trainer::StepTiming::bytes_sent`]).
     pub bytes_sent_per_worker: f64,
+    /// Of them, the token exchange's messages (dispatch, combine, residual and their gradients),
+    /// as packed in the exchange's precision.
+    pub exchange_bytes_per_worker: f64,
+    /// The same by message kind.
+    pub exchange_bytes_by_kind_per_worker: crate::metrics::ExchangeBytes,
+    /// What the exchange's payloads travel in (distributed runs): `f32`, `bf16`, or `fp8 dispatch,
+    /// bf16 combine, bf16 gradients`.
+    pub exchange_dtype: Option<String>,
     /// CPU threads each worker computed with.
     pub threads_per_worker: usize,
     /// Micro-batches each embedding worker kept in flight (distributed runs).
@@ -131,6 +139,7 @@ pub(crate) fn step_metrics(
         compute_s: t.compute_s,
         link_s: t.link_s,
         bytes_sent: t.bytes_sent,
+        exchange_bytes: t.exchange_bytes,
         expert_load: report
             .expert_counts
             .iter()

@@ -3,7 +3,9 @@
 //! attention worker (N2M, fused with the hand-off of the residual, [`Inbox`]), and the mirrored
 //! exchange of gradients ([`input_grad_messages`], [`gather_dispatch_grads`]). Every message of the
 //! exchange (`Msg::Dispatch`, `Combine`, `Residual` and their gradients) is built here and nowhere
-//! else; the worker computes, and hands this module host rows.
+//! else; the worker computes, and hands this module host rows. A message leaving for another worker
+//! is packed in the run's exchange precision there (`Msg::pack`, f32, bf16 or fp8 dispatch, see
+//! `disagmoe_core::exchange`) and unpacked to f32 here when kept ([`Inbox::keep`]).
 //!
 //! # Notation
 //! - `T`: tokens of the micro-batch; `M`: model width; `k`: experts per token
@@ -38,7 +40,7 @@ use std::ops::Range;
 use disagmoe_kernels::order::{range_key, tree_sum, Term};
 
 use super::layout::Layout;
-use super::msg::{AuxSums, HostTensor, LayerCoefficients, Msg};
+use super::msg::{AuxSums, HostTensor, LayerCoefficients, Msg, Packed};
 
 mod plan;
 pub use plan::*;
@@ -271,23 +273,26 @@ impl Inbox {
     pub fn keep(&mut self, layout: &Layout, src: usize, msg: Msg) -> Option<Msg> {
         match msg {
             Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
+                let (y, weights) = (y.unpack(), weights.map(Packed::unpack));
                 self.dispatched.insert((mb, layer), Dispatched { tokens, y, weights, ids });
             }
             Msg::GradCombine { mb, layer, g } => {
-                self.grad_combines.insert((mb, layer), g);
+                self.grad_combines.insert((mb, layer), g.unpack());
             }
             Msg::Combine { mb, layer, tokens, out } => {
                 let key = holder_key(layout, layer, src);
-                let partial = Partial { holder: src, key, tokens, out };
+                let partial = Partial { holder: src, key, tokens, out: out.unpack() };
                 self.inputs.entry((mb, layer + 1)).or_default().partials.push(partial);
             }
             Msg::Residual { mb, layer, x, aux } => {
-                self.inputs.entry((mb, layer + 1)).or_default().residual = Some(ResidualIn { x, aux });
+                self.inputs.entry((mb, layer + 1)).or_default().residual = Some(ResidualIn { x: x.unpack(), aux });
             }
             Msg::GradResidual { mb, layer, g, aux_coef } => {
+                let g = g.unpack();
                 self.grads.entry((mb, layer)).or_default().residual = Some(GradResidualIn { g, aux_coef });
             }
             Msg::GradDispatch { mb, layer, gy, gw } => {
+                let (gy, gw) = (gy.unpack(), gw.map(Packed::unpack));
                 self.grads.entry((mb, layer)).or_default().dispatch.push(DispatchGrad { holder: src, gy, gw });
             }
             other => return Some(other),
@@ -388,7 +393,9 @@ mod tests {
         let got: Vec<_> = msgs
             .iter()
             .map(|(dst, m)| match m {
-                Msg::GradCombine { layer: 0, g, .. } | Msg::GradResidual { layer: 0, g, .. } => (*dst, g.data.clone()),
+                Msg::GradCombine { layer: 0, g, .. } | Msg::GradResidual { layer: 0, g, .. } => {
+                    (*dst, g.clone().unpack().data)
+                }
                 other => panic!("{other:?}"),
             })
             .collect();

@@ -104,7 +104,14 @@ impl DispatchPlan {
                     true => (empty(self.width), self.k.map(empty)),
                     false => rows(&tokens),
                 };
-                let msg = Msg::Dispatch { mb, layer, tokens: tokens.clone(), y, weights, ids };
+                let msg = Msg::Dispatch {
+                    mb,
+                    layer,
+                    tokens: tokens.clone(),
+                    y: y.into(),
+                    weights: weights.map(Into::into),
+                    ids,
+                };
                 ((holder, msg), SentDispatch { holder, key, tokens })
             })
             .unzip()
@@ -113,18 +120,18 @@ impl DispatchPlan {
 
 /// The residual stream of micro-batch `mb` out of `layer`, with the balance-loss sums so far.
 pub fn residual(mb: usize, layer: usize, x: HostTensor, aux: AuxSums) -> Msg {
-    Msg::Residual { mb, layer, x, aux }
+    Msg::Residual { mb, layer, x: x.into(), aux }
 }
 
 /// A holder's share `[n, M]` of `layer`'s output for its `tokens` (N2M).
 pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, out: HostTensor) -> Msg {
-    Msg::Combine { mb, layer, tokens, out }
+    Msg::Combine { mb, layer, tokens, out: out.into() }
 }
 
 /// A holder's gradients of its dispatch of `layer`: of the expert inputs `[n, M]` and (routed) of
 /// the gate weights `[n, k]`.
 pub fn grad_dispatch(mb: usize, layer: usize, gy: HostTensor, gw: Option<HostTensor>) -> Msg {
-    Msg::GradDispatch { mb, layer, gy, gw }
+    Msg::GradDispatch { mb, layer, gy: gy.into(), gw: gw.map(Into::into) }
 }
 
 /// The gradient of `layer`'s input `gh` sent back (the mirror of N2M): each holder of
@@ -140,11 +147,11 @@ pub fn input_grad_messages(
 ) -> Vec<(usize, Msg)> {
     let mut msgs: Vec<(usize, Msg)> = from
         .iter()
-        .map(|share| (share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens) }))
+        .map(|share| (share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens).into() }))
         .collect();
     let m = *gh.shape.last().expect("[B, S, M]");
     let g = HostTensor { shape: vec![gh.data.len() / m, m], data: gh.data };
-    msgs.push((prev, Msg::GradResidual { mb, layer: layer - 1, g, aux_coef }));
+    msgs.push((prev, Msg::GradResidual { mb, layer: layer - 1, g: g.into(), aux_coef }));
     msgs
 }
 
@@ -233,7 +240,7 @@ mod tests {
             )
         });
         let Msg::Dispatch { y, weights: Some(w), .. } = &msgs[1].1 else { panic!() };
-        assert_eq!((y.shape.clone(), w.shape.clone()), (vec![0, 5], vec![0, 2]));
+        assert_eq!((y.shape(), w.shape()), (&[0, 5][..], &[0, 2][..]));
         assert_eq!((sent[0].holder, sent[1].tokens.len()), (2, 0));
     }
 

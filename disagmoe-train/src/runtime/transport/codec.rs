@@ -110,7 +110,7 @@ impl Reassembly {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::msg::{AuxSums, HostTensor, Msg};
+    use crate::runtime::msg::{AuxSums, HostTensor, Msg, Packed};
 
     #[test]
     fn envelopes_round_trip_and_damaged_bytes_are_refused_with_the_reason() {
@@ -133,7 +133,7 @@ mod tests {
 
     #[test]
     fn malformed_messages_are_refused_before_use() {
-        let t = |shape: Vec<usize>, n: usize| HostTensor { shape, data: vec![0.0; n] };
+        let t = |shape: Vec<usize>, n: usize| Packed::from(HostTensor { shape, data: vec![0.0; n] });
         let env = |msg| Envelope { src: 1, step: 1, sent_us: 0, deliver_us: 0, msg };
         let good = Msg::Dispatch {
             mb: 0,
@@ -155,6 +155,23 @@ mod tests {
             ("values", Msg::Combine { mb: 0, layer: 0, tokens: vec![0], out: t(vec![1, 3], 2) }),
             ("rows", Msg::Combine { mb: 0, layer: 0, tokens: vec![0, 1], out: t(vec![1, 3], 3) }),
             ("overflow", Msg::Residual { mb: 0, layer: 0, x: t(vec![usize::MAX, 2], 0), aux: AuxSums::default() }),
+            ("odd bf16", Msg::GradCombine { mb: 0, layer: 0, g: Packed::Bf16 { shape: vec![1], bits: vec![0; 3] } }),
+            (
+                "fp8 scales",
+                Msg::GradCombine {
+                    mb: 0,
+                    layer: 0,
+                    g: Packed::Fp8 { shape: vec![2, 3], block: 2, codes: vec![0; 6], scales: vec![1.0; 3] },
+                },
+            ),
+            (
+                "fp8 block 0",
+                Msg::GradCombine {
+                    mb: 0,
+                    layer: 0,
+                    g: Packed::Fp8 { shape: vec![1, 3], block: 0, codes: vec![0; 3], scales: vec![] },
+                },
+            ),
             (
                 "ids",
                 Msg::Dispatch {
@@ -207,8 +224,8 @@ mod tests {
                 mb: 0,
                 layer: 1,
                 ids: tokens.iter().flat_map(|&t| [t % 8, 7 - t % 8]).collect(),
-                weights: Some(HostTensor { shape: vec![n, 2], data: vec![0.5; 2 * n] }),
-                y: HostTensor { shape: vec![n, 0], data: Vec::new() },
+                weights: Some(HostTensor { shape: vec![n, 2], data: vec![0.5; 2 * n] }.into()),
+                y: HostTensor { shape: vec![n, 0], data: Vec::new() }.into(),
                 tokens,
             };
             let env = Envelope { src: 1, step: 2, sent_us: 3, deliver_us: 4, msg };
@@ -219,8 +236,13 @@ mod tests {
         }
         // A shape of small dimensions (8 bytes each when decoded) and a long trace of empty names.
         let x = HostTensor { shape: vec![1; 60_000], data: vec![2.0] };
-        let env =
-            Envelope { src: 0, step: 0, sent_us: 0, deliver_us: 0, msg: Msg::GradCombine { mb: 0, layer: 0, g: x } };
+        let env = Envelope {
+            src: 0,
+            step: 0,
+            sent_us: 0,
+            deliver_us: 0,
+            msg: Msg::GradCombine { mb: 0, layer: 0, g: x.into() },
+        };
         assert!(Envelope::from_bytes(&env.to_bytes()).unwrap() == env);
     }
 

@@ -7,6 +7,8 @@
 
 use std::ops::Sub;
 
+use disagmoe_core::exchange::ExchangePrecision;
+
 use crate::error::{Result, TrainError};
 use crate::runtime::collectives::Transit;
 use crate::runtime::msg::{Envelope, Msg, ReduceData};
@@ -28,6 +30,8 @@ pub(crate) struct StepMeters {
     /// Bytes sent: messages of the token exchange, and each all-reduce as a ring sends it
     /// (2(n-1)/n of the data per member), whatever reduces it.
     pub(crate) bytes_sent: u64,
+    /// Of them, the token exchange's (packed payloads), by kind (`Msg::exchange_kind`).
+    pub(crate) exchange_bytes: [u64; 6],
 }
 
 impl Sub for StepMeters {
@@ -40,6 +44,7 @@ impl Sub for StepMeters {
             compute_us: self.compute_us - start.compute_us,
             link_us: self.link_us - start.link_us,
             bytes_sent: self.bytes_sent - start.bytes_sent,
+            exchange_bytes: std::array::from_fn(|i| self.exchange_bytes[i] - start.exchange_bytes[i]),
         }
     }
 }
@@ -58,10 +63,18 @@ pub(crate) struct Comm {
     timeout: std::time::Duration,
     pub(crate) tracer: Tracer,
     pub(crate) meters: StepMeters,
+    /// What the exchange's payloads travel in between workers.
+    exchange: ExchangePrecision,
 }
 
 impl Comm {
-    pub(crate) fn new(port: Port, workers: usize, timeout: std::time::Duration, trace: bool) -> Self {
+    pub(crate) fn new(
+        port: Port,
+        workers: usize,
+        timeout: std::time::Duration,
+        trace: bool,
+        exchange: ExchangePrecision,
+    ) -> Self {
         let rank = port.rank();
         Self {
             rank,
@@ -72,16 +85,21 @@ impl Comm {
             timeout,
             tracer: Tracer::new(trace, rank),
             meters: StepMeters::default(),
+            exchange,
         }
     }
 
-    /// Sends `msg` to `dst`, traced; the token exchange's bytes to other workers are counted (a
-    /// message to oneself never leaves; all-reduces are counted by the worker's `all_reduce`,
-    /// whatever carries them).
+    /// Sends `msg` to `dst`, traced; a message of the token exchange to another worker is packed
+    /// in the run's exchange precision ([`Msg::pack`]) and its bytes counted (a message to oneself
+    /// never leaves and stays f32; all-reduces are counted by the worker's `all_reduce`, whatever
+    /// carries them).
     pub(crate) fn send(&mut self, dst: usize, msg: Msg) -> Result<()> {
+        let leaves = msg.exchange_kind().filter(|_| dst != self.rank);
+        let msg = if leaves.is_some() { msg.pack(&self.exchange) } else { msg };
         let (kind, at, bytes) = (msg.kind(), msg.at(), msg.payload_bytes() as u64);
-        if at.is_some() && dst != self.rank {
+        if let Some(k) = leaves {
             self.meters.bytes_sent += bytes;
+            self.meters.exchange_bytes[k] += bytes;
         }
         let (sent, delivered, wire) = self.port.send(dst, self.step, msg)?;
         self.meters.link_us += wire;

@@ -24,6 +24,7 @@ use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
+use disagmoe_core::exchange::ExchangePrecision;
 use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::moe::{Experts, Router, RoutingOptions};
 use disagmoe_models::{AuxLoss, Recompute, TrainModule};
@@ -93,6 +94,8 @@ pub struct StepSettings {
     /// Test-only fault: `(step, tensor)` whose gradient becomes NaN at that step where it is held
     /// (see `Worker::inject_nonfinite`).
     pub poison_at: Option<(usize, String)>,
+    /// What the token exchange's payloads travel in between workers.
+    pub exchange: ExchangePrecision,
 }
 
 /// A worker and its state within a step.
@@ -157,7 +160,7 @@ where
         trace: bool,
         opt: AdamW<B>,
     ) -> Self {
-        let comm = Comm::new(port, layout.workers, settings.timeout, trace);
+        let comm = Comm::new(port, layout.workers, settings.timeout, trace, settings.exchange);
         let rank = comm.rank;
         let names = part.names(&layout, rank, ffn_name);
         let attn_index = layout.attn_layers(rank).into_iter().enumerate().map(|(i, l)| (l, i)).collect();

@@ -16,6 +16,7 @@ use super::autodiff::{Flatten, Restore, ZeroFill};
 use super::comm::StepMeters;
 use super::{Worker, WorkerPart};
 use crate::error::{Result, TrainError};
+use crate::metrics::ExchangeBytes;
 use crate::optim::{grad_norm, poison_gradient};
 use crate::runtime::collectives::ReduceValues;
 use crate::runtime::trace::COMPUTE;
@@ -62,6 +63,8 @@ struct GlobalSums {
     link_s: f64,
     /// Bytes sent.
     bytes_sent: f64,
+    /// Of them, the token exchange's, by kind.
+    exchange_bytes: [f64; 6],
     /// Workers asked to stop (a signal reached their process).
     stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
@@ -76,7 +79,7 @@ type Field = fn(&mut GlobalSums) -> &mut f64;
 impl GlobalSums {
     /// The scalar fields in the order they travel (the expert counts follow). The order is part of
     /// the sums' bits (a ring adds each piece starting at another member), so it stays as it is.
-    const SCALARS: [Field; 11] = [
+    const SCALARS: [Field; 17] = [
         |g| &mut g.grad_sq,
         |g| &mut g.losses.total,
         |g| &mut g.losses.lm,
@@ -88,6 +91,12 @@ impl GlobalSums {
         |g| &mut g.stop,
         |g| &mut g.bytes_sent,
         |g| &mut g.losses.z,
+        |g| &mut g.exchange_bytes[0],
+        |g| &mut g.exchange_bytes[1],
+        |g| &mut g.exchange_bytes[2],
+        |g| &mut g.exchange_bytes[3],
+        |g| &mut g.exchange_bytes[4],
+        |g| &mut g.exchange_bytes[5],
     ];
 
     fn into_vec(mut self) -> Vec<f64> {
@@ -153,6 +162,7 @@ where
             compute_s: d.compute_us as f64 * 1e-6,
             link_s: d.link_us as f64 * 1e-6,
             bytes_sent: d.bytes_sent as f64,
+            exchange_bytes: d.exchange_bytes.map(|b| b as f64),
             stop: if stop { 1.0 } else { 0.0 },
             expert_counts,
         }
@@ -281,6 +291,11 @@ where
                 compute_s: g.compute_s,
                 link_s: g.link_s,
                 bytes_sent: g.bytes_sent,
+                exchange_bytes: {
+                    let mut e = ExchangeBytes::default();
+                    (0..6).for_each(|i| *e.kind_mut(i) = g.exchange_bytes[i]);
+                    e
+                },
             },
             stop: g.stop > 0.0,
         };
@@ -338,13 +353,14 @@ mod tests {
             link_s: 8.0,
             stop: 9.0,
             bytes_sent: 10.0,
-            expert_counts: vec![12.0, 13.0],
+            exchange_bytes: [12.0, 13.0, 14.0, 15.0, 16.0, 17.0],
+            expert_counts: vec![18.0, 19.0],
         };
         let v = g.into_vec();
         // The order they always travelled in (it is part of a ring sum's bits).
-        assert_eq!(v, (1..=13).map(f64::from).collect::<Vec<_>>());
+        assert_eq!(v, (1..=19).map(f64::from).collect::<Vec<_>>());
         let back = GlobalSums::from_vec(&v);
-        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![12.0, 13.0]));
+        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![18.0, 19.0]));
         assert_eq!(back.into_vec(), v);
     }
 }
