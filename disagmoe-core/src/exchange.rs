@@ -111,7 +111,7 @@ impl ExchangePrecision {
         let of = Self::of(dtype);
         let grads = grads.unwrap_or(of.grads);
         if grads == ExchangeDtype::Fp8 {
-            return Err("exchange_grad_dtype fp8: gradients travel in f32 or bf16 (allowed: f32, bf16)".into());
+            return Err("fp8: gradients travel in f32 or bf16 (allowed: f32, bf16)".into());
         }
         Ok(ExchangePrecision { grads, ..of })
     }

@@ -111,25 +111,19 @@ pub struct ExchangeBytes {
 }
 
 impl ExchangeBytes {
-    /// The kinds in order, with their names.
-    pub const KINDS: [&'static str; 6] =
-        ["dispatch", "combine", "residual", "grad_combine", "grad_residual", "grad_dispatch"];
+    /// From the bytes of each kind in field order (the order of `Msg::exchange_kind`).
+    pub fn from_kinds([dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch]: [f64; 6]) -> Self {
+        Self { dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch }
+    }
 
-    /// Bytes of kind `i` (of [`Self::KINDS`]).
-    pub fn kind_mut(&mut self, i: usize) -> &mut f64 {
-        match i {
-            0 => &mut self.dispatch,
-            1 => &mut self.combine,
-            2 => &mut self.residual,
-            3 => &mut self.grad_combine,
-            4 => &mut self.grad_residual,
-            _ => &mut self.grad_dispatch,
-        }
+    /// The bytes of each kind in field order.
+    pub fn kinds(&self) -> [f64; 6] {
+        [self.dispatch, self.combine, self.residual, self.grad_combine, self.grad_residual, self.grad_dispatch]
     }
 
     /// All kinds.
     pub fn total(&self) -> f64 {
-        self.dispatch + self.combine + self.residual + self.grad_combine + self.grad_residual + self.grad_dispatch
+        self.kinds().iter().sum()
     }
 
     /// Whether nothing was exchanged (one device).
@@ -139,14 +133,13 @@ impl ExchangeBytes {
 
     /// Each kind plus `other`'s.
     pub fn add(&mut self, other: &ExchangeBytes) {
-        let mut other = *other;
-        (0..6).for_each(|i| *self.kind_mut(i) += *other.kind_mut(i));
+        let (a, b) = (self.kinds(), other.kinds());
+        *self = Self::from_kinds(std::array::from_fn(|i| a[i] + b[i]));
     }
 
     /// Each kind times `f`.
-    pub fn scaled(mut self, f: f64) -> ExchangeBytes {
-        (0..6).for_each(|i| *self.kind_mut(i) *= f);
-        self
+    pub fn scaled(self, f: f64) -> ExchangeBytes {
+        Self::from_kinds(self.kinds().map(|b| b * f))
     }
 }
 

@@ -295,11 +295,9 @@ impl ParallelOptions {
                 ),
             ));
         }
-        if let Err(e) =
-            ExchangePrecision::new(self.exchange_dtype.unwrap_or(ExchangeDtype::Bf16), self.exchange_grad_dtype)
-        {
-            return Err(TrainError::option("exchange_grad_dtype", e.trim_start_matches("exchange_grad_dtype ")));
-        }
+        // The dtypes are parsed already: only the gradients' can be refused.
+        ExchangePrecision::new(ExchangeDtype::Bf16, self.exchange_grad_dtype)
+            .map_err(|e| TrainError::option("exchange_grad_dtype", e))?;
         if self.placement == Placement::Single && (self.link_gbps.is_some() || self.trace.is_some()) {
             return Err(TrainError::option(
                 if self.trace.is_some() { "trace" } else { "link_gbps" },

@@ -395,7 +395,7 @@ impl Msg {
         }
     }
 
-    /// A token-exchange message's kind, its index in `metrics::ExchangeBytes::KINDS` (dispatch,
+    /// A token-exchange message's kind, its field's place in `metrics::ExchangeBytes` (dispatch,
     /// combine, residual, then their gradients); `None` for any other message.
     pub fn exchange_kind(&self) -> Option<usize> {
         match self {

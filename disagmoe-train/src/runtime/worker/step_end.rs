@@ -291,11 +291,7 @@ where
                 compute_s: g.compute_s,
                 link_s: g.link_s,
                 bytes_sent: g.bytes_sent,
-                exchange_bytes: {
-                    let mut e = ExchangeBytes::default();
-                    (0..6).for_each(|i| *e.kind_mut(i) = g.exchange_bytes[i]);
-                    e
-                },
+                exchange_bytes: ExchangeBytes::from_kinds(g.exchange_bytes),
             },
             stop: g.stop > 0.0,
         };
