@@ -222,6 +222,12 @@ pub struct TrainArgs {
     /// bf16 or fp8, f32 otherwise].
     #[arg(long, value_name = "f32|bf16")]
     pub exchange_grad_dtype: Option<ExchangeDtype>,
+    /// Where the exchange's payloads live between workers: auto (left on the device that computed
+    /// them on a GPU backend when every worker of the process shares one device under the local
+    /// transport, or under nccl; host data otherwise), host (read back and uploaded again), or
+    /// device [default: auto].
+    #[arg(long, value_name = "auto|host|device")]
+    pub exchange_payloads: Option<disagmoe_train::ExchangePayloads>,
 }
 
 /// `--placement` values.
@@ -310,6 +316,9 @@ impl TrainArgs {
         }
         if let Some(d) = self.exchange_grad_dtype {
             cfg.parallel.exchange_grad_dtype = Some(d);
+        }
+        if let Some(p) = self.exchange_payloads {
+            cfg.parallel.exchange_payloads = p;
         }
         if !self.devices.is_empty() {
             cfg.parallel.devices = self.devices.clone();

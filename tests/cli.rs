@@ -587,6 +587,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "trace",
         "exchange-dtype",
         "exchange-grad-dtype",
+        "exchange-payloads",
     ];
     // (command, numeric options, other options, the base arguments: small valid values)
     let train_base: Vec<(&str, &str)> =

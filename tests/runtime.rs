@@ -534,6 +534,23 @@ fn exchange_payloads_in_bf16_and_fp8_send_fewer_bytes_and_train_alike() {
         for k in ["combine", "residual", "grad_combine", "grad_residual", "grad_dispatch"] {
             assert_eq!(kind(&fp8, k), kind(&bf16, k), "{name}: {k} travels in bf16 under fp8");
         }
+        // The payloads left as tensors (`--exchange-payloads device`: on this CPU backend, its
+        // memory) give the host payloads' bits and copy nothing to host data, but what is packed
+        // on the host: fp8's dispatch, and bf16 here (on a GPU it is cast on the device).
+        let host_bytes = |s: &serde_json::Value| s["payload_host_bytes"].as_f64().unwrap();
+        for (dtype, host) in [("f32", &f32), ("bf16", &bf16), ("fp8", &fp8)] {
+            let device = run(&["--exchange-dtype", dtype, "--exchange-payloads", "device"]);
+            assert_eq!(
+                (&device["losses"], &device["param_checksum"], &device["exchange_bytes_by_kind_per_worker"]),
+                (&host["losses"], &host["param_checksum"], &host["exchange_bytes_by_kind_per_worker"]),
+                "{name} {dtype}: device payloads against host payloads"
+            );
+            assert!(host_bytes(host) > 0.0, "{name} {dtype}: {host}");
+            match dtype {
+                "f32" => assert_eq!(host_bytes(&device), 0.0, "{name} {dtype}: payloads read back"),
+                _ => assert!(host_bytes(&device) > 0.0, "{name} {dtype}: packed on the host, read back"),
+            }
+        }
         for (dtype, s, tol) in [("bf16", &bf16, BF16_EXCHANGE_LOSS), ("fp8", &fp8, FP8_EXCHANGE_LOSS)] {
             let (got, want) = (s["losses"].as_array().unwrap(), f32["losses"].as_array().unwrap());
             let worst =
@@ -611,6 +628,11 @@ fn bad_placements_are_refused_with_the_allowed_values() {
         (
             &["--placement", "disagg", "--exchange-grad-dtype", "fp8"][..],
             "`exchange_grad_dtype`: fp8: gradients travel in f32 or bf16 (allowed: f32, bf16)",
+        ),
+        (&["--placement", "disagg", "--exchange-payloads", "gpu"][..], "allowed: auto, host, device"),
+        (
+            &["--placement", "disagg", "--exchange-payloads", "device", "--transport", "mpi"][..],
+            "`exchange_payloads`: device needs transport local (one process's device memory) or nccl",
         ),
     ] {
         let out = bin()

@@ -38,6 +38,11 @@ impl ExpertLoad {
     }
 }
 
+/// Whether a byte count is zero (left out of a line).
+fn no_bytes(b: &f64) -> bool {
+    *b == 0.0
+}
+
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepMetrics {
@@ -81,6 +86,10 @@ pub struct StepMetrics {
     /// Of them, the token exchange's by message kind (as packed), summed over workers.
     #[serde(default, skip_serializing_if = "ExchangeBytes::is_zero")]
     pub exchange_bytes: ExchangeBytes,
+    /// Bytes of the exchange's payloads copied from the workers' tensors to host memory, summed
+    /// over workers (0, and left out, when they stay on the device or on one device).
+    #[serde(default, skip_serializing_if = "no_bytes")]
+    pub payload_host_bytes: f64,
     /// Expert load of each MoE layer.
     pub expert_load: Vec<ExpertLoad>,
     /// Mean next-token cross-entropy on the held-out windows, at the steps that evaluated.

@@ -1,6 +1,7 @@
 //! Training through the CubeCL kernels on Burn's WebGPU/Vulkan backend (in CI: Mesa's lavapipe,
 //! a CPU Vulkan driver) gives the reference path's losses and first-step gradients, and disagg 2+2 with each worker on a
-//! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's, and f16 with loss
+//! listed device (`--devices wgpu:0,wgpu:0,wgpu:0,wgpu:0`) gives one device's, with the token
+//! exchange's payloads left on the device (none read back) as through the host, and f16 with loss
 //! scaling trains to f32's loss. Part of
 //! `cargo test --workspace`: the
 //! trainer is generic over the backend, so this test trains on `Autodiff<WgpuCube>` whatever
@@ -22,6 +23,10 @@ const GRAD_TOL: f64 = 3e-5;
 /// Disagg 2+2 on four `wgpu:0` against one device, relative losses: about ten times the worst
 /// measured (2.7e-8).
 const DISAGG_TOL: f64 = 3e-7;
+/// Disagg 2+2 on four `wgpu:0`, the exchange's payloads on the device against the host's,
+/// relative losses: the same additions in the same order (`runtime::exchange::add_shares`), so
+/// the bound the issue set (1e-6) holds with room.
+const PAYLOAD_TOL: f64 = 1e-6;
 
 fn run(preset: &str, kernels: bool) -> Vec<f64> {
     disagmoe_kernels::set_enabled(kernels);
@@ -155,11 +160,28 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
     let devices = vec![burn::backend::wgpu::WgpuDevice::DefaultDevice; 4];
     let before = ops_run();
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let disagg = train_on::<B>(&cfg, &devices, &stop).expect("disagg on four wgpu:0 runs").losses;
+    // The exchange's payloads stay on the device (the default with one device): the rows of each
+    // share, the sums of the holders' shares and of their gradients computed there.
+    let on_device = train_on::<B>(&cfg, &devices, &stop).expect("disagg on four wgpu:0 runs");
     assert!(ops_run() > before, "the workers used the kernels");
+    assert_eq!(on_device.payload_host_bytes, 0.0, "payloads were read back to the host");
+    let disagg = on_device.losses;
     let worst = disagg.iter().zip(&single).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
     eprintln!("disagg 2+2 on wgpu:0 x4: {disagg:?}, single: {single:?}: worst relative {worst:.1e}");
     assert!(worst <= DISAGG_TOL, "disagg on wgpu:0 x4 vs single: {worst:.1e} relative (tolerance {DISAGG_TOL:.0e})");
+    // Through the host, as before: read back and uploaded again, the sums on the host.
+    cfg.parallel.exchange_payloads = disagmoe_train::ExchangePayloads::Host;
+    let on_host = train_on::<B>(&cfg, &devices, &stop).expect("disagg through the host runs");
+    assert!(on_host.payload_host_bytes > 0.0, "the host path reads the payloads back");
+    let worst = disagg.iter().zip(&on_host.losses).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
+    eprintln!(
+        "disagg 2+2 on wgpu:0 x4, payloads on the device vs the host ({:.0} bytes a step read back): worst relative {worst:.1e}",
+        on_host.payload_host_bytes
+    );
+    assert!(
+        worst <= PAYLOAD_TOL,
+        "device payloads vs host payloads: {worst:.1e} relative (tolerance {PAYLOAD_TOL:.0e})"
+    );
     // f16 with loss scaling (lavapipe has f16, not bf16, in WGSL): the products in f16, the
     // kernels around them (permute, combine, norms, rotary, cross-entropy) in f32.
     let mut cfg = RunConfig { steps: 6, progress: false, ..Default::default() };

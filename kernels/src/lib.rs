@@ -76,6 +76,21 @@ pub fn enabled() -> bool {
     }
 }
 
+/// Whether `B` (plain or under autodiff) is one of this build's CubeCL backends (WebGPU/Vulkan,
+/// CUDA): a backend whose tensors live in a device's memory, whether or not the kernels are
+/// switched on. The runtime keeps the token exchange's payloads there.
+pub fn device_backend<B: burn::tensor::backend::Backend>() -> bool {
+    #[cfg(feature = "wgpu")]
+    if cube::kind_of::<B, cube::WgpuCube>().is_some() {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    if cube::kind_of::<B, cube::CudaCube>().is_some() {
+        return true;
+    }
+    false
+}
+
 /// The expert-sorted order of `N = T k` routed copies, computed on the device (see
 /// `cube::route`): what the models keep on the device instead of sorting token ids on the host.
 #[derive(Debug, Clone)]

@@ -108,6 +108,42 @@ fn sum_sorted(terms: &[Term<'_>], out: &mut [f32], scratch: &mut [f32]) {
     }
 }
 
+/// The sum of `terms` (`(key, value)`, in any order) along the same tree as [`tree_sum`], for values
+/// added by `add` (a device's tensors, where [`tree_sum`] adds host rows): `add(lower, upper)` at
+/// each split, one after another in key order where ranges straddle a split. `None` for no term.
+pub fn tree_fold<T>(mut terms: Vec<((u64, u64), T)>, add: &mut impl FnMut(T, T) -> T) -> Option<T> {
+    terms.sort_by_key(|t| t.0);
+    fold_sorted(terms, add)
+}
+
+fn fold_sorted<T>(mut terms: Vec<((u64, u64), T)>, add: &mut impl FnMut(T, T) -> T) -> Option<T> {
+    if terms.len() <= 1 {
+        return terms.pop().map(|t| t.1);
+    }
+    let lo = terms[0].0 .0;
+    let hi = terms.iter().map(|t| t.0 .1).max().unwrap_or(lo);
+    let split = (lo != hi)
+        .then(|| {
+            let bit = 63 - (lo ^ hi).leading_zeros();
+            let at = terms.partition_point(|t| (t.0 .0 >> bit) & 1 == 0);
+            let clean = at > 0 && at < terms.len() && terms[..at].iter().all(|t| (t.0 .1 >> bit) & 1 == 0);
+            clean.then_some(at)
+        })
+        .flatten();
+    match split {
+        Some(at) => {
+            let upper = terms.split_off(at);
+            let (a, b) = (fold_sorted(terms, add), fold_sorted(upper, add));
+            a.zip(b).map(|(a, b)| add(a, b))
+        }
+        None => {
+            let mut rest = terms.into_iter().map(|t| t.1);
+            let first = rest.next();
+            first.map(|f| rest.fold(f, |acc, v| add(acc, v)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +189,29 @@ mod tests {
             }
         }
         assert!(order_mattered, "the test values must be sensitive to the order of addition");
+    }
+
+    /// The fold over whole rows adds in the order of `tree_sum`: the same bits, aligned or not.
+    #[test]
+    fn the_fold_adds_in_the_order_of_the_host_sum() {
+        let rows: Vec<Vec<f32>> = (0..6).map(|i| vec![1.0e7 * (i as f32 + 0.5).sin(), 1e-3 * i as f32 - 0.2]).collect();
+        for ranges in [vec![0..2, 2..4, 4..6, 6..8], vec![0..3, 3..6, 6..7], vec![0..1, 4..8]] {
+            for skip in 0..ranges.len() {
+                let keep: Vec<usize> = (0..ranges.len()).filter(|&i| i != skip || ranges.len() < 3).collect();
+                let mut terms: Vec<Term> = keep
+                    .iter()
+                    .rev()
+                    .map(|&i| Term { key: range_key(&ranges[i]), row: &rows[i], scale: None })
+                    .collect();
+                let host = sum(&mut terms);
+                let folded =
+                    tree_fold(keep.iter().map(|&i| (range_key(&ranges[i]), rows[i].clone())).collect(), &mut |a, b| {
+                        a.iter().zip(&b).map(|(x, y)| x + y).collect()
+                    });
+                assert_eq!(folded, Some(host), "{ranges:?} without {skip}");
+            }
+        }
+        assert_eq!(tree_fold::<f32>(Vec::new(), &mut |a, b| a + b), None);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
-//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
@@ -41,7 +41,9 @@ pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPl
 pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
 pub use self::optimizer::OptimizerOptions;
-pub use self::parallel::{AllocationMode, ExchangeDtype, ExchangePrecision, ParallelOptions, Placement, TransportKind};
+pub use self::parallel::{
+    AllocationMode, ExchangeDtype, ExchangePayloads, ExchangePrecision, ParallelOptions, Placement, TransportKind,
+};
 pub use self::precision::{NonFinitePolicy, Precision, PrecisionOptions};
 use crate::error::{Result, TrainError};
 
@@ -175,6 +177,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("comm_timeout_s", "comm_timeout_s"),
             ("exchange_dtype", "exchange_dtype"),
             ("exchange_grad_dtype", "exchange_grad_dtype"),
+            ("exchange_payloads", "exchange_payloads"),
         ],
     ),
     (

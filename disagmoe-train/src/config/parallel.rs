@@ -72,6 +72,50 @@ pub enum TransportKind {
     Nccl,
 }
 
+/// Where the token exchange's payloads live between workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ExchangePayloads {
+    /// On the device that computed them where the backend has one (WebGPU/Vulkan, CUDA), the
+    /// transport is `local` and every worker is on the same device, or the transport is `nccl`;
+    /// on the host otherwise.
+    #[default]
+    Auto,
+    /// Host data, read back from the device and uploaded again (the path a process transport
+    /// takes; for comparisons).
+    Host,
+    /// Tensors left on the device, whatever the backend (a CPU backend's "device" is the host's
+    /// memory): needs transport `local` with one device for every worker, or `nccl` (device to
+    /// device, the CUDA backend).
+    Device,
+}
+
+impl ExchangePayloads {
+    /// The names the options accept.
+    pub const NAMES: [&'static str; 3] = ["auto", "host", "device"];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Host => "host",
+            Self::Device => "device",
+        }
+    }
+}
+
+impl std::str::FromStr for ExchangePayloads {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "host" => Ok(Self::Host),
+            "device" => Ok(Self::Device),
+            _ => Err(format!("unknown exchange payloads {s:?} (allowed: {})", Self::NAMES.join(", "))),
+        }
+    }
+}
+
 /// Placement, workers, micro-batches and links of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -130,6 +174,9 @@ pub struct ParallelOptions {
     /// The exchange's gradient messages: `f32` or `bf16` (never fp8). Default: bf16 when the
     /// exchange is bf16 or fp8, f32 otherwise.
     pub exchange_grad_dtype: Option<ExchangeDtype>,
+    /// Where the exchange's payloads live between workers: `auto` (on the device under transport
+    /// `local` with one GPU device for every worker, else on the host), `host`, or `device`.
+    pub exchange_payloads: ExchangePayloads,
 }
 
 impl Default for ParallelOptions {
@@ -152,6 +199,7 @@ impl Default for ParallelOptions {
             comm_timeout_s: 60.0,
             exchange_dtype: None,
             exchange_grad_dtype: None,
+            exchange_payloads: ExchangePayloads::Auto,
         }
     }
 }
@@ -293,6 +341,12 @@ impl ParallelOptions {
                     "must be from {MIN_COMM_TIMEOUT_S} to {MAX_COMM_TIMEOUT_S} seconds (a day), got {}",
                     self.comm_timeout_s
                 ),
+            ));
+        }
+        if self.exchange_payloads == ExchangePayloads::Device && self.transport == TransportKind::Mpi {
+            return Err(TrainError::option(
+                "exchange_payloads",
+                "device needs transport local (one process's device memory) or nccl (device to device); allowed with mpi: auto, host",
             ));
         }
         // The dtypes are parsed already: only the gradients' can be refused.

@@ -139,7 +139,15 @@ impl Distributed {
             #[cfg(feature = "mpi")]
             TransportKind::Mpi | TransportKind::Nccl => {
                 let p = super::mpi::Process::start(cfg, layout.workers)?;
-                let endpoint = process_endpoint(&p, cfg.parallel.transport);
+                // The nccl transport receives device payloads into the rank's device (the one its
+                // worker computes on, chosen as below).
+                let slot = crate::config::parallel::node_local_rank().unwrap_or(p.rank());
+                let alloc = shared
+                    .settings
+                    .device_payloads
+                    .then(|| super::worker::device_alloc::<B>(&devices[slot % devices.len()]))
+                    .flatten();
+                let endpoint = process_endpoint(&p, cfg, alloc);
                 process = Some(p);
                 vec![endpoint]
             }
@@ -350,10 +358,19 @@ impl Distributed {
 /// bring it up ends the job, as the other ranks wait in theirs).
 #[cfg(feature = "mpi")]
 #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
-fn process_endpoint(process: &super::mpi::Process, transport: TransportKind) -> Box<dyn Endpoint> {
-    match transport {
+#[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
+fn process_endpoint(
+    process: &super::mpi::Process,
+    cfg: &crate::config::RunConfig,
+    alloc: Option<Arc<dyn crate::runtime::msg::DeviceAlloc>>,
+) -> Box<dyn Endpoint> {
+    match cfg.parallel.transport {
         #[cfg(feature = "nccl")]
-        TransportKind::Nccl => match super::nccl::NcclEndpoint::start(&process.world()) {
+        TransportKind::Nccl => match super::nccl::NcclEndpoint::start(
+            &process.world(),
+            alloc,
+            Duration::from_secs_f64(2.0 * cfg.parallel.comm_timeout_s),
+        ) {
             Ok(e) => Box::new(e),
             Err(e) => process.abort(&e),
         },

@@ -45,7 +45,7 @@ use self::part::WeightSource;
 use self::transport::LinkModel;
 use self::worker::StepSettings;
 use crate::checkpoint::TrainState;
-use crate::config::{NonFinitePolicy, Placement, RunConfig, TransportKind};
+use crate::config::{ExchangePayloads, NonFinitePolicy, Placement, RunConfig, TransportKind};
 use crate::error::{Result, TrainError};
 use crate::trainer::StepEngine;
 
@@ -133,6 +133,41 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         routing: cfg.model.routing(),
         recompute: cfg.memory.recompute,
         exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
+        device_payloads: false,
+    }
+}
+
+/// Whether the exchange's payloads stay on the device (`exchange_payloads`): `auto` keeps them
+/// there on a GPU backend when every worker of the process computes on one device; `device`
+/// asks for it on any backend and is refused when the workers' devices differ (a tensor of one
+/// device is no input on another without a copy through the host).
+fn payloads_on_device<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device]) -> Result<bool> {
+    let gpu = disagmoe_kernels::device_backend::<B>();
+    match (cfg.parallel.transport, cfg.parallel.exchange_payloads) {
+        (_, ExchangePayloads::Host) | (TransportKind::Mpi, _) => return Ok(false),
+        // NCCL moves them from device to device (one GPU per rank).
+        (TransportKind::Nccl, ExchangePayloads::Auto) => return Ok(gpu),
+        (TransportKind::Nccl, ExchangePayloads::Device) if !gpu => {
+            return Err(TrainError::option(
+                "exchange_payloads",
+                "device under nccl needs the CUDA backend (a build with --features nccl computes on it); allowed: auto, host",
+            ))
+        }
+        (TransportKind::Nccl, ExchangePayloads::Device) => return Ok(true),
+        (TransportKind::Local, _) => {}
+    }
+    let one_device = devices.iter().all(|d| d == &devices[0]);
+    match cfg.parallel.exchange_payloads {
+        ExchangePayloads::Host => Ok(false),
+        ExchangePayloads::Auto => Ok(one_device && gpu),
+        ExchangePayloads::Device if !one_device => Err(TrainError::option(
+            "exchange_payloads",
+            format!(
+                "device needs every worker on one device, and the run lists {} different ones ({devices:?}); allowed: auto, host",
+                devices.iter().enumerate().filter(|(i, d)| !devices[..*i].contains(d)).count()
+            ),
+        )),
+        ExchangePayloads::Device => Ok(true),
     }
 }
 
@@ -248,9 +283,13 @@ where
     let window = in_flight_window(cfg, &layout, d.hidden_size, d.vocab_size)?;
     let with_aux =
         cfg.model.with_aux_loss(config.aux_loss_by_default(), (0..layers).any(|l| config.is_sparse_layer(l)));
+    let settings = StepSettings {
+        device_payloads: payloads_on_device::<B>(cfg, devices)?,
+        ..step_settings(cfg, with_aux, config.aux_loss(), window)
+    };
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
-        settings: step_settings(cfg, with_aux, config.aux_loss(), window),
+        settings,
         layout,
         rope,
         source,

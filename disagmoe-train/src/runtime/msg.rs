@@ -4,9 +4,17 @@
 //! module holds no tensor of a backend and depends on no other module of the runtime but the
 //! trace events it carries.
 //!
+//! A payload of the token exchange is host data ([`HostTensor`], packed for the wire as
+//! [`Packed`]) or, between workers of one process on one device, a tensor left where it was
+//! computed ([`DeviceTensor`]): this module sees it only through [`DeviceRows`], the operations
+//! the exchange needs, which the worker implements for its backend.
+//!
 //! A message is checked twice on its way in, both here: [`Msg::check`] when it is decoded (its
 //! tensors fill their shapes, a share's rows, gate weights and ids agree), and [`Msg::admit`]
 //! when a worker takes it (its sender, micro-batch, layer and tokens fit the run).
+
+use std::any::Any;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +36,96 @@ impl HostTensor {
     /// Rows (the first dimension; 0 for an empty tensor).
     pub fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(0)
+    }
+}
+
+/// What the token exchange does with a payload left on a device ([`DeviceTensor`]): the worker
+/// implements it for its backend's tensors, so that the exchange (rows of a share, sums of the
+/// holders' shares) runs there without this module knowing the backend. Every tensor is 2-D,
+/// `[rows, cols]`, and every operation returns a tensor on the same device.
+pub trait DeviceRows: Send + Sync {
+    /// The tensor, for the worker to take back (`Any::downcast_ref`).
+    fn as_any(&self) -> &dyn Any;
+    /// Bytes per value as held (4 for f32, 2 for bf16).
+    fn elem_bytes(&self) -> usize;
+    /// The rows `rows`, in that order.
+    fn select(&self, rows: &[u32]) -> DeviceTensor;
+    /// `self + other`, elementwise (one rounding per value, as on the host).
+    fn add(&self, other: &DeviceTensor) -> DeviceTensor;
+    /// `self` with `values[i]` added to row `rows[i]` (the rows distinct).
+    fn add_rows(&self, rows: &[u32], values: &DeviceTensor) -> DeviceTensor;
+    /// Zeros of `shape` on the same device.
+    fn zeros(&self, shape: [usize; 2]) -> DeviceTensor;
+    /// A host tensor put on the same device.
+    fn upload(&self, h: &HostTensor) -> DeviceTensor;
+    /// The tensor in `dtype` for another worker (see [`Packed::pack`]): cast on the device where
+    /// it can hold the dtype, packed on the host otherwise (read back, and counted so).
+    fn pack(&self, dtype: ExchangeDtype) -> Packed;
+    /// The receiver's own copy, in f32 (what a packed tensor holds, exactly), made on the calling
+    /// thread's stream and finished before this returns, so that the sender's buffer is read by
+    /// nobody once the receiver drops it. Workers share one device but not its streams: CubeCL
+    /// orders a read on one stream after the writes of another (read after write), not a buffer's
+    /// reuse by its owner after another stream's still-queued read (write after read), which made
+    /// disagg 2+2 on four `wgpu:0` drift from one device by 1e-3 in three steps before the copy.
+    fn own(&self) -> DeviceTensor;
+    /// The values on the host (read back, and counted so).
+    fn to_host(&self) -> HostTensor;
+    /// The values in device memory for a transport that moves them itself (NCCL), finished on
+    /// the calling thread's stream; `None` on a backend without such memory (all but CUDA).
+    fn device_bytes(&self) -> Option<std::result::Result<DeviceBytes, String>> {
+        None
+    }
+}
+
+/// A payload's values in device memory, contiguous: their address and size, and what keeps the
+/// memory alive while a transport reads or writes it.
+pub struct DeviceBytes {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Bytes.
+    pub bytes: usize,
+    /// The owner of the memory.
+    pub keep: Box<dyn Any + Send>,
+}
+
+/// New device payloads for a transport to write into: what a receiving worker's backend gives
+/// the `nccl` transport.
+pub trait DeviceAlloc: Send + Sync {
+    /// A payload of `shape` whose memory is allocated (its values not set), ready for another
+    /// stream to write, with that memory.
+    fn alloc(&self, shape: &RemoteShape) -> std::result::Result<(DeviceTensor, DeviceBytes), String>;
+    /// The CUDA device ordinal the payloads live on (the transport's own buffers and streams must
+    /// be on the same GPU); `None` when it is not a CUDA device.
+    fn cuda_ordinal(&self) -> Option<usize>;
+}
+
+/// A payload of the token exchange left on the device that computed it: it travels only within
+/// a process (the local transport hands it over as it is), never on a wire.
+#[derive(Clone)]
+pub struct DeviceTensor {
+    /// `[rows, cols]`.
+    pub shape: [usize; 2],
+    /// The tensor, behind the exchange's operations.
+    pub rows: Arc<dyn DeviceRows>,
+}
+
+impl DeviceTensor {
+    /// Bytes of its values as held.
+    pub fn bytes(&self) -> usize {
+        self.shape[0] * self.shape[1] * self.rows.elem_bytes()
+    }
+}
+
+impl std::fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceTensor({:?}, {} bytes a value)", self.shape, self.rows.elem_bytes())
+    }
+}
+
+/// The same tensor (a device payload is never compared by value).
+impl PartialEq for DeviceTensor {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.rows, &other.rows)
     }
 }
 
@@ -62,6 +160,30 @@ pub enum Packed {
         /// Per row, one scale per block: a value is `code x scale`.
         scales: Vec<f32>,
     },
+    /// A device tensor whose values travel beside the message, in a device transport's buffers
+    /// ([`Msg::detach_device`], `transport::rounds`); only a message taken apart for that carries
+    /// one, and [`Self::check`] refuses it anywhere else.
+    Remote(RemoteShape),
+    /// A tensor left on its device (in-process only: it cannot be encoded for a wire). Last: serde
+    /// numbers the variants it decodes without the skipped one.
+    #[serde(skip)]
+    Device(DeviceTensor),
+}
+
+/// What a receiver needs to take in a device payload that travels beside its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteShape {
+    /// `[rows, cols]`.
+    pub shape: [usize; 2],
+    /// Bytes per value: 4 (f32) or 2 (bf16).
+    pub elem_bytes: u8,
+}
+
+impl RemoteShape {
+    /// Bytes of the values.
+    pub fn bytes(&self) -> usize {
+        self.shape[0] * self.shape[1] * self.elem_bytes as usize
+    }
 }
 
 impl From<HostTensor> for Packed {
@@ -76,6 +198,8 @@ impl Packed {
         match self {
             Packed::F32(t) => &t.shape,
             Packed::Bf16 { shape, .. } | Packed::Fp8 { shape, .. } => shape,
+            Packed::Device(t) => &t.shape,
+            Packed::Remote(r) => &r.shape,
         }
     }
 
@@ -90,17 +214,29 @@ impl Packed {
             Packed::F32(t) => t.data.len() * 4,
             Packed::Bf16 { bits, .. } => bits.len(),
             Packed::Fp8 { codes, scales, .. } => codes.len() + scales.len() * 4,
+            Packed::Device(t) => t.bytes(),
+            Packed::Remote(r) => r.bytes(),
         }
     }
 
     /// Whether the values fill the shape exactly (and an fp8 tensor has a scale per block of each
     /// row); its rows when they do.
     pub fn check(&self) -> std::result::Result<usize, String> {
+        match self {
+            // Made by this process's workers: its shape is the tensor's.
+            Packed::Device(t) => return Ok(t.shape[0]),
+            Packed::Remote(_) => return Err(
+                "a device payload without its values (it travels beside its message, which was not put back together)"
+                    .into(),
+            ),
+            _ => {}
+        }
         let shape = self.shape();
         let size = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).filter(|_| !shape.is_empty());
         let (values, scales_ok) = match self {
             Packed::F32(t) => (t.data.len(), true),
             Packed::Bf16 { bits, .. } => (bits.len() / 2, bits.len() % 2 == 0),
+            Packed::Device(_) | Packed::Remote(_) => unreachable!("returned above"),
             Packed::Fp8 { block, codes, scales, .. } => {
                 let width = *shape.last().unwrap_or(&0);
                 let rows = if width == 0 { 0 } else { codes.len() / width };
@@ -114,8 +250,12 @@ impl Packed {
         }
     }
 
-    /// The tensor in `dtype` (an f32 tensor packed; one already packed is left as it is).
+    /// The tensor in `dtype` (an f32 tensor packed, on the host or on its device; one already
+    /// packed is left as it is).
     pub fn pack(self, dtype: ExchangeDtype) -> Packed {
+        if let Packed::Device(t) = &self {
+            return if t.rows.elem_bytes() == 4 { t.rows.pack(dtype) } else { self };
+        }
         let Packed::F32(HostTensor { shape, data }) = self else { return self };
         match dtype {
             ExchangeDtype::F32 => Packed::F32(HostTensor { shape, data }),
@@ -140,10 +280,23 @@ impl Packed {
         }
     }
 
-    /// The f32 values (a packed tensor's exactly as its dtype holds them).
+    /// In f32 where it is, the receiver's own: a packed host tensor unpacked ([`Self::unpack`]),
+    /// a device tensor copied (cast back) on the receiver's stream ([`DeviceRows::own`]).
+    pub fn unpacked(self) -> Packed {
+        match self {
+            Packed::F32(_) => self,
+            Packed::Device(t) => Packed::Device(t.rows.own()),
+            other => Packed::F32(other.unpack()),
+        }
+    }
+
+    /// The f32 values on the host (a packed tensor's exactly as its dtype holds them; a device
+    /// tensor's read back).
     pub fn unpack(self) -> HostTensor {
         match self {
             Packed::F32(t) => t,
+            Packed::Device(t) => t.rows.to_host(),
+            Packed::Remote(r) => unreachable!("checked: a remote payload is put back before use ({r:?})"),
             Packed::Bf16 { shape, bits } => {
                 let data = bits
                     .chunks_exact(2)
@@ -395,6 +548,62 @@ impl Msg {
         }
     }
 
+    /// The message's payloads, in a fixed order (a dispatch's expert inputs, then its gate weights;
+    /// a gradient of a dispatch's inputs, then of its gate weights).
+    fn payloads_mut(&mut self) -> Vec<&mut Packed> {
+        match self {
+            Msg::Dispatch { y, weights, .. } => std::iter::once(y).chain(weights.as_mut()).collect(),
+            Msg::Combine { out: t, .. }
+            | Msg::Residual { x: t, .. }
+            | Msg::GradCombine { g: t, .. }
+            | Msg::GradResidual { g: t, .. } => vec![t],
+            Msg::GradDispatch { gy, gw, .. } => std::iter::once(gy).chain(gw.as_mut()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Takes the device payloads out for a transport that moves them apart (in this order), each
+    /// replaced by its [`Packed::Remote`] shape; host payloads stay in the message.
+    pub fn detach_device(&mut self) -> Vec<DeviceTensor> {
+        let mut out = Vec::new();
+        for p in self.payloads_mut() {
+            if let Packed::Device(t) = p {
+                let remote = RemoteShape { shape: t.shape, elem_bytes: t.rows.elem_bytes() as u8 };
+                out.push(t.clone());
+                *p = Packed::Remote(remote);
+            }
+        }
+        out
+    }
+
+    /// The shapes of the payloads that travel beside the message, in order.
+    pub fn remote_shapes(&mut self) -> Vec<RemoteShape> {
+        let shape = |p: &mut Packed| match p {
+            Packed::Remote(r) => Some(*r),
+            _ => None,
+        };
+        self.payloads_mut().into_iter().filter_map(shape).collect()
+    }
+
+    /// Puts device payloads back ([`Self::detach_device`]'s order); refused when they are not as
+    /// many as the message expects or of other shapes.
+    pub fn attach_device(&mut self, tensors: Vec<DeviceTensor>) -> std::result::Result<(), String> {
+        let mut tensors = tensors.into_iter();
+        for p in self.payloads_mut() {
+            if let Packed::Remote(r) = p {
+                let t = tensors.next().ok_or("fewer device payloads than the message has")?;
+                if t.shape != r.shape || t.rows.elem_bytes() != r.elem_bytes as usize {
+                    return Err(format!("a device payload of {:?} for a place of {r:?}", t.shape));
+                }
+                *p = Packed::Device(t);
+            }
+        }
+        match tensors.next() {
+            Some(_) => Err("more device payloads than the message has".into()),
+            None => Ok(()),
+        }
+    }
+
     /// A token-exchange message's kind, its field's place in `metrics::ExchangeBytes` (dispatch,
     /// combine, residual, then their gradients); `None` for any other message.
     pub fn exchange_kind(&self) -> Option<usize> {
@@ -522,6 +731,67 @@ impl Msg {
         match ids.iter().find(|&&t| t as usize >= run.tokens) {
             Some(t) => Err(format!("{} names token {t} of a micro-batch of {}", self.kind(), run.tokens)),
             None => Ok(()),
+        }
+    }
+}
+
+/// A "device" that keeps its tensors in host memory and computes as a device would (whole-tensor
+/// operations): the exchange's and the transports' device paths checked against their host paths.
+#[cfg(test)]
+pub(crate) mod mem_device {
+    use super::*;
+
+    /// A tensor of the memory device.
+    pub(crate) struct MemRows(pub(crate) HostTensor);
+
+    /// `t` as a device payload.
+    pub(crate) fn mem(t: HostTensor) -> DeviceTensor {
+        DeviceTensor { shape: [t.shape[0], t.shape[1]], rows: Arc::new(MemRows(t)) }
+    }
+
+    /// The values of a memory-device payload.
+    pub(crate) fn mem_of(d: &DeviceTensor) -> &HostTensor {
+        &d.rows.as_any().downcast_ref::<MemRows>().expect("a MemRows").0
+    }
+
+    impl DeviceRows for MemRows {
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn elem_bytes(&self) -> usize {
+            4
+        }
+        fn select(&self, rows: &[u32]) -> DeviceTensor {
+            let m = self.0.shape[1];
+            let data = rows.iter().flat_map(|&r| self.0.data[r as usize * m..(r as usize + 1) * m].to_vec()).collect();
+            mem(HostTensor { shape: vec![rows.len(), m], data })
+        }
+        fn add(&self, other: &DeviceTensor) -> DeviceTensor {
+            let data = self.0.data.iter().zip(&mem_of(other).data).map(|(a, b)| a + b).collect();
+            mem(HostTensor { shape: self.0.shape.clone(), data })
+        }
+        fn add_rows(&self, rows: &[u32], values: &DeviceTensor) -> DeviceTensor {
+            let (mut t, m) = (self.0.clone(), self.0.shape[1]);
+            for (i, &r) in rows.iter().enumerate() {
+                let src = &mem_of(values).data[i * m..(i + 1) * m];
+                t.data[r as usize * m..(r as usize + 1) * m].iter_mut().zip(src).for_each(|(d, s)| *d += s);
+            }
+            mem(t)
+        }
+        fn zeros(&self, shape: [usize; 2]) -> DeviceTensor {
+            mem(HostTensor { shape: shape.to_vec(), data: vec![0.0; shape[0] * shape[1]] })
+        }
+        fn upload(&self, h: &HostTensor) -> DeviceTensor {
+            mem(h.clone())
+        }
+        fn pack(&self, dtype: ExchangeDtype) -> Packed {
+            Packed::F32(self.0.clone()).pack(dtype)
+        }
+        fn own(&self) -> DeviceTensor {
+            mem(self.0.clone())
+        }
+        fn to_host(&self) -> HostTensor {
+            self.0.clone()
         }
     }
 }

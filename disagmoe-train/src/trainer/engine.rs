@@ -57,6 +57,9 @@ pub struct StepTiming {
     /// Of them, the token exchange's messages (their payloads as packed: see
     /// `disagmoe_core::exchange`).
     pub exchange_bytes: crate::metrics::ExchangeBytes,
+    /// Bytes of the exchange's payloads copied from the workers' tensors to host memory (on a
+    /// GPU: read back over PCIe; 0 when the payloads stay on the device).
+    pub payload_host_bytes: f64,
 }
 
 /// What one step did, the same on every worker.

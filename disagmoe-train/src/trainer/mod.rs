@@ -92,6 +92,7 @@ impl History {
         self.timing.link_s += m.link_s;
         self.timing.bytes_sent += m.bytes_sent;
         self.timing.exchange_bytes.add(&m.exchange_bytes);
+        self.timing.payload_host_bytes += m.payload_host_bytes;
     }
 }
 
@@ -253,6 +254,7 @@ pub fn run(
             .timing
             .exchange_bytes
             .scaled(per_step(1.0) / info.workers.max(1) as f64),
+        payload_host_bytes: per_step(seen.timing.payload_host_bytes),
         exchange_dtype: cfg
             .parallel
             .distributed()

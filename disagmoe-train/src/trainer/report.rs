@@ -93,6 +93,10 @@ pub struct TrainSummary {
     pub exchange_bytes_per_worker: f64,
     /// The same by message kind.
     pub exchange_bytes_by_kind_per_worker: crate::metrics::ExchangeBytes,
+    /// Mean per step of the bytes of the exchange's payloads copied from the workers' tensors to
+    /// host memory, summed over workers (on a GPU: read back over PCIe). 0 when they stay on the
+    /// device (`--exchange-payloads`) and on one device.
+    pub payload_host_bytes: f64,
     /// What the exchange's payloads travel in (distributed runs): `f32`, `bf16`, or `fp8 dispatch,
     /// bf16 combine, bf16 gradients`.
     pub exchange_dtype: Option<String>,
@@ -140,6 +144,7 @@ pub(crate) fn step_metrics(
         link_s: t.link_s,
         bytes_sent: t.bytes_sent,
         exchange_bytes: t.exchange_bytes,
+        payload_host_bytes: t.payload_host_bytes,
         expert_load: report
             .expert_counts
             .iter()

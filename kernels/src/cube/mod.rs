@@ -23,6 +23,8 @@
 mod attention;
 mod experts;
 pub mod probe;
+#[cfg(feature = "cuda")]
+pub mod raw;
 mod route;
 
 use std::any::TypeId;

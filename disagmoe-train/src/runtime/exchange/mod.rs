@@ -3,8 +3,11 @@
 //! attention worker (N2M, fused with the hand-off of the residual, [`Inbox`]), and the mirrored
 //! exchange of gradients ([`input_grad_messages`], [`gather_dispatch_grads`]). Every message of the
 //! exchange (`Msg::Dispatch`, `Combine`, `Residual` and their gradients) is built here and nowhere
-//! else; the worker computes, and hands this module host rows. A message leaving for another worker
-//! is packed in the run's exchange precision there (`Msg::pack`, f32, bf16 or fp8 dispatch, see
+//! else; the worker computes, and hands this module its payloads ([`Packed`]): host rows, or
+//! tensors left on the device that computed them ([`DeviceTensor`], between workers of one process
+//! on one device), on which the rows of a share are taken and the holders' shares added up on that
+//! device, in the same order of addition as on the host. A message leaving for another worker is
+//! packed in the run's exchange precision there (`Msg::pack`, f32, bf16 or fp8 dispatch, see
 //! `disagmoe_core::exchange`) and unpacked to f32 here when kept ([`Inbox::keep`]).
 //!
 //! # Notation
@@ -32,15 +35,17 @@
 //! A holder adds its experts' terms, and the attention worker the holders' shares (forward and
 //! backward, [`add_token_sums`]), along the tree of `disagmoe_kernels::order`, the order in which
 //! one device's combine and permute backward add a token's terms: with holders on aligned
-//! power-of-two expert ranges the sums have one device's bits.
+//! power-of-two expert ranges the sums have one device's bits. On a device the tokens held by the
+//! same holders are added as a group ([`add_shares`]): the same tree, on rows, so the same bits
+//! as the host's token-by-token sums.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use disagmoe_kernels::order::{range_key, tree_sum, Term};
+use disagmoe_kernels::order::{range_key, tree_fold, tree_sum, Term};
 
 use super::layout::Layout;
-use super::msg::{AuxSums, HostTensor, LayerCoefficients, Msg, Packed};
+use super::msg::{AuxSums, DeviceTensor, HostTensor, LayerCoefficients, Msg, Packed};
 
 mod plan;
 pub use plan::*;
@@ -101,7 +106,7 @@ pub fn dense_shares(tokens: usize, holders: &[usize]) -> Vec<Share> {
 #[derive(Debug)]
 pub struct ResidualIn {
     /// `[T, M]`
-    pub x: HostTensor,
+    pub x: Packed,
     /// The balance-loss sums so far.
     pub aux: AuxSums,
 }
@@ -117,7 +122,7 @@ pub struct Partial {
     /// Its tokens.
     pub tokens: Vec<u32>,
     /// `[n, M]` in the order of `tokens`.
-    pub out: HostTensor,
+    pub out: Packed,
 }
 
 /// What a layer's attention worker collects before it can run (or the head before the loss).
@@ -133,7 +138,7 @@ pub struct LayerInput {
 #[derive(Debug)]
 pub struct Assembled {
     /// `[T, M]`: the residual plus every holder's share.
-    pub h: HostTensor,
+    pub h: Packed,
     /// The balance-loss sums so far.
     pub aux: AuxSums,
     /// Who sent which tokens (where the gradient rows go back).
@@ -141,17 +146,18 @@ pub struct Assembled {
 }
 
 impl LayerInput {
-    /// N2M: the residual plus the sum of the holders' shares, added on the host token by token in
-    /// the canonical order of `disagmoe_kernels::order` (whatever order they arrived in), so the
-    /// layer input has the bits of one device's `h + moe(h)`.
+    /// N2M: the residual plus the sum of the holders' shares, added token by token in the
+    /// canonical order of `disagmoe_kernels::order` (whatever order they arrived in), so the layer
+    /// input has the bits of one device's `h + moe(h)`; on the device when the payloads are there
+    /// ([`add_shares`]).
     pub fn assemble(self) -> Assembled {
-        let ResidualIn { x: mut h, aux } = self.residual.expect("an input is assembled once complete");
-        let m = *h.shape.last().expect("[T, M]");
+        let ResidualIn { x, aux } = self.residual.expect("an input is assembled once complete");
+        let [t, m] = [x.rows(), *x.shape().last().expect("[T, M]")];
         let mut partials = self.partials;
         partials.sort_by_key(|p| p.holder);
-        let rows: Vec<HolderRows> =
-            partials.iter().map(|p| HolderRows { key: p.key, tokens: &p.tokens, rows: &p.out.data }).collect();
-        add_token_sums(&mut h.data, m, &rows);
+        let shares: Vec<Shares> =
+            partials.iter().map(|p| Shares { key: p.key, tokens: &p.tokens, rows: &p.out }).collect();
+        let h = add_shares(Some(x), [t, m], &shares);
         let from = partials.into_iter().map(|Partial { holder, tokens, .. }| Share { holder, tokens }).collect();
         Assembled { h, aux, from }
     }
@@ -189,11 +195,105 @@ pub fn add_token_sums(out: &mut [f32], m: usize, holders: &[HolderRows<'_>]) {
     }
 }
 
+/// One holder's payload rows of a `[T, M]` sum: `rows` `[n, M]` for the ascending `tokens`.
+#[derive(Debug, Clone, Copy)]
+pub struct Shares<'a> {
+    /// The holder's place in the canonical order (`disagmoe_kernels::order::range_key`).
+    pub key: (u64, u64),
+    /// Its tokens, ascending.
+    pub tokens: &'a [u32],
+    /// `[n, M]`, f32 on the host or on a device.
+    pub rows: &'a Packed,
+}
+
+/// `out` (zeros when `None`) plus, for each token, the sum of the holders' rows of it in the
+/// canonical order ([`add_token_sums`]), `[T, M]` = `shape`. On the host when every payload is
+/// there; on the device when one is (host rows joining it are uploaded): the tokens that the same
+/// holders have form a group, whose rows are taken from each holder and added along the same tree
+/// ([`tree_fold`]), and the group's sums added onto its rows of `out`, so every value gets the
+/// same additions as on the host.
+pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]) -> Packed {
+    let on_device = |p: &Packed| match p {
+        Packed::Device(d) => Some(d.clone()),
+        _ => None,
+    };
+    let device = out
+        .as_ref()
+        .and_then(on_device)
+        .or_else(|| holders.iter().filter(|h| !h.tokens.is_empty()).find_map(|h| on_device(h.rows)));
+    let [t, m] = shape;
+    let Some(like) = device else {
+        let mut out =
+            out.map(Packed::unpack).unwrap_or_else(|| HostTensor { shape: vec![t, m], data: vec![0.0; t * m] });
+        let rows: Vec<HolderRows> = holders
+            .iter()
+            .filter(|h| !h.tokens.is_empty())
+            .map(|h| HolderRows { key: h.key, tokens: h.tokens, rows: host_values(h.rows) })
+            .collect();
+        add_token_sums(&mut out.data, m, &rows);
+        return Packed::F32(out);
+    };
+    let mut out = match out {
+        Some(p) => device_of(&p, &like),
+        None => like.rows.zeros([t, m]),
+    };
+    // The holders of each token and its row in each, grouped by holders.
+    let mut groups: BTreeMap<Vec<usize>, (Vec<u32>, Vec<Vec<u32>>)> = BTreeMap::new();
+    let mut cursor = vec![0u32; holders.len()];
+    let mut present = Vec::with_capacity(holders.len());
+    for token in 0..t as u32 {
+        present.clear();
+        for (i, (h, c)) in holders.iter().zip(&mut cursor).enumerate() {
+            if h.tokens.get(*c as usize) == Some(&token) {
+                present.push((i, *c));
+                *c += 1;
+            }
+        }
+        let key: Vec<usize> = present.iter().map(|p| p.0).collect();
+        let group = groups.entry(key).or_insert_with(|| (Vec::new(), vec![Vec::new(); present.len()]));
+        group.0.push(token);
+        group.1.iter_mut().zip(&present).for_each(|(rows, p)| rows.push(p.1));
+    }
+    for (members, (tokens, rows)) in groups {
+        let terms: Vec<((u64, u64), DeviceTensor)> = members
+            .iter()
+            .zip(&rows)
+            .map(|(&i, positions)| {
+                let all = device_of(holders[i].rows, &like);
+                // Ascending positions as many as the rows are all of them.
+                let mine = if positions.len() == all.shape[0] { all } else { all.rows.select(positions) };
+                (holders[i].key, mine)
+            })
+            .collect();
+        let sum = tree_fold(terms, &mut |a: DeviceTensor, b: DeviceTensor| a.rows.add(&b))
+            .unwrap_or_else(|| like.rows.zeros([tokens.len(), m]));
+        out = if tokens.len() == t { out.rows.add(&sum) } else { out.rows.add_rows(&tokens, &sum) };
+    }
+    Packed::Device(out)
+}
+
+/// A payload's f32 values on the host (the inbox has unpacked every one).
+fn host_values(p: &Packed) -> &[f32] {
+    match p {
+        Packed::F32(t) => &t.data,
+        other => unreachable!("a payload on the host is unpacked before it is added: {:?}", other.shape()),
+    }
+}
+
+/// A payload on `like`'s device (host rows uploaded).
+fn device_of(p: &Packed, like: &DeviceTensor) -> DeviceTensor {
+    match p {
+        Packed::Device(d) => d.clone(),
+        Packed::F32(h) => like.rows.upload(h),
+        other => like.rows.upload(&other.clone().unpack()),
+    }
+}
+
 /// The gradient of a layer's residual, from the next layer's attention worker.
 #[derive(Debug)]
 pub struct GradResidualIn {
     /// `[T, M]`
-    pub g: HostTensor,
+    pub g: Packed,
     /// Per routed layer, the gradient of the loss with respect to its score sums.
     pub aux_coef: Vec<LayerCoefficients>,
 }
@@ -204,9 +304,9 @@ pub struct DispatchGrad {
     /// The holder.
     pub holder: usize,
     /// `[n, M]` gradient of the expert inputs.
-    pub gy: HostTensor,
+    pub gy: Packed,
     /// `[n, k]` gradient of the gate weights (routed layers).
-    pub gw: Option<HostTensor>,
+    pub gw: Option<Packed>,
 }
 
 /// What a layer's attention worker collects before its backward.
@@ -218,14 +318,23 @@ pub struct GradInput {
     pub dispatch: Vec<DispatchGrad>,
 }
 
-/// The rows `tokens` of a `[T, M]` host tensor (a holder's part of a gradient), `[n, M]`.
-pub fn rows_of(g: &HostTensor, tokens: &[u32]) -> HostTensor {
-    let m = *g.shape.last().expect("[.., M]");
-    let mut data = Vec::with_capacity(tokens.len() * m);
-    for &t in tokens {
-        data.extend_from_slice(&g.data[t as usize * m..(t as usize + 1) * m]);
+/// The rows `tokens` (ascending) of a `[T, M]` payload (a holder's part of a gradient), `[n, M]`,
+/// where it is; all of them are the payload itself.
+pub fn rows_of(g: &Packed, tokens: &[u32]) -> Packed {
+    let m = *g.shape().last().expect("[.., M]");
+    match g {
+        Packed::Device(d) if tokens.len() == d.shape[0] => Packed::Device(d.clone()),
+        Packed::Device(_) if tokens.is_empty() => Packed::F32(empty(m)),
+        Packed::Device(d) => Packed::Device(d.rows.select(tokens)),
+        g => {
+            let g = host_values(g);
+            let mut data = Vec::with_capacity(tokens.len() * m);
+            for &t in tokens {
+                data.extend_from_slice(&g[t as usize * m..(t as usize + 1) * m]);
+            }
+            Packed::F32(HostTensor { shape: vec![tokens.len(), m], data })
+        }
     }
-    HostTensor { shape: vec![tokens.len(), m], data }
 }
 
 /// An empty `[0, cols]` host tensor (a holder that got no token).
@@ -251,9 +360,9 @@ pub struct Dispatched {
     /// Token indices within the micro-batch, ascending.
     pub tokens: Vec<u32>,
     /// `[n, M]`
-    pub y: HostTensor,
+    pub y: Packed,
     /// `[n, k]` gate weights (routed layers).
-    pub weights: Option<HostTensor>,
+    pub weights: Option<Packed>,
     /// `n * k` global expert ids.
     pub ids: Vec<u32>,
 }
@@ -264,7 +373,7 @@ pub struct Inbox {
     inputs: HashMap<(usize, usize), LayerInput>,
     grads: HashMap<(usize, usize), GradInput>,
     dispatched: HashMap<(usize, usize), Dispatched>,
-    grad_combines: HashMap<(usize, usize), HostTensor>,
+    grad_combines: HashMap<(usize, usize), Packed>,
 }
 
 impl Inbox {
@@ -273,26 +382,26 @@ impl Inbox {
     pub fn keep(&mut self, layout: &Layout, src: usize, msg: Msg) -> Option<Msg> {
         match msg {
             Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
-                let (y, weights) = (y.unpack(), weights.map(Packed::unpack));
+                let (y, weights) = (y.unpacked(), weights.map(Packed::unpacked));
                 self.dispatched.insert((mb, layer), Dispatched { tokens, y, weights, ids });
             }
             Msg::GradCombine { mb, layer, g } => {
-                self.grad_combines.insert((mb, layer), g.unpack());
+                self.grad_combines.insert((mb, layer), g.unpacked());
             }
             Msg::Combine { mb, layer, tokens, out } => {
                 let key = holder_key(layout, layer, src);
-                let partial = Partial { holder: src, key, tokens, out: out.unpack() };
+                let partial = Partial { holder: src, key, tokens, out: out.unpacked() };
                 self.inputs.entry((mb, layer + 1)).or_default().partials.push(partial);
             }
             Msg::Residual { mb, layer, x, aux } => {
-                self.inputs.entry((mb, layer + 1)).or_default().residual = Some(ResidualIn { x: x.unpack(), aux });
+                self.inputs.entry((mb, layer + 1)).or_default().residual = Some(ResidualIn { x: x.unpacked(), aux });
             }
             Msg::GradResidual { mb, layer, g, aux_coef } => {
-                let g = g.unpack();
+                let g = g.unpacked();
                 self.grads.entry((mb, layer)).or_default().residual = Some(GradResidualIn { g, aux_coef });
             }
             Msg::GradDispatch { mb, layer, gy, gw } => {
-                let (gy, gw) = (gy.unpack(), gw.map(Packed::unpack));
+                let (gy, gw) = (gy.unpacked(), gw.map(Packed::unpacked));
                 self.grads.entry((mb, layer)).or_default().dispatch.push(DispatchGrad { holder: src, gy, gw });
             }
             other => return Some(other),
@@ -317,7 +426,7 @@ impl Inbox {
     }
 
     /// The gradient of this holder's share of (`mb`, `layer`).
-    pub fn grad_combine(&mut self, mb: usize, layer: usize) -> HostTensor {
+    pub fn grad_combine(&mut self, mb: usize, layer: usize) -> Packed {
         self.grad_combines.remove(&(mb, layer)).expect("a ready task's gradient")
     }
 }
@@ -345,22 +454,23 @@ mod tests {
     #[test]
     fn shares_add_onto_the_residual_and_gradients_split_back_by_rows() {
         let x = HostTensor { shape: vec![3, 2], data: vec![1.0; 6] };
-        let mut input = LayerInput { residual: Some(ResidualIn { x, aux: AuxSums::default() }), partials: Vec::new() };
+        let mut input =
+            LayerInput { residual: Some(ResidualIn { x: x.into(), aux: AuxSums::default() }), partials: Vec::new() };
         input.partials.push(Partial {
             holder: 5,
             key: range_key(&(0..2)),
             tokens: vec![0, 2],
-            out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] },
+            out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] }.into(),
         });
         input.partials.push(Partial {
             holder: 6,
             key: range_key(&(2..4)),
             tokens: vec![2],
-            out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] },
+            out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] }.into(),
         });
         let a = input.assemble();
-        assert_eq!(a.h.data, vec![2.0, 3.0, 1.0, 1.0, 14.0, 25.0]);
-        assert_eq!(rows_of(&a.h, &a.from[1].tokens).data, vec![14.0, 25.0]);
+        assert_eq!(a.h.clone().unpack().data, vec![2.0, 3.0, 1.0, 1.0, 14.0, 25.0]);
+        assert_eq!(rows_of(&a.h, &a.from[1].tokens).unpack().data, vec![14.0, 25.0]);
     }
 
     /// Two holders of 4 experts (0..2 on rank 2, 2..4 on rank 3) behind attention workers 0 and 1.
@@ -377,19 +487,19 @@ mod tests {
         // Holder 3's share arrives first; the sum is the same as in holder order.
         let share = |tokens: Vec<u32>, v: f32| {
             let n = tokens.len();
-            combine(0, 0, tokens, HostTensor { shape: vec![n, 2], data: vec![v; n * 2] })
+            combine(0, 0, tokens, HostTensor { shape: vec![n, 2], data: vec![v; n * 2] }.into())
         };
         assert!(inbox.keep(&layout, 3, share(vec![1], 10.0)).is_none());
         assert!(inbox.keep(&layout, 2, share(vec![0, 1], 1.0)).is_none());
         let x = HostTensor { shape: vec![2, 2], data: vec![0.5; 4] };
-        assert!(inbox.keep(&layout, 0, residual(0, 0, x, AuxSums::default())).is_none());
+        assert!(inbox.keep(&layout, 0, residual(0, 0, x.into(), AuxSums::default())).is_none());
         assert!(inbox.keep(&layout, 0, Msg::Shutdown).is_some(), "not the exchange's");
         let a = inbox.assemble(0, 1);
-        assert_eq!(a.h.data, vec![1.5, 1.5, 11.5, 11.5]);
+        assert_eq!(a.h.clone().unpack().data, vec![1.5, 1.5, 11.5, 11.5]);
         assert_eq!(a.from.iter().map(|s| s.holder).collect::<Vec<_>>(), [2, 3]);
         // The mirror: each holder its rows of the gradient, the whole to the previous worker.
-        let gh = HostTensor { shape: vec![1, 2, 2], data: vec![1.0, 2.0, 3.0, 4.0] };
-        let msgs = input_grad_messages(0, 1, gh, &a.from, 0, Vec::new());
+        let gh = HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] };
+        let msgs = input_grad_messages(0, 1, gh.into(), &a.from, 0, Vec::new());
         let got: Vec<_> = msgs
             .iter()
             .map(|(dst, m)| match m {
@@ -406,16 +516,96 @@ mod tests {
             SentDispatch { holder: 3, key: range_key(&(2..4)), tokens: vec![] },
         ];
         let grads = vec![
-            DispatchGrad { holder: 3, gy: empty(2), gw: Some(empty(2)) },
+            DispatchGrad { holder: 3, gy: empty(2).into(), gw: Some(empty(2).into()) },
             DispatchGrad {
                 holder: 2,
-                gy: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] },
-                gw: Some(HostTensor { shape: vec![2, 2], data: vec![9.0; 4] }),
+                gy: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] }.into(),
+                gw: Some(HostTensor { shape: vec![2, 2], data: vec![9.0; 4] }.into()),
             },
         ];
         let (g, gates) = gather_dispatch_grads(&sent, grads, 2, 2);
-        assert_eq!(g.data, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(g.unpack().data, vec![1.0, 2.0, 3.0, 4.0]);
         assert_eq!(gates.len(), 1, "no gate gradient of a holder without tokens");
-        assert_eq!((gates[0].tokens, gates[0].gw.data.len()), (&[0u32, 1][..], 4));
+        assert_eq!((gates[0].tokens, gates[0].gw.shape()), (&[0u32, 1][..], &[2usize, 2][..]));
+    }
+
+    /// On a device, the holders' shares add up group by group to the host's token-by-token bits:
+    /// aligned and unaligned expert ranges, the shared experts' holder taking every token, holders
+    /// without tokens, and tokens no holder has.
+    #[test]
+    fn shares_add_up_on_a_device_to_the_hosts_bits() {
+        let (t, m) = (12usize, 3usize);
+        // Values whose sums depend on the order of addition.
+        let value = |h: usize, i: usize| 1.0e7 * ((h * 31 + i) as f32 * 0.71).sin() + 1e-3 * i as f32;
+        let residual = HostTensor { shape: vec![t, m], data: (0..t * m).map(|i| (i as f32 * 0.3).cos()).collect() };
+        let mut order_mattered = false;
+        for ranges in [vec![0..2, 2..4, 4..6, 6..8], vec![0..3, 3..6, 6..8], vec![0..4, 4..8]] {
+            for pattern in 0..4u32 {
+                // Which holder has which token: a mix, the first holder taking all, one empty.
+                let has = |h: usize, tok: usize| match pattern {
+                    0 => (tok * 7 + h * 3) % 5 < 2,
+                    1 => h == 0 || (tok + h) % 3 == 0,
+                    2 => h != 1 && (tok * h) % 4 != 1,
+                    _ => tok % 2 == 0 && h < 2,
+                };
+                let tokens: Vec<Vec<u32>> = (0..ranges.len())
+                    .map(|h| (0..t).filter(|&tok| has(h, tok)).map(|tok| tok as u32).collect())
+                    .collect();
+                let rows: Vec<HostTensor> = tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(h, toks)| HostTensor {
+                        shape: vec![toks.len(), m],
+                        data: (0..toks.len() * m).map(|i| value(h, i)).collect(),
+                    })
+                    .collect();
+                let host: Vec<Packed> = rows.iter().cloned().map(Packed::F32).collect();
+                // On the device, except the empty shares (they travel as host tensors).
+                let mem = crate::runtime::msg::mem_device::mem;
+                let device: Vec<Packed> = rows
+                    .iter()
+                    .map(|r| if r.shape[0] == 0 { Packed::F32(r.clone()) } else { Packed::Device(mem(r.clone())) })
+                    .collect();
+                fn with<'a>(
+                    payloads: &'a [Packed],
+                    tokens: &'a [Vec<u32>],
+                    ranges: &[Range<usize>],
+                ) -> Vec<Shares<'a>> {
+                    payloads
+                        .iter()
+                        .enumerate()
+                        .map(|(h, p)| Shares { key: range_key(&ranges[h]), tokens: &tokens[h], rows: p })
+                        .collect()
+                }
+                let shares = |payloads| with(payloads, &tokens, &ranges);
+                let want = add_shares(Some(Packed::F32(residual.clone())), [t, m], &shares(&host)).unpack();
+                let got = add_shares(Some(Packed::Device(mem(residual.clone()))), [t, m], &shares(&device));
+                assert!(matches!(got, Packed::Device(_)), "the sum stays on the device");
+                let got = got.unpack();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.data), bits(&want.data), "{ranges:?}, pattern {pattern}");
+                // Zeros plus the shares (a gradient's sum), the residual on the host.
+                let want = add_shares(None, [t, m], &shares(&host)).unpack();
+                let got = add_shares(None, [t, m], &shares(&device)).unpack();
+                assert_eq!(bits(&got.data), bits(&want.data), "{ranges:?}, pattern {pattern}, from zeros");
+                // A share's rows of the sum, on the device as on the host.
+                let sum = add_shares(None, [t, m], &shares(&device));
+                assert_eq!(
+                    rows_of(&sum, &tokens[0]).unpack(),
+                    rows_of(&Packed::F32(want.clone()), &tokens[0]).unpack()
+                );
+                let mut naive = residual.clone();
+                for (h, toks) in tokens.iter().enumerate() {
+                    for (i, &tok) in toks.iter().enumerate() {
+                        for j in 0..m {
+                            naive.data[tok as usize * m + j] += rows[h].data[i * m + j];
+                        }
+                    }
+                }
+                let want = add_shares(Some(Packed::F32(residual.clone())), [t, m], &shares(&host)).unpack();
+                order_mattered |= naive.data != want.data;
+            }
+        }
+        assert!(order_mattered, "the test values must be sensitive to the order of addition");
     }
 }

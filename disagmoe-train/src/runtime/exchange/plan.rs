@@ -1,9 +1,9 @@
 //! M2N planned and packed ([`DispatchPlan`]), the other exchange messages built, and the mirrored
 //! gradient exchange ([`input_grad_messages`], [`gather_dispatch_grads`]).
 
-use super::{add_token_sums, dense_shares, empty, key_of, m2n_shares, rows_of, DispatchGrad, HolderRows, Share};
+use super::{add_shares, dense_shares, empty, key_of, m2n_shares, rows_of, DispatchGrad, Share, Shares};
 use crate::runtime::layout::Layout;
-use crate::runtime::msg::{AuxSums, HostTensor, LayerCoefficients, Msg};
+use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
 
 /// One holder's dispatch of a layer, as planned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,27 +91,21 @@ impl DispatchPlan {
 
     /// The dispatches, in holder order, and what the attention worker keeps of them for the
     /// backward: `rows(tokens)` gives a non-empty share's expert inputs `[n, M]` and (routed) gate
-    /// weights `[n, k]`; an empty share travels as empty tensors.
+    /// weights `[n, k]` (on the host or on the device); an empty share travels as empty host
+    /// tensors.
     pub fn into_messages(
         self,
-        mut rows: impl FnMut(&[u32]) -> (HostTensor, Option<HostTensor>),
+        mut rows: impl FnMut(&[u32]) -> (Packed, Option<Packed>),
     ) -> (Vec<(usize, Msg)>, Vec<SentDispatch>) {
         let (mb, layer) = (self.mb, self.layer);
         self.shares
             .into_iter()
             .map(|PlannedShare { holder, key, tokens, ids }| {
                 let (y, weights) = match tokens.is_empty() {
-                    true => (empty(self.width), self.k.map(empty)),
+                    true => (empty(self.width).into(), self.k.map(|k| empty(k).into())),
                     false => rows(&tokens),
                 };
-                let msg = Msg::Dispatch {
-                    mb,
-                    layer,
-                    tokens: tokens.clone(),
-                    y: y.into(),
-                    weights: weights.map(Into::into),
-                    ids,
-                };
+                let msg = Msg::Dispatch { mb, layer, tokens: tokens.clone(), y, weights, ids };
                 ((holder, msg), SentDispatch { holder, key, tokens })
             })
             .unzip()
@@ -119,39 +113,37 @@ impl DispatchPlan {
 }
 
 /// The residual stream of micro-batch `mb` out of `layer`, with the balance-loss sums so far.
-pub fn residual(mb: usize, layer: usize, x: HostTensor, aux: AuxSums) -> Msg {
-    Msg::Residual { mb, layer, x: x.into(), aux }
+pub fn residual(mb: usize, layer: usize, x: Packed, aux: AuxSums) -> Msg {
+    Msg::Residual { mb, layer, x, aux }
 }
 
 /// A holder's share `[n, M]` of `layer`'s output for its `tokens` (N2M).
-pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, out: HostTensor) -> Msg {
-    Msg::Combine { mb, layer, tokens, out: out.into() }
+pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, out: Packed) -> Msg {
+    Msg::Combine { mb, layer, tokens, out }
 }
 
 /// A holder's gradients of its dispatch of `layer`: of the expert inputs `[n, M]` and (routed) of
 /// the gate weights `[n, k]`.
-pub fn grad_dispatch(mb: usize, layer: usize, gy: HostTensor, gw: Option<HostTensor>) -> Msg {
-    Msg::GradDispatch { mb, layer, gy: gy.into(), gw: gw.map(Into::into) }
+pub fn grad_dispatch(mb: usize, layer: usize, gy: Packed, gw: Option<Packed>) -> Msg {
+    Msg::GradDispatch { mb, layer, gy, gw }
 }
 
-/// The gradient of `layer`'s input `gh` sent back (the mirror of N2M): each holder of
+/// The gradient of `layer`'s input `gh` (`[T, M]`) sent back (the mirror of N2M): each holder of
 /// `layer - 1` its rows (`from`, who sent which tokens), then all of it to the previous attention
 /// worker `prev` (the residual), with the balance-loss coefficients.
 pub fn input_grad_messages(
     mb: usize,
     layer: usize,
-    gh: HostTensor,
+    gh: Packed,
     from: &[Share],
     prev: usize,
     aux_coef: Vec<LayerCoefficients>,
 ) -> Vec<(usize, Msg)> {
     let mut msgs: Vec<(usize, Msg)> = from
         .iter()
-        .map(|share| (share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens).into() }))
+        .map(|share| (share.holder, Msg::GradCombine { mb, layer: layer - 1, g: rows_of(&gh, &share.tokens) }))
         .collect();
-    let m = *gh.shape.last().expect("[B, S, M]");
-    let g = HostTensor { shape: vec![gh.data.len() / m, m], data: gh.data };
-    msgs.push((prev, Msg::GradResidual { mb, layer: layer - 1, g: g.into(), aux_coef }));
+    msgs.push((prev, Msg::GradResidual { mb, layer: layer - 1, g: gh, aux_coef }));
     msgs
 }
 
@@ -161,7 +153,7 @@ pub struct GateGrad<'a> {
     /// The tokens, ascending.
     pub tokens: &'a [u32],
     /// `[n, k]`
-    pub gw: HostTensor,
+    pub gw: Packed,
 }
 
 /// The attention worker's side of the holders' gradients of `T x M` dispatched rows: the gradient
@@ -173,18 +165,17 @@ pub fn gather_dispatch_grads<'a>(
     mut grads: Vec<DispatchGrad>,
     t: usize,
     m: usize,
-) -> (HostTensor, Vec<GateGrad<'a>>) {
+) -> (Packed, Vec<GateGrad<'a>>) {
     grads.sort_by_key(|d| d.holder);
     let sent_to = |holder: usize| sent.iter().find(|s| s.holder == holder).expect("a dispatch per holder");
-    let mut g_normed = HostTensor { shape: vec![t, m], data: vec![0.0; t * m] };
-    let rows: Vec<HolderRows> = grads
+    let shares: Vec<Shares> = grads
         .iter()
         .map(|d| {
             let s = sent_to(d.holder);
-            HolderRows { key: s.key, tokens: &s.tokens, rows: &d.gy.data }
+            Shares { key: s.key, tokens: &s.tokens, rows: &d.gy }
         })
         .collect();
-    add_token_sums(&mut g_normed.data, m, &rows);
+    let g_normed = add_shares(None, [t, m], &shares);
     let gates = grads
         .into_iter()
         .filter_map(|DispatchGrad { holder, gw, .. }| {
@@ -199,6 +190,7 @@ pub fn gather_dispatch_grads<'a>(
 mod tests {
     use super::super::tests::two_holders;
     use super::*;
+    use crate::runtime::msg::HostTensor;
     use disagmoe_kernels::order::range_key;
 
     #[test]
@@ -217,8 +209,8 @@ mod tests {
             asked.push(tokens.to_vec());
             let n = tokens.len();
             (
-                HostTensor { shape: vec![n, 5], data: vec![1.0; n * 5] },
-                Some(HostTensor { shape: vec![n, 2], data: vec![0.5; n * 2] }),
+                HostTensor { shape: vec![n, 5], data: vec![1.0; n * 5] }.into(),
+                Some(HostTensor { shape: vec![n, 2], data: vec![0.5; n * 2] }.into()),
             )
         });
         assert_eq!(asked, [vec![0, 1], vec![1, 2]]);
@@ -235,8 +227,8 @@ mod tests {
         let (msgs, sent) = plan.into_messages(|tokens| {
             assert_eq!(tokens, [0, 1]);
             (
-                HostTensor { shape: vec![2, 5], data: vec![0.0; 10] },
-                Some(HostTensor { shape: vec![2, 2], data: vec![0.0; 4] }),
+                HostTensor { shape: vec![2, 5], data: vec![0.0; 10] }.into(),
+                Some(HostTensor { shape: vec![2, 2], data: vec![0.0; 4] }.into()),
             )
         });
         let Msg::Dispatch { y, weights: Some(w), .. } = &msgs[1].1 else { panic!() };
@@ -247,8 +239,8 @@ mod tests {
     #[test]
     fn a_dense_plan_sends_every_token_to_the_first_holder_without_gate_weights() {
         let plan = DispatchPlan::dense(0, 0, &two_holders(false), 3, 4);
-        let (msgs, _) =
-            plan.into_messages(|tokens| (HostTensor { shape: vec![tokens.len(), 4], data: vec![0.0; 12] }, None));
+        let (msgs, _) = plan
+            .into_messages(|tokens| (HostTensor { shape: vec![tokens.len(), 4], data: vec![0.0; 12] }.into(), None));
         let kinds: Vec<_> = msgs
             .iter()
             .map(|(dst, m)| match m {

@@ -24,6 +24,15 @@ impl Envelope {
     /// a sequence reserves at most serde's cautious 1 MiB before its elements arrive, and every
     /// element consumes input bytes.
     pub fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
+        Self::from_bytes_with(bytes, |_| Ok(()))
+    }
+
+    /// [`Self::from_bytes`] for a message whose device payloads travel beside it: `join` puts them
+    /// back (`Msg::attach_device`) before the message is checked.
+    pub fn from_bytes_with(
+        bytes: &[u8],
+        join: impl FnOnce(&mut Envelope) -> std::result::Result<(), String>,
+    ) -> std::result::Result<Self, String> {
         fn limited<const L: usize>(
             bytes: &[u8],
         ) -> std::result::Result<(Envelope, usize), bincode::error::DecodeError> {
@@ -41,7 +50,10 @@ impl Envelope {
         }
         let decoded = by_size!(6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22);
         match decoded {
-            Ok((env, used)) if used == bytes.len() => env.msg.check().map(|()| env),
+            Ok((mut env, used)) if used == bytes.len() => {
+                join(&mut env)?;
+                env.msg.check().map(|()| env)
+            }
             Ok((_, used)) => Err(format!("{} bytes left over after an envelope of {used}", bytes.len() - used)),
             Err(e) => Err(format!("{e} ({} bytes)", bytes.len())),
         }

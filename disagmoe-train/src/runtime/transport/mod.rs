@@ -21,6 +21,8 @@ use super::msg::{Envelope, Msg};
 #[cfg(feature = "wire")]
 mod codec;
 mod pulse;
+#[cfg(feature = "wire")]
+pub mod rounds;
 use crate::error::{Result, TrainError};
 #[cfg(feature = "wire")]
 pub use codec::{Reassembly, CLAIM_PER_BYTE, CLAIM_SLACK, TAG_HEAD, TAG_PIECE, TAG_WHOLE};

@@ -1,21 +1,14 @@
-//! The worker's glue to Burn's autodiff: host tensors in and out of the graph, forks of a stage's
+//! The worker's glue to Burn's autodiff: gradients out of the graph, forks of a stage's
 //! parameters, and gradients flattened for an all-reduce.
 //!
 //! Every boundary between workers is a leaf of the graph: a received tensor becomes a leaf that
-//! requires a gradient ([`leaf`]), and a stage's backward is `sum(output * received gradient)`.
+//! requires a gradient (`Worker::take`), and a stage's backward is `sum(output * received
+//! gradient)`.
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
-
-use crate::runtime::msg::HostTensor;
-
-/// A tensor's values on the host, as f32.
-pub(super) fn host<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> HostTensor {
-    let data = t.to_data().convert::<f32>();
-    HostTensor { shape: data.shape.clone().into(), data: data.to_vec::<f32>().expect("f32 tensor") }
-}
 
 /// The gradient of the step's loss with respect to a loss term with coefficient `coef` in a
 /// micro-batch's loss, rounded as one device's autodiff rounds it (`total = lm + coef * term`,
@@ -29,35 +22,19 @@ pub(super) fn term_scale(micro_batches: usize, coef: f64) -> f32 {
     }
 }
 
-/// A received tensor as a leaf that requires a gradient.
-pub(super) fn leaf<B: AutodiffBackend, const D: usize>(h: &HostTensor, device: &B::Device) -> Tensor<B, D> {
-    Tensor::<B, D>::from_data(TensorData::new(h.data.clone(), h.shape.clone()), device).require_grad()
-}
-
-/// A received tensor as a constant of the graph.
-pub(super) fn constant<B: AutodiffBackend, const D: usize>(h: &HostTensor, device: &B::Device) -> Tensor<B, D> {
-    Tensor::<B, D>::from_data(TensorData::new(h.data.clone(), h.shape.clone()), device)
-}
-
 /// Token indices as an index tensor.
-pub(super) fn index<B: AutodiffBackend>(v: &[u32], device: &B::Device) -> Tensor<B, 1, Int> {
+pub(super) fn index<B: Backend>(v: &[u32], device: &B::Device) -> Tensor<B, 1, Int> {
     Tensor::from_data(TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]), device)
 }
 
-/// The gradient of leaf `t` out of `grads`, on the host in `shape` (zeros when it got none).
+/// The gradient of leaf `t` out of `grads` (zeros of `shape` when it got none).
 pub(super) fn grad_of<B: AutodiffBackend, const D: usize>(
     t: &Option<Tensor<B, D>>,
     grads: &mut B::Gradients,
-    shape: &[usize],
-) -> HostTensor {
-    let g = t.as_ref().and_then(|t| t.grad_remove(grads));
-    match g {
-        Some(g) => {
-            let data = g.into_data().convert::<f32>();
-            HostTensor { shape: shape.to_vec(), data: data.to_vec::<f32>().expect("f32 grad") }
-        }
-        None => HostTensor { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] },
-    }
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B::InnerBackend, D> {
+    t.as_ref().and_then(|t| t.grad_remove(grads)).unwrap_or_else(|| Tensor::zeros(shape, device))
 }
 
 /// Gives every parameter of a module its own autodiff leaf (and moves it to `device`). Workers fork

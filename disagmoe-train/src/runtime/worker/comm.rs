@@ -32,6 +32,8 @@ pub(crate) struct StepMeters {
     pub(crate) bytes_sent: u64,
     /// Of them, the token exchange's (packed payloads), by kind (`Msg::exchange_kind`).
     pub(crate) exchange_bytes: [u64; 6],
+    /// Payload bytes copied from the backend's tensors to the host (`super::payload`).
+    pub(crate) payload_host_bytes: u64,
 }
 
 impl Sub for StepMeters {
@@ -45,6 +47,7 @@ impl Sub for StepMeters {
             link_us: self.link_us - start.link_us,
             bytes_sent: self.bytes_sent - start.bytes_sent,
             exchange_bytes: std::array::from_fn(|i| self.exchange_bytes[i] - start.exchange_bytes[i]),
+            payload_host_bytes: self.payload_host_bytes - start.payload_host_bytes,
         }
     }
 }

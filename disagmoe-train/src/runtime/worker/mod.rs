@@ -12,6 +12,7 @@
 
 mod autodiff;
 mod comm;
+mod payload;
 mod persist;
 mod step_end;
 mod tasks;
@@ -30,6 +31,8 @@ use disagmoe_models::moe::{Experts, Router, RoutingOptions};
 use disagmoe_models::{AuxLoss, Recompute, TrainModule};
 
 use self::comm::Comm;
+#[cfg(feature = "mpi")]
+pub(crate) use self::payload::device_alloc;
 use self::step_end::StepStats;
 use self::tasks::{AttnSaved, FfnSaved};
 use super::collectives::AllReduce;
@@ -96,6 +99,9 @@ pub struct StepSettings {
     pub poison_at: Option<(usize, String)>,
     /// What the token exchange's payloads travel in between workers.
     pub exchange: ExchangePrecision,
+    /// The exchange's payloads stay tensors on the device that computed them (workers of one
+    /// process on one device), instead of host data.
+    pub device_payloads: bool,
 }
 
 /// A worker and its state within a step.
@@ -199,6 +205,11 @@ where
         self.part.as_ref().expect("the part is only taken during the optimizer step")
     }
 
+    /// What this worker measured so far, with the payload bytes its thread read back.
+    fn meters(&self) -> comm::StepMeters {
+        comm::StepMeters { payload_host_bytes: payload::host_bytes(), ..self.comm.meters }
+    }
+
     /// Runs one pass over `batch` (the step's whole batch; each worker uses its micro-batches;
     /// workers without the embedding may pass an empty slice): forward and backward of every
     /// micro-batch, the global sums, and (when `update`) the gradient reduction and the optimizer
@@ -217,7 +228,7 @@ where
         self.comm.step = step;
         self.loss_scale = loss_scale;
         self.tasks_run = 0;
-        let start = self.comm.meters;
+        let start = self.meters();
         let rank = self.rank();
         let rows_per = self.settings.mb_rows;
         // Only this worker's micro-batches' windows are read.

@@ -65,6 +65,8 @@ struct GlobalSums {
     bytes_sent: f64,
     /// Of them, the token exchange's, by kind.
     exchange_bytes: [f64; 6],
+    /// Payload bytes read back to the host.
+    payload_host_bytes: f64,
     /// Workers asked to stop (a signal reached their process).
     stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
@@ -79,7 +81,7 @@ type Field = fn(&mut GlobalSums) -> &mut f64;
 impl GlobalSums {
     /// The scalar fields in the order they travel (the expert counts follow). The order is part of
     /// the sums' bits (a ring adds each piece starting at another member), so it stays as it is.
-    const SCALARS: [Field; 17] = [
+    const SCALARS: [Field; 18] = [
         |g| &mut g.grad_sq,
         |g| &mut g.losses.total,
         |g| &mut g.losses.lm,
@@ -97,6 +99,7 @@ impl GlobalSums {
         |g| &mut g.exchange_bytes[3],
         |g| &mut g.exchange_bytes[4],
         |g| &mut g.exchange_bytes[5],
+        |g| &mut g.payload_host_bytes,
     ];
 
     fn into_vec(mut self) -> Vec<f64> {
@@ -152,7 +155,7 @@ where
         }
         // Each (micro-batch, layer) is routed by one attention worker: it counts the copies dropped.
         expert_counts.extend(sparse.iter().map(|l| self.stats.dropped.get(l).copied().unwrap_or(0) as f64));
-        let d = self.comm.meters - start;
+        let d = self.meters() - start;
         let wire_s = d.wait_wire_us as f64 * 1e-6;
         GlobalSums {
             grad_sq,
@@ -163,6 +166,7 @@ where
             link_s: d.link_us as f64 * 1e-6,
             bytes_sent: d.bytes_sent as f64,
             exchange_bytes: d.exchange_bytes.map(|b| b as f64),
+            payload_host_bytes: d.payload_host_bytes as f64,
             stop: if stop { 1.0 } else { 0.0 },
             expert_counts,
         }
@@ -292,6 +296,7 @@ where
                 link_s: g.link_s,
                 bytes_sent: g.bytes_sent,
                 exchange_bytes: ExchangeBytes::from_kinds(g.exchange_bytes),
+                payload_host_bytes: g.payload_host_bytes,
             },
             stop: g.stop > 0.0,
         };
@@ -350,13 +355,14 @@ mod tests {
             stop: 9.0,
             bytes_sent: 10.0,
             exchange_bytes: [12.0, 13.0, 14.0, 15.0, 16.0, 17.0],
-            expert_counts: vec![18.0, 19.0],
+            payload_host_bytes: 18.0,
+            expert_counts: vec![19.0, 20.0],
         };
         let v = g.into_vec();
         // The order they always travelled in (it is part of a ring sum's bits).
-        assert_eq!(v, (1..=19).map(f64::from).collect::<Vec<_>>());
+        assert_eq!(v, (1..=20).map(f64::from).collect::<Vec<_>>());
         let back = GlobalSums::from_vec(&v);
-        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![18.0, 19.0]));
+        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![19.0, 20.0]));
         assert_eq!(back.into_vec(), v);
     }
 }

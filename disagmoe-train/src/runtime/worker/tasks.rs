@@ -1,5 +1,6 @@
 //! The task bodies of a worker: attention forward and backward, the head, and an expert holder's
-//! forward and backward. Each computes on the worker's device and hands host rows to the exchange
+//! forward and backward. Each computes on the worker's device and hands its payloads (host rows,
+//! or tensors left on the device: [`super::payload`]) to the exchange
 //! ([`crate::runtime::exchange`]), which builds the messages the task sends.
 
 use burn::module::{AutodiffModule, Module};
@@ -13,14 +14,15 @@ use disagmoe_models::moe::{Experts, Routed, Router};
 use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
 use disagmoe_models::TrainModule;
 
-use super::autodiff::{constant, grad_of, host, index, leaf, term_scale, Fork};
+use super::autodiff::{grad_of, index, term_scale, Fork};
+use super::payload::{read_back, OnDevice};
 use super::Worker;
 use crate::error::Result;
 use crate::runtime::exchange::{
     self, empty, gather_dispatch_grads, input_grad_messages, Assembled, DispatchPlan, Dispatched, GateGrad,
     GradResidualIn, SentDispatch, Share,
 };
-use crate::runtime::msg::{AuxSums, HostTensor, LayerAux, LayerCoefficients, Msg};
+use crate::runtime::msg::{AuxSums, LayerAux, LayerCoefficients, Msg, Packed};
 
 /// An attention stage's forward from its input: with its graph (kept for the backward, or run
 /// again there under `--recompute attention|full`), or without one (the first forward of a
@@ -43,7 +45,7 @@ pub(super) struct AttnSaved<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     /// The forward's graph; `None` when the stage is recomputed.
     graph: Option<AttnGraph<B, A, R>>,
     /// A recomputed stage's input (layer 0 recomputes from the token ids).
-    input: Option<HostTensor>,
+    input: Option<Packed>,
     /// Who sent which tokens of the input (where its gradient's rows go back).
     from: Vec<Share>,
     /// What was dispatched to each holder.
@@ -60,8 +62,8 @@ pub(super) struct FfnGraph<B: AutodiffBackend, X: Module<B>> {
 
 /// A recomputed expert stage's input: the rows, their gate weights and expert ids.
 pub(super) struct FfnInput {
-    y: HostTensor,
-    w: Option<HostTensor>,
+    y: Packed,
+    w: Option<Packed>,
     ids: Vec<usize>,
 }
 
@@ -87,11 +89,24 @@ where
         msgs.into_iter().try_for_each(|(dst, msg)| self.comm.send(dst, msg))
     }
 
-    /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
-    fn hidden(&self, h: HostTensor, track: bool) -> Tensor<B, 3> {
-        let m = *h.shape.last().expect("[T, M]");
-        let (b, s) = (self.settings.mb_rows, self.settings.seq);
-        let t = Tensor::<B, 3>::from_data(TensorData::new(h.data, [b, s, m]), &self.device);
+    /// A payload for another worker: `t` left on the device, or read back to the host.
+    fn emit(&self, t: Tensor<B::InnerBackend, 2>) -> Packed {
+        if self.settings.device_payloads {
+            Packed::Device(OnDevice::wrap(t))
+        } else {
+            Packed::F32(read_back(t))
+        }
+    }
+
+    /// A received payload as a tensor of `shape` (its values row-major): a leaf that requires a
+    /// gradient (`track`), or a constant of the graph.
+    fn take<const D: usize>(&self, p: &Packed, shape: [usize; D], track: bool) -> Tensor<B, D> {
+        let inner = match p {
+            Packed::Device(d) => OnDevice::<B::InnerBackend>::tensor(d).reshape(shape),
+            Packed::F32(h) => Tensor::from_data(TensorData::new(h.data.clone(), shape), &self.device),
+            other => unreachable!("the inbox unpacks every payload: {:?}", other.shape()),
+        };
+        let t = Tensor::from_inner(inner);
         if track {
             t.require_grad()
         } else {
@@ -99,9 +114,21 @@ where
         }
     }
 
+    /// A received `[rows, cols]` payload as a constant of the graph.
+    fn constant(&self, p: &Packed) -> Tensor<B, 2> {
+        let shape = p.shape();
+        self.take(p, [shape[0], shape[1]], false)
+    }
+
+    /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
+    fn hidden(&self, h: &Packed, track: bool) -> Tensor<B, 3> {
+        let m = *h.shape().last().expect("[T, M]");
+        self.take(h, [self.settings.mb_rows, self.settings.seq, m], track)
+    }
+
     /// Attention stage `layer` of micro-batch `mb` on `input` (layer 0: `None`, the token ids'
     /// embedding), with its graph or without (`track`), and a routed layer's decision.
-    fn attend(&self, mb: usize, layer: usize, input: Option<HostTensor>, track: bool) -> Result<AttnGraph<B, A, R>> {
+    fn attend(&self, mb: usize, layer: usize, input: Option<Packed>, track: bool) -> Result<AttnGraph<B, A, R>> {
         let device = self.device.clone();
         let fork = &mut Fork { device: &device, track };
         let past_first = input.is_some();
@@ -110,7 +137,7 @@ where
                 let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(fork);
                 (ends.embed(self.ids(mb)?), Some(ends))
             }
-            Some(h) => (self.hidden(h, track), None),
+            Some(h) => (self.hidden(&h, track), None),
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
         let out = stage.forward(h.clone(), self.rope.0.clone(), self.rope.1.clone());
@@ -174,16 +201,16 @@ where
         };
         let (msgs, sent) = plan.into_messages(|tokens| match &out.routed {
             Some(routed) => {
-                let idx = index::<B>(tokens, &self.device);
-                let y = host(&out.normed.clone().select(0, idx.clone()));
-                (y, Some(host(&routed.route.weights.clone().select(0, idx))))
+                let idx = index::<B::InnerBackend>(tokens, &self.device);
+                let y = self.emit(out.normed.clone().inner().select(0, idx.clone()));
+                (y, Some(self.emit(routed.route.weights.clone().inner().select(0, idx))))
             }
             // A dense layer's one share is every token.
-            None => (host(&out.normed), None),
+            None => (self.emit(out.normed.clone().inner()), None),
         });
         self.send_all(msgs)?;
         let next = self.next_attn_worker(mb, layer);
-        self.comm.send(next, exchange::residual(mb, layer, host(&out.residual), aux))?;
+        self.comm.send(next, exchange::residual(mb, layer, self.emit(out.residual.clone().inner()), aux))?;
         let saved = if recompute {
             AttnSaved { graph: None, input, from, sent }
         } else {
@@ -211,12 +238,9 @@ where
     fn expert(&self, layer: usize, input: &FfnInput, track: bool) -> FfnGraph<B, X> {
         let device = self.device.clone();
         let stage = self.part().experts[self.ffn_index[&layer]].clone().map(&mut Fork { device: &device, track });
-        let input_tensor = |h: &HostTensor| {
-            if track {
-                leaf::<B, 2>(h, &self.device)
-            } else {
-                constant::<B, 2>(h, &self.device)
-            }
+        let input_tensor = |h: &Packed| {
+            let shape = h.shape();
+            self.take(h, [shape[0], shape[1]], track)
         };
         let y = input_tensor(&input.y);
         let w = input.w.as_ref().map(input_tensor);
@@ -229,15 +253,15 @@ where
         let Dispatched { tokens, y, weights: w, ids } = self.inbox.dispatched(mb, layer);
         let rows = tokens.len();
         let dst = self.next_attn_worker(mb, layer);
-        let m = y.shape.last().copied().unwrap_or(0);
+        let m = y.shape().last().copied().unwrap_or(0);
         if rows == 0 {
             self.ffn_saved.insert((mb, layer), FfnSaved { dst: src, rows, graph: None, input: None });
-            return self.comm.send(dst, exchange::combine(mb, layer, tokens, empty(m)));
+            return self.comm.send(dst, exchange::combine(mb, layer, tokens, empty(m).into()));
         }
         let input = FfnInput { y, w, ids: ids.iter().map(|&e| e as usize).collect() };
         let recompute = self.settings.recompute.experts();
         let graph = self.expert(layer, &input, !recompute);
-        self.comm.send(dst, exchange::combine(mb, layer, tokens, host(&graph.out)))?;
+        self.comm.send(dst, exchange::combine(mb, layer, tokens, self.emit(graph.out.clone().inner())))?;
         let saved = if recompute {
             FfnSaved { dst: src, rows, graph: None, input: Some(input) }
         } else {
@@ -256,21 +280,21 @@ where
     pub(super) fn ffn_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
         let g = self.inbox.grad_combine(mb, layer);
         let saved = self.ffn_saved.remove(&(mb, layer)).expect("expert forward before backward");
-        let m = g.shape.last().copied().unwrap_or(0);
+        let m = g.shape().last().copied().unwrap_or(0);
         let graph = match (saved.graph, &saved.input) {
             (Some(graph), _) => Some(graph),
             (None, Some(input)) => Some(self.expert(layer, input, true)),
             (None, None) => None,
         };
         let (gy, gw) = match graph {
-            None => (empty(m), None),
+            None => (empty(m).into(), None),
             Some(FfnGraph { stage, y, w, out }) => {
-                let g = constant::<B, 2>(&g, &self.device);
+                let g = self.constant(&g);
                 let mut grads = (out * g).sum().backward();
-                let gy = grad_of(&Some(y), &mut grads, &[saved.rows, m]);
+                let gy = self.emit(grad_of(&Some(y), &mut grads, [saved.rows, m], &self.device));
                 let gw = w.map(|w| {
-                    let shape = w.dims().to_vec();
-                    grad_of(&Some(w), &mut grads, &shape)
+                    let shape = w.dims();
+                    self.emit(grad_of(&Some(w), &mut grads, shape, &self.device))
                 });
                 self.accumulate(&mut grads, &stage);
                 (gy, gw)
@@ -279,16 +303,18 @@ where
         self.comm.send(saved.dst, exchange::grad_dispatch(mb, layer, gy, gw))
     }
 
-    /// Sends the gradient of `layer`'s input back ([`input_grad_messages`]).
+    /// Sends the gradient of `layer`'s input (`[B, S, M]`) back ([`input_grad_messages`]).
     fn send_input_grad(
         &mut self,
         mb: usize,
         layer: usize,
-        gh: HostTensor,
+        gh: Tensor<B::InnerBackend, 3>,
         from: &[Share],
         aux_coef: Vec<LayerCoefficients>,
     ) -> Result<()> {
         let prev = self.layout.attn_worker(mb, layer - 1);
+        let [b, s, m] = gh.dims();
+        let gh = self.emit(gh.reshape([b * s, m]));
         self.send_all(input_grad_messages(mb, layer, gh, from, prev, aux_coef))
     }
 
@@ -311,7 +337,7 @@ where
     pub(super) fn head(&mut self, mb: usize) -> Result<()> {
         let layers = self.layout.layers;
         let Assembled { h, aux, from } = self.inbox.assemble(mb, layers);
-        let h = self.hidden(h, true);
+        let h = self.hidden(&h, true);
         let ids = self.ids(mb)?;
         let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
@@ -327,8 +353,8 @@ where
         self.stats.mb_losses.push((mb, lm, aux_loss));
         let ce = ce.div_scalar(mbs);
         let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
-        let shape = h.dims().to_vec();
-        let gh = grad_of(&Some(h), &mut grads, &shape);
+        let shape = h.dims();
+        let gh = grad_of(&Some(h), &mut grads, shape, &self.device);
         let params = GradientsParams::from_module(&mut grads, &ends);
         self.head_grads.accumulate(self.part.as_ref().expect("part"), params);
         self.send_input_grad(mb, layers, gh, &from, aux_coef)
@@ -342,14 +368,14 @@ where
             Some(graph) => graph,
             None => self.attend(mb, layer, saved.input, true)?,
         };
-        let mut objective = (graph.residual.clone() * constant::<B, 2>(&g_res, &self.device)).sum();
+        let mut objective = (graph.residual.clone() * self.constant(&g_res)).sum();
         let [t, m] = graph.normed.dims();
         let (g_normed, gates) = gather_dispatch_grads(&saved.sent, inp.dispatch, t, m);
-        objective = objective + (graph.normed.clone() * constant::<B, 2>(&g_normed, &self.device)).sum();
+        objective = objective + (graph.normed.clone() * self.constant(&g_normed)).sum();
         if let Some(Routed { route, stats, .. }) = &graph.routed {
             for GateGrad { tokens, gw } in gates {
                 let w = route.weights.clone().select(0, index::<B>(tokens, &self.device));
-                objective = objective + (w * constant::<B, 2>(&gw, &self.device)).sum();
+                objective = objective + (w * self.constant(&gw)).sum();
             }
             let coefficients = aux_coef.iter().find(|c| c.layer == layer).filter(|_| self.settings.aux.is_some());
             if let Some(c) = coefficients {
@@ -364,10 +390,7 @@ where
             objective = objective + z.clone().mul_scalar(scale as f64);
         }
         let mut grads = objective.backward();
-        let gh = graph.h.as_ref().map(|h| {
-            let shape = h.dims().to_vec();
-            grad_of(&Some(h.clone()), &mut grads, &shape)
-        });
+        let gh = graph.h.as_ref().map(|h| grad_of(&Some(h.clone()), &mut grads, h.dims(), &self.device));
         self.accumulate(&mut grads, &graph.stage);
         if let Some(ends) = &graph.ends {
             self.accumulate(&mut grads, ends);
