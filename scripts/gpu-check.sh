@@ -9,11 +9,17 @@
 #    Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, single (with and without --recompute full) and disagg with 4 workers sharing the
 #    GPU (--devices cuda:0 x 4): tokens/s, model TFLOP/s and utilisation against the GPU's bf16
 #    dense peak (H100/H200/H800 989, A100 312 TFLOP/s), peak device memory (nvidia-smi, sampled).
+#  exchange: the same disagg 2+2 on one GPU with the token exchange in f32, bf16 and fp8, its
+#    payloads left on the device (the default with one device) and, for f32 and bf16, through the
+#    host (--exchange-payloads host): step time, exchange bytes per worker and step, and the
+#    payload bytes read back to the host per step (payload_host_bytes; 0 on the device path but
+#    for fp8's dispatch, which is packed on the host).
 #
 #   scripts/gpu-check.sh                      # with cargo: build (--features cuda), both parts
 #   scripts/gpu-check.sh --build-only DIR     # build the binaries into DIR (no GPU needed)
 #   scripts/gpu-check.sh --prebuilt DIR       # run binaries from DIR (a GPU machine without cargo)
-#   options: --part kernels|train|all (default all), --dtype f32|f16|bf16 (kernel report dtype,
+#   options: --part kernels|train|exchange|all (default all; if all does not fit one 10-minute
+#   device call, run --part kernels, --part train and --part exchange as separate calls), --dtype f32|f16|bf16 (kernel report dtype,
 #   default f32), --json FILE (kernel report as JSON), --steps N (1B runs, default 6)
 #
 # CUDA libraries load at run time: building needs no GPU and no CUDA toolkit.
@@ -29,11 +35,11 @@ while [ $# -gt 0 ]; do
     --json) json="${2:?--json needs a file}"; shift 2 ;;
     --part) part="${2:?--part needs kernels, train or all}"; shift 2 ;;
     --steps) steps="${2:?--steps needs a number}"; shift 2 ;;
-    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --part kernels|train|all, --dtype f32|f16|bf16, --json FILE, --steps N)" >&2; exit 2 ;;
+    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --part kernels|train|exchange|all, --dtype f32|f16|bf16, --json FILE, --steps N)" >&2; exit 2 ;;
   esac
 done
 case "$dtype" in f32|f16|bf16) ;; *) echo "--dtype $dtype: allowed values are f32, f16, bf16" >&2; exit 2 ;; esac
-case "$part" in kernels|train|all) ;; *) echo "--part $part: allowed values are kernels, train, all" >&2; exit 2 ;; esac
+case "$part" in kernels|train|exchange|all) ;; *) echo "--part $part: allowed values are kernels, train, exchange, all" >&2; exit 2 ;; esac
 case "$steps" in ''|*[!0-9]*) echo "--steps $steps: a positive whole number" >&2; exit 2 ;; esac
 
 build() {
@@ -66,7 +72,7 @@ if [ "$mode" = all ]; then
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi not found"
 
-if [ "$part" != train ]; then
+if [ "$part" = kernels ] || [ "$part" = all ]; then
   [ -x "$dir/cube_vs_reference" ] && [ -x "$dir/kernel_report" ] || { echo "$dir must hold cube_vs_reference and kernel_report" >&2; exit 2; }
   echo "== kernel tests on CUDA"
   CI=true "$dir/cube_vs_reference" --test-threads 1
@@ -118,19 +124,44 @@ train() {
     "$label" "$loss" "$tps" "$tflops" "$mfu" "${max_mem:-n/a}" "${attn:-?}" "${experts:-?}"
 }
 
-echo "== tiny presets, 100 steps, f32 vs bf16"
-for preset in tiny-qwen3-moe tiny-gpt-oss tiny-deepseek-v3; do
-  for precision in f32 bf16; do
-    train "$preset $precision" --model-preset "$preset" --steps 100 --precision "$precision" --devices "$dev"
-  done
-done
-
-echo "== ~1.2B Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, $steps steps of 8 x 1024 tokens"
 big=(--model-config "$dir/qwen3-moe-1b.json" --steps "$steps" --batch 8 --seq 1024 --precision bf16)
-train "1B single" "${big[@]}" --placement single --devices "$dev"
-train "1B single, --recompute full" "${big[@]}" --placement single --devices "$dev" --recompute full
-train "1B disagg 2+2, 4 workers on 1 GPU" "${big[@]}" --placement disagg --attn-workers 2 --ffn-workers 2 \
-  --groups 2 --micro-batches 4 --devices "$dev,$dev,$dev,$dev"
+disagg=(--placement disagg --attn-workers 2 --ffn-workers 2 --groups 2 --micro-batches 4 --devices "$dev,$dev,$dev,$dev")
+if [ "$part" = train ] || [ "$part" = all ]; then
+  echo "== tiny presets, 100 steps, f32 vs bf16"
+  for preset in tiny-qwen3-moe tiny-gpt-oss tiny-deepseek-v3; do
+    for precision in f32 bf16; do
+      train "$preset $precision" --model-preset "$preset" --steps 100 --precision "$precision" --devices "$dev"
+    done
+  done
+
+  echo "== ~1.2B Qwen3-MoE (benches/qwen3-moe-1b.json) in bf16, $steps steps of 8 x 1024 tokens"
+  train "1B single" "${big[@]}" --placement single --devices "$dev"
+  train "1B single, --recompute full" "${big[@]}" --placement single --devices "$dev" --recompute full
+  train "1B disagg 2+2, 4 workers on 1 GPU" "${big[@]}" "${disagg[@]}"
+fi
+
+# Runs a disagg run and prints its step time, exchange bytes and payload bytes read back.
+exchange() {
+  local label="$1"; shift
+  local summary
+  summary=$("$dir/disagmoe" train --quiet "${big[@]}" "${disagg[@]}" "$@" | tail -1) || summary=""
+  if [ -z "$summary" ]; then echo "$label: FAILED"; return 0; fi
+  printf '%-34s step %8.4f s  final loss %-8.4f  exchange %9.2f MB/worker/step  payloads read back %9.2f MB/step  (%s)\n' \
+    "$label" "$(field step_s "$summary")" "$(field last_loss "$summary")" \
+    "$(awk -v b="$(field exchange_bytes_per_worker "$summary")" 'BEGIN { print b / 1e6 }')" \
+    "$(awk -v b="$(field payload_host_bytes "$summary")" 'BEGIN { print b / 1e6 }')" \
+    "$({ grep -o '"exchange_dtype":"[^"]*"' <<<"$summary" || true; } | cut -d'"' -f4)"
+}
+
+if [ "$part" = exchange ] || [ "$part" = all ]; then
+  echo "== 1B disagg 2+2 on 1 GPU: the token exchange in f32, bf16, fp8; payloads on the device or through the host"
+  for x in f32 bf16 fp8; do
+    exchange "exchange $x, payloads on device" --exchange-dtype "$x"
+  done
+  for x in f32 bf16; do
+    exchange "exchange $x, payloads via host" --exchange-dtype "$x" --exchange-payloads host
+  done
+fi
 if [ "$kernel_fallbacks" -gt 0 ]; then
   echo "$kernel_fallbacks CUDA run(s) ran attention or the experts without the kernels" >&2
   exit 1
