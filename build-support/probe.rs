@@ -1,10 +1,11 @@
 // Shared by the build scripts of the crates whose tests need something the machine may lack (a
-// Vulkan driver, one with f16, `mpirun`): `include!`d, not a crate, so that no crate gains a build dependency.
+// Vulkan driver, one with f16, `mpirun`, root with iproute2 for network namespaces): `include!`d,
+// not a crate, so that no crate gains a build dependency.
 //
 // For each capability the calling crate's tests need, this sets `--cfg disagmoe_no_<name>` when
 // the machine lacks it, so those tests are marked `#[ignore = "<why>"]` and `cargo test` reports
 // them as ignored in its summary instead of passing without running. A capability named in
-// `DISAGMOE_REQUIRE` (comma-separated: `vulkan,f16,mpi`; `.ci/run` sets it) is never skipped: its
+// `DISAGMOE_REQUIRE` (comma-separated: `vulkan,f16,mpi,netns`) is never skipped: its
 // tests run, and fail saying what is missing.
 
 /// Directories the Vulkan loader reads driver manifests from (besides `VK_ICD_FILENAMES` /
@@ -61,7 +62,8 @@ fn rerun_if_changed(path: &std::path::Path) {
     println!("cargo:rerun-if-changed={}", p.display());
 }
 
-/// Probes each capability in `needs` (`"vulkan"`, `"f16"`: a Vulkan driver with f16, `"mpi"`) and emits its `disagmoe_no_*` cfg.
+/// Probes each capability in `needs` (`"vulkan"`, `"f16"`: a Vulkan driver with f16, `"mpi"`,
+/// `"netns"`: root with `ip` and `tc`) and emits its `disagmoe_no_*` cfg.
 fn probe(needs: &[&str]) {
     println!("cargo:rerun-if-env-changed=DISAGMOE_REQUIRE");
     let required: Vec<String> = std::env::var("DISAGMOE_REQUIRE")
@@ -71,8 +73,8 @@ fn probe(needs: &[&str]) {
         .filter(|s| !s.is_empty())
         .collect();
     for r in &required {
-        if !["vulkan", "f16", "mpi"].contains(&r.as_str()) {
-            panic!("DISAGMOE_REQUIRE names `{r}`: the allowed values are vulkan, f16 and mpi (comma-separated)");
+        if !["vulkan", "f16", "mpi", "netns"].contains(&r.as_str()) {
+            panic!("DISAGMOE_REQUIRE names `{r}`: the allowed values are vulkan, f16, mpi and netns (comma-separated)");
         }
     }
     for &need in needs {
@@ -108,6 +110,16 @@ fn probe(needs: &[&str]) {
                         .for_each(|d| rerun_if_changed(&d));
                 }
                 on_path("mpirun")
+            }
+            "netns" => {
+                // Network namespaces, veth pairs and tc shaping (scripts/netns-cluster.sh): root
+                // and iproute2's `ip` and `tc`.
+                println!("cargo:rerun-if-env-changed=PATH");
+                let root = std::process::Command::new("id")
+                    .arg("-u")
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+                root && on_path("ip") && on_path("tc")
             }
             other => panic!("probe: unknown capability `{other}`"),
         };

@@ -677,6 +677,53 @@ mod mpi {
         }
     }
 
+    /// Over a real network (`scripts/netns-cluster.sh`: a network namespace per rank on a bridge,
+    /// links shaped to 200 Mbit/s, MPI over TCP between them), disagg 2+2 reproduces one device;
+    /// afterwards nothing the harness made is left.
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_netns),
+        ignore = "network namespaces need root and iproute2's ip and tc (apt-get install iproute2)"
+    )]
+    fn mpi_over_shaped_links_between_network_namespaces_reproduces_single() {
+        const HARNESS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netns-cluster.sh");
+        /// Takes the cluster down however the test ends.
+        struct Down;
+        impl Drop for Down {
+            fn drop(&mut self) {
+                let _ = Command::new(HARNESS).arg("down").output();
+            }
+        }
+        let ours = || {
+            let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+            let links = Command::new("ip").args(["-o", "link", "show"]).output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&netns.stdout), String::from_utf8_lossy(&links.stdout));
+            text.lines()
+                .filter(|l| l.starts_with("dm-") || l.contains(": dmv-") || l.contains(": dmbr0"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let down = Down;
+        let up = Command::new(HARNESS).args(["up", "4", "--rate", "200"]).output().unwrap();
+        assert!(up.status.success(), "up: {}", String::from_utf8_lossy(&up.stderr));
+        let single = train("tiny-qwen3-moe", &["--placement", "single"]);
+        let out = Command::new(HARNESS)
+            .args(["run", "-np", "4", "--", env!("CARGO_BIN_EXE_disagmoe")])
+            .args(COMMON)
+            .args(["--model-preset", "tiny-qwen3-moe", "--transport", "mpi"])
+            .args(DISAGG)
+            .output()
+            .unwrap();
+        assert_same_run("disagg 2+2 over shaped links between namespaces", &summary(&out), &single);
+        drop(down);
+        assert_eq!(ours(), Vec::<String>::new(), "the harness left these behind");
+    }
+
     /// Ranks bound to cores (`--bind-to core`) compute with the cores of their node shared among
     /// them, so no two ranks' threads share a core by default.
     #[test]
