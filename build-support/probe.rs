@@ -112,14 +112,23 @@ fn probe(needs: &[&str]) {
                 on_path("mpirun")
             }
             "netns" => {
-                // Network namespaces, veth pairs and tc shaping (scripts/netns-cluster.sh): root
-                // and iproute2's `ip` and `tc`.
+                // Network namespaces, veth pairs and tc shaping (scripts/netns-cluster.sh): root,
+                // iproute2's `ip` and `tc`.
                 println!("cargo:rerun-if-env-changed=PATH");
                 let root = std::process::Command::new("id")
                     .arg("-u")
                     .output()
                     .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-                root && on_path("ip") && on_path("tc")
+                // And that this machine lets it make one (a container may not): `unshare --net`
+                // makes a namespace that ends with its process, leaving nothing behind.
+                let allowed = || {
+                    std::process::Command::new("unshare")
+                        .args(["--net", "true"])
+                        .stderr(std::process::Stdio::null())
+                        .status()
+                        .is_ok_and(|s| s.success())
+                };
+                root && on_path("ip") && on_path("tc") && allowed()
             }
             other => panic!("probe: unknown capability `{other}`"),
         };

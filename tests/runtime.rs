@@ -688,7 +688,7 @@ mod mpi {
     )]
     #[cfg_attr(
         all(feature = "mpi", disagmoe_no_netns),
-        ignore = "network namespaces need root and iproute2's ip and tc (apt-get install iproute2)"
+        ignore = "network namespaces need root, iproute2's ip and tc, and a machine that allows them (unshare --net)"
     )]
     fn mpi_over_shaped_links_between_network_namespaces_reproduces_single() {
         const HARNESS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netns-cluster.sh");
