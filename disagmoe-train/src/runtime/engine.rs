@@ -139,14 +139,9 @@ impl Distributed {
             #[cfg(feature = "mpi")]
             TransportKind::Mpi | TransportKind::Nccl => {
                 let p = super::mpi::Process::start(cfg, layout.workers)?;
-                // The nccl transport receives device payloads into the rank's device (the one its
-                // worker computes on, chosen as below).
-                let slot = crate::config::parallel::node_local_rank().unwrap_or(p.rank());
-                let alloc = shared
-                    .settings
-                    .device_payloads
-                    .then(|| super::worker::device_alloc::<B>(&devices[slot % devices.len()]))
-                    .flatten();
+                // The nccl transport receives device payloads into the device its worker computes on.
+                let device = &devices[device_slot(cfg.parallel.transport, p.rank()) % devices.len()];
+                let alloc = shared.settings.device_payloads.then(|| super::worker::device_alloc::<B>(device)).flatten();
                 let endpoint = process_endpoint(&p, cfg, alloc);
                 process = Some(p);
                 vec![endpoint]
@@ -162,13 +157,7 @@ impl Distributed {
             let (tx, rx) = channel();
             commands.push(tx);
             let rank = endpoint.rank();
-            // Local workers take the devices round-robin; an MPI rank (one worker per process)
-            // the one of its node-local rank.
-            let slot = match cfg.parallel.transport {
-                TransportKind::Local => rank,
-                _ => crate::config::parallel::node_local_rank().unwrap_or(rank),
-            };
-            let device = devices[slot % devices.len()].clone();
+            let device = devices[device_slot(cfg.parallel.transport, rank) % devices.len()].clone();
             let (shared, reply_tx, config) = (shared.clone(), reply_tx.clone(), config.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
@@ -354,10 +343,18 @@ impl Distributed {
     }
 }
 
+/// Which of the listed devices worker `rank` computes on (modulo their number): local workers take
+/// them round-robin; an MPI rank (one worker per process) the one of its node-local rank.
+fn device_slot(transport: TransportKind, rank: usize) -> usize {
+    match transport {
+        TransportKind::Local => rank,
+        _ => crate::config::parallel::node_local_rank().unwrap_or(rank),
+    }
+}
+
 /// This process's endpoint under `mpirun`: MPI's, or NCCL's (bootstrapped over MPI; a failure to
 /// bring it up ends the job, as the other ranks wait in theirs).
 #[cfg(feature = "mpi")]
-#[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
 #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
 fn process_endpoint(
     process: &super::mpi::Process,

@@ -79,8 +79,7 @@ impl<I: Backend> OnDevice<I> {
     }
 
     fn index(&self, rows: &[u32]) -> Tensor<I, 1, Int> {
-        let v: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-        Tensor::from_data(TensorData::new(v, [rows.len()]), &self.t.device())
+        super::autodiff::index::<I>(rows, &self.t.device())
     }
 }
 
