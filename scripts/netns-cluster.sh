@@ -6,6 +6,8 @@
 #
 #   scripts/netns-cluster.sh up N --rate MBIT [--ingress-rate MBIT]   # N ranks (2..64)
 #   scripts/netns-cluster.sh run [mpirun options] -- program [args]  # e.g. run -np 4 -- disagmoe train ...
+#   scripts/netns-cluster.sh cut RANK [--for SECONDS]                 # take a rank's link down (for a while)
+#   scripts/netns-cluster.sh restore RANK                             # bring it back
 #   scripts/netns-cluster.sh down                                     # remove everything it made
 #   scripts/netns-cluster.sh status                                   # what exists now
 #
@@ -127,11 +129,52 @@ run() {
   [ $# -gt 0 ] || die "run: no program after --"
   # mpirun and its daemon live in the launcher namespace; each rank enters its own through the
   # wrapper, keyed on its rank.
-  ip netns exec dm-l env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+  exec ip netns exec dm-l env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include=eth0 \
     mpirun --oversubscribe --mca btl tcp,self --mca btl_tcp_if_include "$SUBNET.0/24" \
     --mca oob_tcp_if_include eth0 -x PMIX_MCA_ptl_tcp_remote_connections -x PMIX_MCA_ptl_tcp_if_include \
     "${opts[@]}" "$STATE/rank.sh" "$@"
+}
+
+# The bridge side of rank RANK's veth (checked against the cluster that is up).
+rank_link() {
+  [ -f "$STATE/cluster" ] || die "no cluster (scripts/netns-cluster.sh up N --rate MBIT first)"
+  local n
+  n=$(cut -d' ' -f1 "$STATE/cluster")
+  case "${1:-}" in ''|*[!0-9]*) die "a rank, from 0 to $((n - 1)), is needed" ;; esac
+  [ "$1" -lt "$n" ] || die "rank $1 (allowed: 0 to $((n - 1)))"
+  echo "dmv-r$1"
+}
+
+# A link fault: rank RANK's veth goes down on the bridge side (its packets are dropped both ways;
+# TCP connections stay open and retransmit), for SECONDS then back up, or until `restore`.
+cut_link() {
+  need
+  local link secs=""
+  link=$(rank_link "${1:-}")
+  shift
+  if [ $# -gt 0 ]; then
+    [ "$1" = "--for" ] || die "cut: unknown argument $1 (allowed: --for SECONDS)"
+    secs="${2:-}"
+    case "$secs" in ''|*[!0-9.]*) die "cut: --for SECONDS, a number of seconds (e.g. 2 or 0.5)" ;; esac
+  fi
+  ip link set "$link" down
+  echo "cut: $link down$([ -n "$secs" ] && echo " for $secs s")"
+  if [ -n "$secs" ]; then
+    trap 'ip link set "$link" up' EXIT
+    sleep "$secs"
+    ip link set "$link" up
+    trap - EXIT
+    echo "cut: $link up again"
+  fi
+}
+
+restore_link() {
+  need
+  local link
+  link=$(rank_link "${1:-}")
+  ip link set "$link" up
+  echo "restore: $link up"
 }
 
 status() {
@@ -146,7 +189,9 @@ cmd="${1:-}"
 case "$cmd" in
   up) up "$@" ;;
   run) run "$@" ;;
+  cut) cut_link "$@" ;;
+  restore) restore_link "$@" ;;
   down) down; echo "down: nothing of ours left" ;;
   status) status ;;
-  *) die "usage: up N --rate MBIT [--ingress-rate MBIT] | run [mpirun options] -- program [args] | down | status" ;;
+  *) die "usage: up N --rate MBIT [--ingress-rate MBIT] | run [mpirun options] -- program [args] | cut RANK [--for SECONDS] | restore RANK | down | status" ;;
 esac

@@ -678,8 +678,16 @@ mod mpi {
     }
 
     /// Over a real network (`scripts/netns-cluster.sh`: a network namespace per rank on a bridge,
-    /// links shaped to 200 Mbit/s, MPI over TCP between them), disagg 2+2 reproduces one device;
-    /// afterwards nothing the harness made is left.
+    /// links shaped to 200 Mbit/s, MPI over TCP between them), disagg 2+2 reproduces one device,
+    /// and rides out link faults:
+    /// - rank 1's link cut for 2 s mid-run, then restored: the run goes on, its losses one
+    ///   device's;
+    /// - cut for good: every rank ends within the time-out (5 s) and a few seconds, non-zero, with
+    ///   a line that names worker 1 as the one that cannot be reached (from its peers, or from
+    ///   worker 1 itself as its own link), no panic; the last committed checkpoint resumes, link
+    ///   restored, to one device's run.
+    ///
+    /// Afterwards nothing the harness made is left.
     #[test]
     #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
     #[cfg_attr(
@@ -690,7 +698,7 @@ mod mpi {
         all(feature = "mpi", disagmoe_no_netns),
         ignore = "network namespaces need root, iproute2's ip and tc, and a machine that allows them (unshare --net)"
     )]
-    fn mpi_over_shaped_links_between_network_namespaces_reproduces_single() {
+    fn mpi_over_a_real_network_reproduces_single_and_rides_out_link_faults() {
         const HARNESS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netns-cluster.sh");
         /// Takes the cluster down however the test ends.
         struct Down;
@@ -708,9 +716,12 @@ mod mpi {
                 .map(str::to_string)
                 .collect::<Vec<_>>()
         };
+        let harness = |args: &[&str]| {
+            let out = Command::new(HARNESS).args(args).output().unwrap();
+            assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
         let down = Down;
-        let up = Command::new(HARNESS).args(["up", "4", "--rate", "200"]).output().unwrap();
-        assert!(up.status.success(), "up: {}", String::from_utf8_lossy(&up.stderr));
+        harness(&["up", "4", "--rate", "200"]);
         let single = train("tiny-qwen3-moe", &["--placement", "single"]);
         let out = Command::new(HARNESS)
             .args(["run", "-np", "4", "--", env!("CARGO_BIN_EXE_disagmoe")])
@@ -720,6 +731,74 @@ mod mpi {
             .output()
             .unwrap();
         assert_same_run("disagg 2+2 over shaped links between namespaces", &summary(&out), &single);
+
+        // Longer runs for the faults, against one device's.
+        const STEPS: usize = 24;
+        let steps = STEPS.to_string();
+        let long: &[&str] =
+            &["train", "--steps", &steps, "--batch", "8", "--seq", "32", "--micro-batches", "4", "--quiet"];
+        let long_single = summary(
+            &bin().args(long).args(["--model-preset", "tiny-qwen3-moe", "--placement", "single"]).output().unwrap(),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let job = |extra: &[&str]| {
+            Command::new(HARNESS)
+                .args(["run", "-np", "4", "--", env!("CARGO_BIN_EXE_disagmoe")])
+                .args(long)
+                .args(["--model-preset", "tiny-qwen3-moe", "--transport", "mpi"])
+                .args(DISAGG)
+                .args(extra)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let wait_until = |what: &str, ready: &dyn Fn() -> bool| {
+            let t0 = Instant::now();
+            while !ready() {
+                assert!(t0.elapsed() < Duration::from_secs(120), "{what} did not happen within 120 s");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+
+        // (a) Cut for 2 s mid-run, after the third step's metrics.
+        let out_a = dir.path().join("transient");
+        let t0 = Instant::now();
+        let child = job(&["--out", &path(&out_a)]);
+        let metrics = out_a.join("metrics.jsonl");
+        wait_until("a third step", &|| std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 3));
+        harness(&["cut", "1", "--for", "2"]);
+        let out = wait_job(child, Duration::from_secs(300));
+        eprintln!("a 2 s cut of rank 1's link after step 3: the run ended in {:.1} s", t0.elapsed().as_secs_f64());
+        assert_same_run_of("disagg 2+2 with a 2 s link cut", &summary(&out), &long_single, STEPS);
+
+        // (b) Cut for good after a committed checkpoint, with a 5 s time-out.
+        let ck = dir.path().join("ck");
+        let child = job(&["--checkpoint-dir", &path(&ck), "--checkpoint-every", "4", "--comm-timeout-s", "5"]);
+        wait_until("the checkpoint of step 8", &|| ck.join("step-00000008").is_dir());
+        harness(&["cut", "1"]);
+        let cut_at = Instant::now();
+        let out = wait_job(child, Duration::from_secs(120));
+        let took = cut_at.elapsed().as_secs_f64();
+        let err = String::from_utf8_lossy(&out.stderr);
+        eprintln!("rank 1's link cut for good: every rank ended {took:.1} s after the cut ({:?})", out.status);
+        assert!(!out.status.success(), "a run without one of its ranks cannot succeed: {err}");
+        assert!(took < 5.0 + 5.0, "ended {took:.1} s after the cut, more than the 5 s time-out and 5 s: {err}");
+        let named = err.lines().find(|l| {
+            l.contains("worker 1 cannot be reached")
+                || (l.contains("worker 1: ") && l.contains("no word from any peer") && l.contains("own link"))
+        });
+        let named = named.unwrap_or_else(|| panic!("no line names worker 1 as unreachable: {err}"));
+        eprintln!("{named}");
+        assert!(!err.contains("panicked"), "{err}");
+        harness(&["restore", "1"]);
+        let resumed = job(&["--resume", &path(&ck), "--out", &path(&dir.path().join("resumed"))]);
+        let resumed = summary(&wait_job(resumed, Duration::from_secs(300)));
+        let from = resumed["resumed_from_step"].as_u64().unwrap();
+        assert!(from >= 8 && from % 4 == 0, "resumed from step {from}: the last committed checkpoint, 8 or later");
+        assert_same_run_of("disagg 2+2 resumed after a cut link", &resumed, &long_single, STEPS);
+
         drop(down);
         assert_eq!(ours(), Vec::<String>::new(), "the harness left these behind");
     }

@@ -85,7 +85,7 @@ pub enum TrainError {
         reason: String,
     },
     /// A worker waited too long for its peers.
-    #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came, and no peer was busy meanwhile; a peer has stopped, or the run is stuck")]
+    #[error("worker {worker}: waited {seconds:.0} s {at} for data that never came; {}", unreachable.as_deref().unwrap_or("no peer was busy meanwhile: a peer has stopped, or the run is stuck"))]
     Stalled {
         /// The waiting worker.
         worker: usize,
@@ -93,6 +93,9 @@ pub enum TrainError {
         seconds: f64,
         /// Where (e.g. `at step 3`).
         at: String,
+        /// Who cannot be reached, in words, where the transport can tell (a peer silent, heartbeats
+        /// included, for more than half the time-out).
+        unreachable: Option<String>,
     },
     /// The run config TOML is malformed.
     #[error("run config {path}: {message}")]

@@ -5,9 +5,12 @@
 //!
 //! Each process builds the model from the seed, keeps its own part and drops the rest. Its endpoint
 //! has two communication threads: one sends (so a large send never holds up compute), one receives
-//! with `MPI_Recv` from any source and hands envelopes to the worker. Envelopes travel as bincode.
-//! When a worker fails it tells the others (an `Abort` message) and the process exits with an error;
-//! if a process dies outright, `mpirun` ends the job.
+//! with `MPI_Recv` from any source and hands envelopes to the worker, stamping each frame's sender
+//! in the endpoint's [`Liveness`]. Envelopes travel as bincode. Heartbeats do not queue behind the
+//! data: the heartbeat thread sends them itself with `MPI_Isend` (at most one outstanding per peer,
+//! so a peer that cannot be reached costs one small buffer, and never holds up the beats to the
+//! others). When a worker fails it tells the others (an `Abort` message) and the job ends with
+//! `MPI_Abort`; if a process dies outright, `mpirun` ends the job.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -18,14 +21,17 @@ use std::time::Duration;
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::datatype::Equivalence;
 use mpi::environment::Universe;
-use mpi::point_to_point::{Destination, Source};
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
+use mpi::request::{Request, StaticScope};
 use mpi::topology::Color;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use super::collectives::{max_chunk_elements, AllReduce, Transit};
 use super::msg::{Envelope, Msg};
-use super::transport::{receive_within, Beacon, Delivery, Endpoint, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE};
+use super::transport::{
+    receive_within, Beacon, Delivery, Endpoint, Liveness, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE,
+};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 
@@ -65,10 +71,59 @@ pub fn world_rank() -> usize {
     WORLD_RANK.load(Ordering::SeqCst)
 }
 
+/// Tag of a heartbeat frame (a whole envelope, sent outside the send thread's order).
+const TAG_BEAT: i32 = 4;
+
+/// The heartbeats of one process in flight: per peer, the one `MPI_Isend` not known to be done and
+/// its buffer (freed once MPI is done with it).
+struct Beats {
+    world: SimpleCommunicator,
+    pending: Vec<Option<(Request<'static, [u8]>, &'static mut [u8])>>,
+}
+
+// SAFETY: the requests and buffers are used by one thread at a time (the heartbeat thread, after
+// the endpoint made them on another), and MPI_THREAD_MULTIPLE lets any thread test a request.
+unsafe impl Send for Beats {}
+
+impl Beats {
+    /// Sends `bytes` to `dst` unless the previous beat to `dst` is still on its way (a peer that
+    /// does not take them in: one is enough).
+    fn send(&mut self, dst: usize, bytes: Vec<u8>) {
+        if let Some((request, buf)) = self.pending[dst].take() {
+            match request.test() {
+                // SAFETY: MPI is done with the buffer; it was leaked from this box below.
+                Ok(_) => drop(unsafe { Box::from_raw(buf as *mut [u8]) }),
+                Err(request) => {
+                    self.pending[dst] = Some((request, buf));
+                    return;
+                }
+            }
+        }
+        let buf: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
+        // SAFETY of the aliasing: MPI only reads the buffer until the request completes, and this
+        // side only touches it again after `test` says so.
+        let shared: &'static [u8] = unsafe { &*(buf as *const [u8]) };
+        let request = self.world.process_at_rank(dst as i32).immediate_send_with_tag(StaticScope, shared, TAG_BEAT);
+        self.pending[dst] = Some((request, buf));
+    }
+}
+
+impl Drop for Beats {
+    /// Beats still on their way stay with MPI: their requests and buffers are left to the end of
+    /// the process (a request dropped unfinished would panic; a buffer freed under MPI is unsound).
+    fn drop(&mut self) {
+        for (request, buf) in self.pending.drain(..).flatten() {
+            std::mem::forget(request);
+            let _ = buf;
+        }
+    }
+}
+
 /// A worker's MPI connection.
 pub struct MpiEndpoint {
     rank: usize,
     size: usize,
+    liveness: Arc<Liveness>,
     outbox: Option<Sender<(usize, Vec<u8>)>>,
     /// Bytes handed to the send thread and not sent yet (backpressure).
     queued: Arc<Backlog>,
@@ -110,6 +165,8 @@ impl MpiEndpoint {
             })
             .expect("spawn the MPI send thread");
         let deliver = inbox_tx.clone();
+        let liveness = Liveness::new(size);
+        let alive = liveness.clone();
         let receiver = std::thread::Builder::new()
             .name("mpi-recv".into())
             .spawn(move || {
@@ -123,9 +180,19 @@ impl MpiEndpoint {
                     }));
                 };
                 loop {
-                    let (bytes, status) = world.any_process().receive_vec::<u8>();
-                    let src = status.source_rank();
-                    let whole = match pieces.take(src, status.tag(), bytes) {
+                    // Probe, then take the matched message, marking whose it is meanwhile (a
+                    // transfer cut midway blocks here, and names its sender).
+                    let probed = world.any_process().matched_probe();
+                    let src = probed.1.source_rank();
+                    alive.receiving(Some(src as usize));
+                    let (bytes, status) = probed.matched_receive_vec::<u8>();
+                    alive.receiving(None);
+                    alive.heard(src as usize);
+                    let frame = match status.tag() {
+                        TAG_BEAT => Ok(Some(bytes)),
+                        tag => pieces.take(src, tag, bytes),
+                    };
+                    let whole = match frame {
                         Ok(Some(whole)) => whole,
                         Ok(None) => continue,
                         Err(e) => break fail(src, e),
@@ -145,6 +212,7 @@ impl MpiEndpoint {
         Self {
             rank,
             size,
+            liveness,
             outbox: Some(outbox),
             queued,
             inbox,
@@ -195,16 +263,22 @@ impl Endpoint for MpiEndpoint {
         receive_within(&self.inbox, self.rank, timeout, "the MPI receive thread and this worker's sends")
     }
     fn beacon(&self) -> Option<Beacon> {
-        let (outbox, queued) = (self.outbox.clone()?, self.queued.clone());
+        self.outbox.as_ref()?;
+        let mut beats = Beats { world: SimpleCommunicator::world(), pending: (0..self.size).map(|_| None).collect() };
         Some(Box::new(move |dst, env| {
-            let bytes = env.to_bytes();
-            queued.acquire(bytes.len());
-            outbox.send((dst, bytes)).is_ok()
+            beats.send(dst, env.to_bytes());
+            true
         }))
+    }
+    fn liveness(&self) -> Option<Arc<Liveness>> {
+        Some(self.liveness.clone())
+    }
+    fn end_job(&self) -> fn(i32) -> ! {
+        |code| SimpleCommunicator::world().abort(code)
     }
 }
 
-fn start_mpi() -> Result<Universe> {
+pub(crate) fn start_mpi() -> Result<Universe> {
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
         TrainError::option("transport", "MPI is already initialised in this process; run one training per process")
     })?;

@@ -471,6 +471,9 @@ pub enum Msg {
         /// How long the sender has been busy, microseconds.
         busy_us: u64,
     },
+    /// "Still here, waiting": sent by a worker's heartbeat while it waits, so that its peers know
+    /// it can be reached (not progress: a peer waiting on it keeps its time-out).
+    Alive,
 }
 
 impl Msg {
@@ -492,7 +495,7 @@ impl Msg {
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
             Msg::Shards(r) => r.iter().flat_map(|r| &r.files).map(|(t, f)| t.len() + f.len()).sum(),
-            Msg::Shutdown | Msg::Heartbeat { .. } => 0,
+            Msg::Shutdown | Msg::Heartbeat { .. } | Msg::Alive => 0,
         }
     }
 
@@ -646,6 +649,7 @@ impl Msg {
             Msg::Shards(_) => "shards",
             Msg::Shutdown => "shutdown",
             Msg::Heartbeat { .. } => "heartbeat",
+            Msg::Alive => "alive",
         }
     }
 }

@@ -295,7 +295,8 @@ impl<C: Choices> Sampler<C> {
                 )
             }
             10 => Msg::Shutdown,
-            _ => Msg::Heartbeat { busy_us: self.int(64) },
+            11 => Msg::Heartbeat { busy_us: self.int(64) },
+            _ => Msg::Alive,
         }
     }
 
@@ -313,4 +314,4 @@ impl<C: Choices> Sampler<C> {
 }
 
 /// How many message kinds [`Sampler::msg`] draws from (every variant of [`Msg`]).
-pub const KINDS: usize = 12;
+pub const KINDS: usize = 13;

@@ -27,7 +27,7 @@ use crate::error::{Result, TrainError};
 #[cfg(feature = "wire")]
 pub use codec::{Reassembly, CLAIM_PER_BYTE, CLAIM_SLACK, TAG_HEAD, TAG_PIECE, TAG_WHOLE};
 use pulse::{Heartbeat, Watch};
-pub use pulse::{Pulse, BUSY_LIMIT_TIMEOUTS};
+pub use pulse::{Liveness, Pulse, BUSY_LIMIT_TIMEOUTS};
 
 /// Microseconds on the machine's monotonic clock (`CLOCK_MONOTONIC`): it never steps back or
 /// jumps with the wall clock, and every process of a machine reads the same one, so a time stamped
@@ -76,6 +76,16 @@ pub trait Endpoint: Send {
     fn beacon(&self) -> Option<Beacon> {
         None
     }
+    /// When this worker last heard from each peer, where the transport keeps it (see
+    /// [`Liveness`]); `None`: a stall cannot say who is silent.
+    fn liveness(&self) -> Option<Arc<Liveness>> {
+        None
+    }
+    /// Ends the whole job with an exit code, from any thread, when the worker is a process of its
+    /// own (the watchdog's last resort; MPI's `MPI_Abort`).
+    fn end_job(&self) -> fn(i32) -> ! {
+        std::process::exit
+    }
 }
 
 /// Sends an envelope to a peer from the heartbeat thread; `false` once the transport is gone.
@@ -91,6 +101,7 @@ pub struct Port {
     // Dropped first: the heartbeat stops before the endpoint it sends through.
     _heartbeat: Option<Heartbeat>,
     pulse: Arc<Pulse>,
+    liveness: Option<Arc<Liveness>>,
     inner: Box<dyn Endpoint>,
     link: Option<LinkModel>,
     nic_free_us: f64,
@@ -107,13 +118,16 @@ impl Port {
     pub fn new(inner: Box<dyn Endpoint>, link: Option<LinkModel>, timeout: Duration, own_process: bool) -> Self {
         let pulse = Arc::new(Pulse::default());
         pulse.busy();
+        let liveness = inner.liveness();
         let heartbeat = inner.beacon().map(|b| {
-            let (rank, size, pulse) = (inner.rank(), inner.size(), pulse.clone());
-            Heartbeat::start(b, Watch { rank, size, pulse, timeout, own_process })
+            let (rank, size, pulse, liveness) = (inner.rank(), inner.size(), pulse.clone(), liveness.clone());
+            let end_job = own_process.then(|| inner.end_job());
+            Heartbeat::start(b, Watch { rank, size, pulse, timeout, liveness, end_job })
         });
         Self {
             _heartbeat: heartbeat,
             pulse,
+            liveness,
             inner,
             link,
             nic_free_us: 0.0,
@@ -130,11 +144,18 @@ impl Port {
         &self.pulse
     }
 
+    /// The peers this worker has heard nothing from for more than `quiet`, in words (see
+    /// [`Liveness::unreachable`]); `None` when all have spoken or the transport keeps no stamps.
+    pub fn unreachable(&self, quiet: Duration) -> Option<String> {
+        self.liveness.as_ref()?.unreachable(self.rank(), quiet.as_micros() as u64)
+    }
+
     /// Takes in an arrived envelope: a heartbeat is progress of its sender (a hung one is ended by
-    /// its own watchdog); anything else is held for delivery.
+    /// its own watchdog), a sign of life only that; anything else is held for delivery.
     fn take_in(&mut self, env: Envelope, progress_at: &mut u64) {
         match env.msg {
             Msg::Heartbeat { .. } => *progress_at = now_us(),
+            Msg::Alive => {}
             _ => self.hold(env),
         }
     }

@@ -133,11 +133,10 @@ impl Comm {
     /// message was sent as time on the wire); a worker that hears nothing for the time-out stops.
     pub(crate) fn wait_for_message(&mut self, at: impl FnOnce() -> String) -> Result<Envelope> {
         let t0 = now_us();
-        let env = self.port.recv(self.timeout)?.ok_or_else(|| TrainError::Stalled {
-            worker: self.rank,
-            seconds: self.timeout.as_secs_f64(),
-            at: at(),
-        })?;
+        let env = match self.port.recv(self.timeout)? {
+            Some(env) => env,
+            None => return Err(self.stalled(at())),
+        };
         let t1 = now_us();
         let in_flight_from = env.sent_us.clamp(t0, t1);
         self.meters.wait_wire_us += t1 - in_flight_from;
@@ -159,11 +158,10 @@ impl Comm {
             std::mem::take(&mut self.later).into_iter().partition(|e| std::mem::discriminant(&e.msg) == kind);
         all.extend(early.into_iter().map(|e| e.msg));
         while all.len() < self.workers {
-            let env = self.port.recv(self.timeout)?.ok_or_else(|| TrainError::Stalled {
-                worker: self.rank,
-                seconds: self.timeout.as_secs_f64(),
-                at: format!("gathering {what}"),
-            })?;
+            let env = match self.port.recv(self.timeout)? {
+                Some(env) => env,
+                None => return Err(self.stalled(format!("gathering {what}"))),
+            };
             match env.msg {
                 Msg::Abort { worker, cause } => return Err(TrainError::Worker { worker, cause }),
                 m if std::mem::discriminant(&m) == kind => all.push(m),
@@ -172,6 +170,18 @@ impl Comm {
         }
         self.later.extend(later);
         Ok(all)
+    }
+
+    /// The error of a wait `at` that heard nothing for the time-out, naming the peers silent for
+    /// half of it (heartbeats included: a live peer speaks every quarter) where the transport
+    /// can tell.
+    fn stalled(&self, at: String) -> TrainError {
+        TrainError::Stalled {
+            worker: self.rank,
+            seconds: self.timeout.as_secs_f64(),
+            at,
+            unreachable: self.port.unreachable(self.timeout / 2),
+        }
     }
 
     /// Tells every other worker that this one failed.
