@@ -11,7 +11,8 @@
 #   options by environment: LINKS="0.1 0.2 0.4" (Gbit/s), LATENCY_US=20, STEPS=4, REPEATS=3,
 #   MODELS="benches/afpipe-compare.json benches/afpipe-compare-gptoss.json",
 #   WORKERS=$(nproc), OUT=target/validate-simulator.jsonl, TABLE=docs/simulator-validation.md
-#   (the table, which `disagmoe reproduce-paper` puts into docs/paper-reproduction.md)
+#   (the file whose `validate-simulator.sh` section gets the table; `disagmoe reproduce-paper` puts
+#   the file into docs/paper-reproduction.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LINKS=${LINKS:-"0.1 0.2 0.4"}
@@ -73,4 +74,7 @@ jq -s '
      + map("| \(.model) | \(.link_gbps) Gbit/s | \(.placement) | \(.in_flight) | \(.step | r3) s (\(.step_min | r3)-\(.step_max | r3)) | \(.predicted | r3) s | \((.predicted - .step) / .step * 1000 | round / 10 | if . == 0 then 0 else . end)% | \(.exposed | r3) s | \(.predicted_exposed | r3) s |")
      + ["", "worst |error| \([.[] | ((.predicted - .step) / .step | fabs)] | max * 1000 | round / 10)%, mean \([.[] | ((.predicted - .step) / .step | fabs)] | add / length * 1000 | round / 10)% over \(length) configurations, \(.[0].rounds) rounds each"])
   | .[]' -r "$OUT"
-} | tee "$TABLE"
+} >"$OUT.table.md"
+cat "$OUT.table.md"
+# This script's section of the table file (the other validation's stays as it is).
+scripts/splice-section.sh "$TABLE" validate-simulator.sh <"$OUT.table.md"

@@ -533,7 +533,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             Some(c) => {
                 let c = &c[usize::from(i == 2)];
                 let link = runtime::link_model(cfg);
-                Some(runtime::predict::predict(&c.layout, &c.calibration, in_flight, link)?)
+                Some(runtime::predict::predict(&c.layout, &c.calibration, in_flight, link.map(Into::into))?)
             }
             None => None,
         };

@@ -21,6 +21,8 @@ pub use disagmoe_train as train;
 pub mod cli;
 /// `generate`: text from a checkpoint through the KV cache.
 pub mod cli_generate;
+/// `net-bench`, `predict`: a real network timed and fitted, and the simulator's prediction of a run.
+pub mod cli_net;
 /// `plan`, `simulate`, `reproduce-paper`: argument structs and runners over `disagmoe-core`.
 pub mod cli_plan;
 /// `tokenize`: documents into token shards.

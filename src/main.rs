@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use disagmoe::cli::{init_logging, report, run_compare, run_forward, run_train, CompareArgs, ForwardArgs, TrainArgs};
 use disagmoe::cli_generate::{run_eval, run_generate, EvalArgs, GenerateArgs};
+use disagmoe::cli_net::{run_net_bench, run_predict, NetBenchArgs, PredictArgs};
 use disagmoe::cli_plan::{run_plan, run_reproduce, run_simulate, PlanArgs, ReproduceArgs, SimulateArgs};
 use disagmoe::cli_tokenize::{run_tokenize, TokenizeArgs};
 use disagmoe::plot::{run_plot, PlotArgs};
@@ -33,6 +34,12 @@ enum Command {
     /// Train under ep and disagg side by side (emulated links) and compare step time and exposed
     /// communication.
     Compare(CompareArgs),
+    /// Time the network under mpirun (ping-pong, bursts, incasts of the exchange's message sizes)
+    /// and fit the link model `predict` uses; prints a JSON report.
+    NetBench(NetBenchArgs),
+    /// The simulator's prediction of one run (step time, exposed communication) from a
+    /// calibration and a link: fitted by net-bench, or the emulated one.
+    Predict(PredictArgs),
     /// Choose GPUs and NICs per attention/expert group (roofline MILP + simulated local search).
     Plan(PlanArgs),
     /// Simulate AF-Pipe and the baselines (1f1b-interleaved, tutel, comet, dualpipe).
@@ -48,7 +55,8 @@ fn main() {
     let cli = Cli::parse();
     init_logging(
         matches!(&cli.command, Command::Train(a) if a.quiet)
-            || matches!(&cli.command, Command::Compare(a) if a.train.quiet),
+            || matches!(&cli.command, Command::Compare(a) if a.train.quiet)
+            || matches!(&cli.command, Command::Predict(a) if a.train.quiet),
     );
     let result = match &cli.command {
         Command::Forward(args) => run_forward(args).map(|_| ()),
@@ -57,6 +65,8 @@ fn main() {
         Command::Generate(args) => run_generate(args).map(|_| ()),
         Command::Eval(args) => run_eval(args).map(|_| ()),
         Command::Compare(args) => run_compare(args).map(|_| ()),
+        Command::NetBench(args) => run_net_bench(args),
+        Command::Predict(args) => run_predict(args).map(|_| ()),
         Command::Plan(args) => run_plan(args),
         Command::Simulate(args) => run_simulate(args),
         Command::ReproducePaper(args) => run_reproduce(args),

@@ -369,6 +369,88 @@ fn a_trace_shows_every_worker_s_streams() {
     assert_eq!(pids.len(), 4, "one process per worker");
 }
 
+/// `predict`: one run's prediction from a trace of an earlier run (or a calibration run of its
+/// own) over a fitted link (a `net-bench` report) or the emulated one of its options; a slower link
+/// predicts a longer step; bad input is refused naming the problem. `net-bench` without the `mpi`
+/// feature says what it needs.
+#[test]
+fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    train("tiny-qwen3-moe", &[DISAGG, &["--in-flight", "2", "--trace", &path(&trace)]].concat());
+    let fit = |name: &str, mbit: f64| {
+        let file = dir.path().join(name);
+        let link = serde_json::json!({"gbps": mbit / 1e3, "latency_us": 30.0, "per_message_us": 20.0});
+        let report = serde_json::json!({"ranks": 4, "repeats": 5, "link": link, "rows": [], "fit_error": 0.01, "incast_error": 0.02});
+        std::fs::write(&file, report.to_string()).unwrap();
+        file
+    };
+    let predict = |extra: &[&str]| {
+        let out = bin()
+            .args([
+                "predict",
+                "--model-preset",
+                "tiny-qwen3-moe",
+                "--batch",
+                "8",
+                "--seq",
+                "32",
+                "--micro-batches",
+                "4",
+            ])
+            .args(DISAGG)
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let from_trace = |link: &std::path::Path| {
+        let (code, stdout, stderr) =
+            predict(&["--in-flight", "2", "--calibration-trace", &path(&trace), "--link-fit", &path(link)]);
+        assert_eq!(code, Some(0), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(stdout.lines().last().unwrap()).unwrap()
+    };
+    let fast = from_trace(&fit("fast.json", 1000.0));
+    let slow = from_trace(&fit("slow.json", 10.0));
+    assert_eq!(fast["link"]["per_message_us"], 20.0);
+    assert_eq!(
+        (fast["placement"].as_str(), fast["workers"].as_u64(), fast["in_flight"].as_u64()),
+        (Some("disagg"), Some(4), Some(2))
+    );
+    assert!(fast["calibration_source"].as_str().unwrap().starts_with("trace: "), "{fast}");
+    let step = |v: &serde_json::Value| v["predicted_step_s"].as_f64().unwrap();
+    assert!(
+        step(&fast) > 0.0 && step(&slow) > step(&fast),
+        "10 Mbit/s {} s vs 1 Gbit/s {} s",
+        step(&slow),
+        step(&fast)
+    );
+    // A calibration run of its own over the emulated link of its options.
+    let (code, stdout, stderr) = predict(&["--link-gbps", "0.5", "--calibration-steps", "2"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let own: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(own["link"]["gbps"], 0.5);
+    assert!(own["link_source"].as_str().unwrap().starts_with("emulated"), "{own}");
+    // Refused: a trace without the window it ran with, a file that is no net-bench report.
+    let (code, _, stderr) = predict(&["--calibration-trace", &path(&trace)]);
+    assert!(code != Some(0) && stderr.contains("--calibration-trace needs --in-flight"), "{stderr}");
+    let (code, _, stderr) =
+        predict(&["--in-flight", "2", "--calibration-trace", &path(&trace), "--link-fit", &path(&trace)]);
+    assert!(code != Some(0) && stderr.contains("is not a `disagmoe net-bench --out` report"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !cfg!(feature = "mpi") {
+        let out = bin().args(["net-bench"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("needs a build with the `mpi` feature"), "{err}");
+    }
+}
+
 #[test]
 fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
     let out = bin()
@@ -675,6 +757,38 @@ mod mpi {
             Some(w) => w,
             None => value("--attn-workers").unwrap_or(2) + value("--ffn-workers").unwrap_or(2),
         }
+    }
+
+    /// `net-bench` under `mpirun -np 3` (shared memory here): a sample per pattern, message count
+    /// and size, a fitted link beside them; alone it says it needs two ranks.
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_net_bench_times_every_pattern_and_fits_a_link() {
+        let out = mpirun_np(3)
+            .arg(env!("CARGO_BIN_EXE_disagmoe"))
+            .args(["net-bench", "--sizes", "262144,1048576,4194304", "--repeats", "2"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        // Per size: a ping-pong, bursts of 1 to 3 messages, an incast from 2 peers, exchanges of
+        // 1 to 3 messages each way.
+        let rows = report["rows"].as_array().unwrap();
+        assert_eq!(report["ranks"], 3);
+        let count = |p: &str| rows.iter().filter(|r| r["pattern"] == p).count();
+        assert_eq!([count("ping-pong"), count("burst"), count("incast"), count("exchange")], [3, 9, 3, 9], "{report}");
+        assert!(rows
+            .iter()
+            .all(|r| r["seconds"].as_f64().unwrap() > 0.0 && r["min_s"].as_f64() <= r["max_s"].as_f64()));
+        assert!(report["link"]["gbps"].as_f64().unwrap() > 0.0, "{report}");
+        let alone = mpirun_np(1).arg(env!("CARGO_BIN_EXE_disagmoe")).arg("net-bench").output().unwrap();
+        let err = String::from_utf8_lossy(&alone.stderr);
+        assert!(!alone.status.success() && err.contains("needs 2 ranks or more"), "{err}");
     }
 
     /// Over a real network (`scripts/netns-cluster.sh`: a network namespace per rank on a bridge,

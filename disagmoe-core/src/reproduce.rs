@@ -455,8 +455,10 @@ fn trust_section(out: &Path) -> String {
 const TRUST_HEAD: &str = r#"
 ## How far to trust these numbers
 
-Every figure above is a simulation. The simulator has been held against one thing that can be
-measured here: our own runtime on the 2-core development machine, with emulated links. `disagmoe
+Every figure above is a simulation. The simulator has been held against what can be measured
+here: our own runtime on the 2-core development machine, over emulated links, and under `mpirun`
+over a real TCP network between network namespaces with shaped links (the second table below,
+with the link model fitted to that network by `disagmoe net-bench`). `disagmoe
 compare --predict` builds, from a run's layout, the schedule the runtime executes (its tasks in the
 runtime's priority, the in-flight window, one transfer per message on its port at the link's rate
 plus the latency, the end-of-step reductions and optimizer), times the tasks and sizes the messages
@@ -480,8 +482,9 @@ and the calibration and the measured run are different runs.
 What it does not validate, and what the figures above rest on: (1) the cost model's per-operation
 GPU times (FLOP and memory rates, kernel efficiencies): here compute is calibrated, not predicted;
 (2) the network at scale: many flows sharing a port (max-min fairness), NVLink beside the NICs,
-all-to-alls over hundreds of ranks; the validated runs have two workers and one flow per port
-direction; (3) the baselines Tutel, Comet and DualPipe, which the runtime does not implement (its EP
+all-to-alls over hundreds of ranks, real NICs with their latency and loss; the validated runs have
+two workers and one flow per port direction, and the real network is TCP through a kernel shaper
+on one machine (its fit's incasts have three senders); (3) the baselines Tutel, Comet and DualPipe, which the runtime does not implement (its EP
 baseline with two micro-batches in flight is the ping-pong overlap that the stronger ones refine).
 Read in this light, the summary table says what the schedules allow on the modelled cluster if its
 cost model holds; where its speedups exceed the paper's, the difference comes from costs that are not

@@ -159,9 +159,18 @@ impl AfPipe {
                 nics: an,
                 port_bw: a_bw,
                 streams: streams.clone(),
+                half_duplex: false,
             });
             let role = WorkerRole::Ffn { group: g };
-            workers.push(Worker { name: format!("F{g}"), role, gpus: f, nics: fnics, port_bw: f_bw, streams });
+            workers.push(Worker {
+                name: format!("F{g}"),
+                role,
+                gpus: f,
+                nics: fnics,
+                port_bw: f_bw,
+                streams,
+                half_duplex: false,
+            });
         }
         let (window, recompute) = afpipe_window(cost, alloc);
         let compute = |w: crate::cost::Work| Compute { secs: cost.gpu_time(w), flops: w.flops };

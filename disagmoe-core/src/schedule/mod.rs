@@ -126,6 +126,11 @@ pub struct Worker {
     pub port_bw: f64,
     /// Streams; compute streams are listed backward-first (their priority for the GPUs).
     pub streams: Vec<Stream>,
+    /// Whether the worker's sends and receives share one port (a transport whose two directions
+    /// do not overlap, as measured on a real network), instead of a port each way. Written only
+    /// when set, so a schedule of full-duplex ports serialises as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub half_duplex: bool,
 }
 
 /// Which transfer a send is.
@@ -408,7 +413,7 @@ impl ScheduleBuilder {
         streams: &[(StreamKind, bool)],
     ) -> usize {
         let streams = streams.iter().map(|&(kind, ordered)| Stream { kind, ops: Vec::new(), ordered }).collect();
-        self.schedule.workers.push(Worker { name, role, gpus, nics, port_bw, streams });
+        self.schedule.workers.push(Worker { name, role, gpus, nics, port_bw, streams, half_duplex: false });
         self.schedule.workers.len() - 1
     }
 

@@ -1,7 +1,8 @@
 //! Discrete-event simulation of a [`Schedule`] on its modelled resources.
 //!
 //! Resources: the GPUs of each worker (one compute op at a time, shared by its compute streams,
-//! backward streams first), and each worker's network port in two directions (egress, ingress).
+//! backward streams first), and each worker's network port in two directions (egress, ingress;
+//! one for both where the worker is `half_duplex`).
 //! Transfers are flows: a send uses the sender's egress and the receiver's ingress, a collective
 //! both of its own worker's, and flows sharing a port split it max-min fairly (progressive
 //! filling), so a port is never idle while a flow through it could move.
@@ -170,7 +171,12 @@ pub(crate) fn run_program<P: Program>(program: &mut P, mut trace: Option<&mut Tr
                 gpu_busy[st.worker] = true;
                 compute_events.push(Reverse((Time(now + info.secs), op)));
             } else {
-                let ps = [2 * st.worker, 2 * info.peer as usize + 1];
+                // The sender's egress and the receiver's ingress: its one port when it is half
+                // duplex (a collective, peer = itself, keeps both of its own).
+                let peer = info.peer as usize;
+                let ingress =
+                    if peer != st.worker && program.workers()[peer].half_duplex { 2 * peer } else { 2 * peer + 1 };
+                let ps = [2 * st.worker, ingress];
                 touched.extend(ps);
                 network.start(op, ps, info.secs, now);
             }
@@ -341,6 +347,26 @@ mod tests {
         let trace = simulate(&b.finish().unwrap()).unwrap();
         assert!((trace.end[s0] - 2.0).abs() < 1e-9 && (trace.end[s1] - 2.0).abs() < 1e-9, "{:?}", trace.end);
         assert!((trace.end[s2] - 2.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_half_duplex_worker_s_sends_and_receives_share_its_port() {
+        // W0 and W1 send each other 1 s of data at once: 1 s with a port each way, 2 s when each
+        // worker's one port carries both directions.
+        for (half, want) in [(false, 1.0), (true, 2.0)] {
+            let mut b = stages(2, 1e9);
+            let send = |to| OpKind::Send { to, transfer: crate::schedule::Transfer::M2n, backward: false };
+            let s0 = b.op(0, K::Comm, send(1), 0, 0, 0, vec![], 1.0, 0.0, 1.0);
+            let s1 = b.op(1, K::Comm, send(0), 0, 0, 0, vec![], 1.0, 0.0, 1.0);
+            let mut sched = b.finish().unwrap();
+            sched.workers.iter_mut().for_each(|w| w.half_duplex = half);
+            let trace = simulate(&sched).unwrap();
+            assert!(
+                (trace.end[s0] - want).abs() < 1e-9 && (trace.end[s1] - want).abs() < 1e-9,
+                "{half}: {:?}",
+                trace.end
+            );
+        }
     }
 
     /// Rates of `flows` (port pairs) after one rebalance of every port.

@@ -21,6 +21,8 @@ pub mod mpi;
 pub mod msg;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "mpi")]
+pub mod netbench;
 pub mod part;
 pub mod predict;
 pub mod scheduler;

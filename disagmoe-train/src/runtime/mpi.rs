@@ -75,10 +75,10 @@ pub fn world_rank() -> usize {
 const TAG_BEAT: i32 = 4;
 
 /// The heartbeats of one process in flight: per peer, the one `MPI_Isend` not known to be done and
-/// its buffer (freed once MPI is done with it).
+/// its buffer (a leaked box, taken back once MPI is done with it).
 struct Beats {
     world: SimpleCommunicator,
-    pending: Vec<Option<(Request<'static, [u8]>, &'static mut [u8])>>,
+    pending: Vec<Option<(Request<'static, [u8]>, *mut [u8])>>,
 }
 
 // SAFETY: the requests and buffers are used by one thread at a time (the heartbeat thread, after
@@ -91,18 +91,17 @@ impl Beats {
     fn send(&mut self, dst: usize, bytes: Vec<u8>) {
         if let Some((request, buf)) = self.pending[dst].take() {
             match request.test() {
-                // SAFETY: MPI is done with the buffer; it was leaked from this box below.
-                Ok(_) => drop(unsafe { Box::from_raw(buf as *mut [u8]) }),
+                // SAFETY: MPI is done with the buffer, which came from `Box::into_raw` below.
+                Ok(_) => drop(unsafe { Box::from_raw(buf) }),
                 Err(request) => {
                     self.pending[dst] = Some((request, buf));
                     return;
                 }
             }
         }
-        let buf: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
-        // SAFETY of the aliasing: MPI only reads the buffer until the request completes, and this
-        // side only touches it again after `test` says so.
-        let shared: &'static [u8] = unsafe { &*(buf as *const [u8]) };
+        let buf = Box::into_raw(bytes.into_boxed_slice());
+        // SAFETY: the box stays alive (leaked) until MPI is done reading it; nothing writes to it.
+        let shared: &'static [u8] = unsafe { &*buf };
         let request = self.world.process_at_rank(dst as i32).immediate_send_with_tag(StaticScope, shared, TAG_BEAT);
         self.pending[dst] = Some((request, buf));
     }
@@ -112,9 +111,8 @@ impl Drop for Beats {
     /// Beats still on their way stay with MPI: their requests and buffers are left to the end of
     /// the process (a request dropped unfinished would panic; a buffer freed under MPI is unsound).
     fn drop(&mut self) {
-        for (request, buf) in self.pending.drain(..).flatten() {
+        for (request, _buf) in self.pending.drain(..).flatten() {
             std::mem::forget(request);
-            let _ = buf;
         }
     }
 }

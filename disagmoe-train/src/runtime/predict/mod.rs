@@ -10,9 +10,10 @@
 //! - the in-flight window: micro-batch `i + K` of an embedding worker starts when the layer-0
 //!   backward of its micro-batch `i` ends ([`Task::releases_window`]);
 //! - one send per message that leaves a worker (dispatch, combine, residual and their gradients),
-//!   on the sender's port one at a time at the link's rate, received the link's latency after its
-//!   last byte (the emulated link of `--link-gbps`/`--link-latency-us`); messages to oneself
-//!   never leave;
+//!   on the sender's port one at a time for the link's per-message cost plus its bytes at the
+//!   link's rate, received the link's latency after its last byte (the emulated link of
+//!   `--link-gbps`/`--link-latency-us`, or one fitted to a real network, [`network`], whose ports
+//!   may be half duplex); messages to oneself never leave;
 //! - the end of the step: every worker's all-reduces after the last backward task of all (their
 //!   bytes on the link, one latency per message of the ring), then its optimizer step.
 //!
@@ -28,11 +29,12 @@ use disagmoe_core::schedule::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKin
 use disagmoe_core::simulator;
 
 mod calibration;
+pub mod network;
 pub use calibration::Calibration;
+pub use network::NetLink;
 
 use super::layout::Layout;
 use super::scheduler::{BackwardKind, Queue, Task};
-use super::transport::LinkModel;
 use crate::config::Placement;
 use crate::error::{Result, TrainError};
 
@@ -57,8 +59,8 @@ pub struct Prediction {
 }
 
 /// Predicts a run of `layout` with `in_flight` micro-batches per embedding worker over `link`
-/// (`None`: messages arrive at once).
-pub fn predict(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<LinkModel>) -> Result<Prediction> {
+/// (`None`: messages arrive at once; an emulated link converts with `.into()`).
+pub fn predict(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<NetLink>) -> Result<Prediction> {
     let sched = schedule(layout, cal, in_flight, link)?;
     let (_, report) = simulator::run(&sched).map_err(|e| TrainError::option("placement", e.to_string()))?;
     let compute_s = sched
@@ -87,8 +89,9 @@ pub fn predict(layout: &Layout, cal: &Calibration, in_flight: usize, link: Optio
 struct Build<'a> {
     b: ScheduleBuilder,
     cal: &'a Calibration,
-    /// Bytes per second of every port (`None`: no link), and the latency in seconds.
-    rate: Option<f64>,
+    /// Every port's link (`None`: messages arrive at once).
+    link: Option<NetLink>,
+    /// The link's latency, seconds (0 without one).
     latency_s: f64,
 }
 
@@ -130,7 +133,7 @@ impl Build<'_> {
         })?;
         let backward = kind.starts_with("grad");
         let transfer = if kind.ends_with("dispatch") { Transfer::M2n } else { Transfer::N2m };
-        let secs = self.rate.map_or(0.0, |r| bytes / r);
+        let secs = self.link.map_or(0.0, |l| l.send_s(bytes));
         let kind = OpKind::Send { to, transfer, backward };
         let send = self.b.op(from, StreamKind::Comm, kind, mb, layer as u32, 0, vec![src], secs, 0.0, bytes);
         let recv = OpKind::Recv { from };
@@ -139,7 +142,7 @@ impl Build<'_> {
 }
 
 /// The schedule the runtime executes for `layout` (see the module doc).
-pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<LinkModel>) -> Result<Schedule> {
+pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<NetLink>) -> Result<Schedule> {
     let (workers, layers, mbs) = (layout.workers, layout.layers, layout.micro_batches);
     if cal.end_of_step_s.len() != workers {
         return Err(TrainError::option(
@@ -147,9 +150,9 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             format!("the calibration has {} workers, the run {workers}", cal.end_of_step_s.len()),
         ));
     }
-    let rate = link.map(|l| l.gbps * 1e9 / 8.0);
+    let rate = link.map(|l| l.bytes_per_s());
     let latency_s = link.map_or(0.0, |l| l.latency_us * 1e-6);
-    let mut x = Build { b: ScheduleBuilder::new(&format!("runtime {:?}", layout.placement)), cal, rate, latency_s };
+    let mut x = Build { b: ScheduleBuilder::new(&format!("runtime {:?}", layout.placement)), cal, link, latency_s };
     // Compute streams in the scheduler's priority (the simulator serves a worker's streams in
     // the order listed), then the link's.
     let mut streams: Vec<(StreamKind, bool)> = Queue::PRIORITY.iter().map(|&q| (stream(q), false)).collect();
@@ -227,11 +230,16 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
     // End of step: the all-reduces start when every worker's backward is done (they include the
     // global sums every worker takes part in), then each worker's optimizer step.
     for w in 0..workers {
-        let secs = x.rate.map_or(0.0, |r| cal.reduce_bytes[w] / r + cal.reduce_messages[w] * x.latency_s);
+        let secs = x.link.map_or(0.0, |l| {
+            cal.reduce_bytes[w] / l.bytes_per_s() + cal.reduce_messages[w] * (x.latency_s + l.per_message_us * 1e-6)
+        });
         let ar = x.b.op(w, StreamKind::Comm, OpKind::AllReduce, 0, NO_LAYER, 0, all_bwd.clone(), secs, 0.0, 0.0);
         x.b.op(w, stream(Queue::Backward), OpKind::Optimizer, 0, NO_LAYER, 0, vec![ar], cal.end_of_step_s[w], 0.0, 0.0);
     }
-    x.b.finish().map_err(|e| TrainError::option("placement", e.to_string()))
+    let mut sched = x.b.finish().map_err(|e| TrainError::option("placement", e.to_string()))?;
+    let half_duplex = link.is_some_and(|l| l.half_duplex);
+    sched.workers.iter_mut().for_each(|w| w.half_duplex = half_duplex);
+    Ok(sched)
 }
 
 /// A calibrated configuration: what [`predict`] needs besides the link and the window.
@@ -297,12 +305,16 @@ mod tests {
         let (layout, cal) = one_layer();
         // 1000 bytes at 16 kbit/s: 0.5 s on the wire, 0.1 s latency: four messages on the
         // critical path of each micro-batch, 0.6 s each.
-        let link = LinkModel { gbps: 16e-6, latency_us: 1e5 };
+        let link = NetLink { gbps: 16e-6, latency_us: 1e5, per_message_us: 0.0, half_duplex: false };
         let p = predict(&layout, &cal, 1, Some(link)).unwrap();
         assert!((p.step_s - (21.25 + 2.0 * 4.0 * 0.6)).abs() < 1e-9, "{p:?}");
         // Each worker waits 0.6 s on each of its two incoming messages per micro-batch.
         assert!((p.exposed_comm_s - 2.0 * 2.0 * 2.0 * 0.6).abs() < 1e-9, "{p:?}");
         // The calibration's overhead is added as measured.
+        // A per-message cost (a fitted link's) holds the sender's port as long again per message.
+        let costly = NetLink { per_message_us: 1e5, ..link };
+        let q = predict(&layout, &cal, 1, Some(costly)).unwrap();
+        assert!((q.step_s - (p.step_s + 2.0 * 4.0 * 0.1)).abs() < 1e-9, "{q:?}");
         let cal = Calibration { overhead_s: 0.125, ..cal };
         assert!((predict(&layout, &cal, 1, Some(link)).unwrap().step_s - (p.step_s + 0.125)).abs() < 1e-9);
     }
@@ -460,8 +472,11 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/predict").join(format!("{name}.json"))
     }
 
-    const LINKS: [Option<LinkModel>; 3] =
-        [None, Some(LinkModel { gbps: 0.2, latency_us: 20.0 }), Some(LinkModel { gbps: 1.0, latency_us: 5.0 })];
+    const LINKS: [Option<NetLink>; 3] = [
+        None,
+        Some(NetLink { gbps: 0.2, latency_us: 20.0, per_message_us: 0.0, half_duplex: false }),
+        Some(NetLink { gbps: 1.0, latency_us: 5.0, per_message_us: 0.0, half_duplex: false }),
+    ];
 
     /// Same traces in, same predictions out: the traced runs' calibrations give, at every window
     /// and over three links, the predictions the code before the runtime's split into layers gave
