@@ -47,15 +47,26 @@ pub fn run_net_bench(args: &NetBenchArgs) -> anyhow::Result<()> {
     use runtime::netbench::{run, BenchSettings};
     let settings = BenchSettings { sizes: args.sizes.clone(), repeats: args.repeats };
     let Some((ranks, samples)) = run(&settings)? else { return Ok(()) };
-    let fitted = fit(&samples)?;
+    let fitted = match fit(&samples) {
+        Ok(f) => f,
+        Err(e) => {
+            // What was measured, then why no link fits it.
+            eprintln!("{:<14} {:>5} {:>10} {:>12} {:>22}", "pattern", "peers", "bytes", "measured_s", "(min-max)");
+            for s in &samples {
+                let spread = format!("({:.6}-{:.6})", s.min_s, s.max_s);
+                eprintln!("{:<14} {:>5} {:>10} {:>12.6} {:>22}", s.pattern.name(), s.peers, s.bytes, s.seconds, spread);
+            }
+            return Err(e.into());
+        }
+    };
     eprintln!(
-        "{:<12} {:>5} {:>10} {:>12} {:>22} {:>12} {:>8}",
+        "{:<14} {:>5} {:>10} {:>12} {:>22} {:>12} {:>8}",
         "pattern", "peers", "bytes", "measured_s", "(min-max)", "model_s", "error"
     );
     for r in &fitted.rows {
         let s = &r.sample;
         eprintln!(
-            "{:<12} {:>5} {:>10} {:>12.6} {:>22} {:>12.6} {:>7.1}%{}",
+            "{:<14} {:>5} {:>10} {:>12.6} {:>22} {:>12.6} {:>7.1}%{}",
             s.pattern.name(),
             s.peers,
             s.bytes,
