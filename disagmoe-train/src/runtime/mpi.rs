@@ -276,7 +276,29 @@ impl Endpoint for MpiEndpoint {
     }
 }
 
+/// Open MPI's TCP transport sends a message above its eager limit (64 KiB by default) by
+/// rendezvous, and the receiver's go-ahead waits behind its own outgoing transfer: with a send
+/// thread and a receive thread per rank, a link busy both ways then carries one direction at a
+/// time (measured with `net-bench` between network namespaces: an exchange of k x 1 MiB each way
+/// took about 2k - 1 one-way times; with the limit at 2 MiB, 1.1-1.2 k; disagg 1+1 at 100 Mbit/s
+/// 0.45x the wall time, `docs/runtime.md`). So, unless the job chose either limit itself (`mpirun
+/// --mca btl_tcp_eager_limit ...` reaches a rank as these variables), messages up to this many
+/// bytes go eagerly. Other MPIs ignore the variables; shared memory and NCCL are unaffected.
+pub const TCP_EAGER_LIMIT: usize = 16 << 20;
+
+/// Sets Open MPI's TCP eager limits to [`TCP_EAGER_LIMIT`] where the job has not set them (read by
+/// `MPI_Init`, so before it; the process has no other thread reading its environment yet).
+fn default_tcp_eager_limit() {
+    let vars = ["OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit"];
+    if vars.iter().all(|v| std::env::var_os(v).is_none()) {
+        for v in vars {
+            std::env::set_var(v, TCP_EAGER_LIMIT.to_string());
+        }
+    }
+}
+
 pub(crate) fn start_mpi() -> Result<Universe> {
+    default_tcp_eager_limit();
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
         TrainError::option("transport", "MPI is already initialised in this process; run one training per process")
     })?;
