@@ -8,8 +8,8 @@
 #   2. ep, ep-overlap and disagg train under `--transport mpi` on 2 ranks of that network (REPEATS
 #      rounds, the placements alternating within each), measured;
 #   3. `disagmoe predict` predicts each from a calibration run that is none of the measured ones:
-#      the same configuration traced under plain mpirun on this machine (shared memory, no link),
-#      once per model and placement before any measured run.
+#      the same configuration traced over the same transport with the links unshaped, once per
+#      model and placement before any measured run.
 # Prints a Markdown table of the medians (with the measured spread) and keeps every JSON.
 #
 #   scripts/validate-network.sh                 # build (release, --features mpi) and sweep; needs root
@@ -52,16 +52,20 @@ placement_args() {
 }
 PLACEMENTS="ep ep-overlap disagg"
 
-# 1. Calibrations: plain mpirun, no namespaces, no link emulation.
+# 1. Calibrations: the same transport (MPI over TCP between the namespaces), the links unshaped
+#    (tbf at 100 Gbit/s), no link emulation. (Under plain mpirun, over shared memory, the
+#    calibration's overhead was 0.46-0.87 s of a 1-1.3 s step, more than the TCP runs spend.)
+"$HARNESS" up 2 --rate 100000 >&2
 for model in $MODELS; do
   name=$(basename "$model" .json)
   for p in $PLACEMENTS; do
-    echo "validate-network: calibrating $name $p (mpirun, shared memory)" >&2
+    echo "validate-network: calibrating $name $p (unshaped links)" >&2
     # shellcheck disable=SC2046
-    mpirun --oversubscribe -np 2 "$BIN" train "${COMMON[@]}" --model-config "$model" $(placement_args "$p") \
-      --transport mpi --trace "$OUT/cal-$name-$p.json" >/dev/null
+    "$HARNESS" run -np 2 -- "$BIN" train "${COMMON[@]}" --model-config "$(realpath "$model")" $(placement_args "$p") \
+      --transport mpi --trace "$(realpath "$OUT")/cal-$name-$p.json" >/dev/null
   done
 done
+"$HARNESS" down >&2
 
 : >"$OUT/runs.jsonl"
 for rate in $RATES; do
@@ -96,7 +100,7 @@ done
   echo "Measured $(date -u +%Y-%m-%d) on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')),"
   echo "binary \`$BIN\` at $CODE, \`scripts/validate-network.sh\` (REPEATS=$REPEATS STEPS=$STEPS;"
   echo "MPI over TCP between network namespaces, tbf at the rate; 1+1 workers for disagg, 2 for ep, 1 thread each;"
-  echo "batch $((2 * MBS)) x 128 in $MBS micro-batches; predictions from a calibration under plain mpirun and the link net-bench fitted):"
+  echo "batch $((2 * MBS)) x 128 in $MBS micro-batches; predictions from a calibration over the unshaped links and the link net-bench fitted):"
   echo
   echo "| tbf rate | fitted link (net-bench, 2 ranks): used by the predictions | the same on 4 ranks, with incasts |"
   echo "|---|---|---|"
