@@ -11,7 +11,7 @@ use disagmoe_train::runtime;
 #[cfg(feature = "mpi")]
 use disagmoe_train::runtime::predict::network::fit;
 use disagmoe_train::runtime::predict::network::Fitted;
-use disagmoe_train::runtime::predict::{Calibrated, Calibration, NetLink};
+use disagmoe_train::runtime::predict::{Calibrated, NetLink};
 use disagmoe_train::TrainBackend;
 
 use crate::cli::TrainArgs;
@@ -168,12 +168,7 @@ pub fn run_predict(args: &PredictArgs) -> anyhow::Result<PredictReport> {
             let Some(in_flight) = cfg.parallel.in_flight else {
                 bail!("--calibration-trace needs --in-flight N: the window the traced run had, and the one predicted")
             };
-            let model = cfg.model.resolve()?;
-            let experts = model.model_shape("prediction").moe.experts;
-            let layout = runtime::layout_of(&cfg, model.dims().num_hidden_layers, experts)?;
-            let calibration: Calibration =
-                Calibration::from_trace(trace, layout.workers)?.with_overhead(&layout, in_flight)?;
-            Calibrated { layout, calibration, in_flight }
+            disagmoe_train::launch::calibrated_from_trace(&cfg, trace, in_flight)?
         }
         None => {
             let device = Default::default();

@@ -216,15 +216,20 @@ pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps:
     c.parallel.trace = Some(trace.clone());
     let result = (|| {
         let summary = train::<B>(&c, device)?;
-        let model = c.model.resolve()?;
-        let experts = model.model_shape("calibration").moe.experts;
-        let layout = crate::runtime::layout_of(&c, model.dims().num_hidden_layers, experts)?;
-        let in_flight = summary.in_flight.unwrap_or(1);
-        let calibration = Calibration::from_trace(&trace, layout.workers)?.with_overhead(&layout, in_flight)?;
-        Ok(Calibrated { layout, calibration, in_flight })
+        calibrated_from_trace(&c, &trace, summary.in_flight.unwrap_or(1))
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// The simulator's model of `cfg`'s run from `trace`, a trace of it run without link emulation
+/// with `in_flight` micro-batches in flight (by [`calibrate`], or by any earlier run).
+pub fn calibrated_from_trace(cfg: &RunConfig, trace: &std::path::Path, in_flight: usize) -> Result<Calibrated> {
+    let model = cfg.model.resolve()?;
+    let experts = model.model_shape("calibration").moe.experts;
+    let layout = crate::runtime::layout_of(cfg, model.dims().num_hidden_layers, experts)?;
+    let calibration = Calibration::from_trace(trace, layout.workers)?.with_overhead(&layout, in_flight)?;
+    Ok(Calibrated { layout, calibration, in_flight })
 }
 
 #[cfg(test)]

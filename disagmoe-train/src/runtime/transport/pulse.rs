@@ -34,7 +34,6 @@ use std::time::Duration;
 
 use super::{now_us, Beacon};
 use crate::runtime::msg::{Envelope, Msg};
-use std::fmt::Write as _;
 
 /// How long a worker may spend on one unit of work, in multiples of the time-out, before its
 /// watchdog reports it as hung (30 x the default 60 s: half an hour; a first step's autotuning or
@@ -123,7 +122,9 @@ impl Pulse {
                 self.doing()
             ));
         }
-        let waited = Some(waited).filter(|&w| w > limit_us + timeout_us)?;
+        if waited <= limit_us + timeout_us {
+            return None;
+        }
         Some(format!(
             "waited {:.1} s inside {} during {} ({limit}, longer than any member may be busy before joining): a member never joined it, the collective is deadlocked",
             waited as f64 / 1e6,
@@ -198,28 +199,17 @@ impl Liveness {
             .collect();
         let least = secs(silent.iter().map(|&(_, q)| q).min()?);
         let names = silent.iter().map(|(p, _)| p.to_string()).collect::<Vec<_>>().join(", ");
-        let mut line = String::new();
-        match silent.len() {
-            n if n + 1 == self.heard_us.len() && n > 1 => {
-                let _ = write!(
-                    line,
-                    "no word from any peer (workers {names}) for {least:.1} s or more, heartbeats included: this worker's own link is down, or every peer is gone"
-                );
-            }
-            1 => {
-                let _ = write!(
-                    line,
-                    "worker {names} cannot be reached: no word from it for {least:.1} s, heartbeats included (its link is down or its process is gone)"
-                );
-            }
-            _ => {
-                let _ = write!(
-                    line,
-                    "workers {names} cannot be reached: no word from them for {least:.1} s or more, heartbeats included (their links are down or their processes are gone)"
-                );
-            }
-        }
-        Some(line)
+        Some(match silent.len() {
+            n if n + 1 == self.heard_us.len() && n > 1 => format!(
+                "no word from any peer (workers {names}) for {least:.1} s or more, heartbeats included: this worker's own link is down, or every peer is gone"
+            ),
+            1 => format!(
+                "worker {names} cannot be reached: no word from it for {least:.1} s, heartbeats included (its link is down or its process is gone)"
+            ),
+            _ => format!(
+                "workers {names} cannot be reached: no word from them for {least:.1} s or more, heartbeats included (their links are down or their processes are gone)"
+            ),
+        })
     }
 }
 
