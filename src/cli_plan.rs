@@ -36,6 +36,11 @@ pub struct JobArgs {
     /// baselines' all-to-alls alike [default: bf16].
     #[arg(long, value_name = "f32|bf16|fp8")]
     pub exchange_dtype: Option<ExchangeDtype>,
+    /// The products' dtype of the run being planned, as `disagmoe train --precision`: the memory
+    /// of each GPU is what the runtime holds under it (f32 weights, gradients and AdamW moments,
+    /// the moments sharded over copies; activations in the products' dtype) [default: bf16].
+    #[arg(long, value_name = "f32|bf16")]
+    pub precision: Option<ExchangeDtype>,
 }
 
 impl JobArgs {
@@ -59,6 +64,13 @@ impl JobArgs {
         };
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
         let mut cost = CostModel::new(model, cluster, workload)?;
+        match self.precision {
+            None | Some(ExchangeDtype::Bf16) => {}
+            Some(ExchangeDtype::F32) => cost.precision = disagmoe_core::cost::Precision::runtime(false),
+            Some(other) => {
+                anyhow::bail!("--precision {other:?} is not a precision of the runtime (allowed: f32, bf16)")
+            }
+        }
         if let Some(d) = self.exchange_dtype {
             cost.precision.exchange = ExchangePrecision::of(d);
         }

@@ -80,8 +80,35 @@ fn bf16_exchange() -> ExchangePrecision {
     ExchangePrecision::BF16
 }
 
+/// The runtime's (`disagmoe train`) under bf16 products, see [`Precision::runtime`].
 impl Default for Precision {
     fn default() -> Self {
+        Self::runtime(true)
+    }
+}
+
+impl Precision {
+    /// What `disagmoe train` holds under `--precision f32` (`bf16: false`) or `bf16`/`f16`:
+    /// f32 weights (the products cast them), f32 gradients, AdamW's two f32 moments (8 bytes,
+    /// sharded over a parameter's copies by the distributed optimizer; the f32 weights are their
+    /// own master copy), gradients all-reduced in f32, activations and the exchange in the
+    /// products' dtype.
+    pub fn runtime(bf16: bool) -> Self {
+        let low = if bf16 { 2.0 } else { 4.0 };
+        Self {
+            param_bytes: 4.0,
+            grad_bytes: 4.0,
+            optimizer_bytes: 8.0,
+            activation_bytes: low,
+            grad_comm_bytes: 4.0,
+            exchange: if bf16 { ExchangePrecision::BF16 } else { ExchangePrecision::F32 },
+        }
+    }
+
+    /// Megatron-Core's mixed precision with its distributed optimizer (the paper's setting): bf16
+    /// weights, f32 gradients, an f32 master copy and two f32 moments (12 bytes, sharded), bf16
+    /// gradient all-reduce and activations.
+    pub fn megatron() -> Self {
         Self {
             param_bytes: 2.0,
             grad_bytes: 4.0,
@@ -90,6 +117,42 @@ impl Default for Precision {
             grad_comm_bytes: 2.0,
             exchange: ExchangePrecision::BF16,
         }
+    }
+}
+
+/// One GPU's memory by kind, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryParts {
+    /// Weights.
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state (its shard).
+    pub optimizer: f64,
+    /// Activations kept for backward.
+    pub activations: f64,
+}
+
+impl MemoryParts {
+    /// All of it.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer + self.activations
+    }
+
+    /// Weights, gradients and optimizer state without activations.
+    pub fn state(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+
+    /// Each part in GB, for messages: `weights 1.2 GB + gradients ... + activations ...`.
+    pub fn describe(&self) -> String {
+        format!(
+            "weights {:.1} GB + gradients {:.1} GB + optimizer state {:.1} GB + activations {:.1} GB",
+            self.params / 1e9,
+            self.grads / 1e9,
+            self.optimizer / 1e9,
+            self.activations / 1e9
+        )
     }
 }
 
@@ -347,7 +410,8 @@ impl CostModel {
     }
 
     /// Parameters held by every GPU of attention group `group` of `p` (attention blocks and
-    /// routers of its layers; embedding on group 0, head on the group after the last layer).
+    /// routers of its layers; the embedding, final norm and head on group 0, as the runtime
+    /// places them).
     pub fn attention_group_params(&self, group: usize, p: usize) -> f64 {
         let m = &self.model;
         let mut params: f64 = (group..m.layers)
@@ -356,10 +420,10 @@ impl CostModel {
             .sum();
         let table = (m.vocab * m.hidden) as f64;
         if group == 0 {
-            params += table;
-        }
-        if group == m.layers % p && !m.tied_embeddings {
             params += table + m.hidden as f64;
+            if !m.tied_embeddings {
+                params += table;
+            }
         }
         params
     }
@@ -386,16 +450,33 @@ impl CostModel {
         pr.param_bytes + pr.grad_bytes + pr.optimizer_bytes / shards.max(1) as f64
     }
 
+    /// The state of `params` parameters whose optimizer state is sharded over `shards` copies.
+    pub fn state_parts(&self, params: f64, shards: usize) -> MemoryParts {
+        let pr = &self.precision;
+        MemoryParts {
+            params: params * pr.param_bytes,
+            grads: params * pr.grad_bytes,
+            optimizer: params * pr.optimizer_bytes / shards.max(1) as f64,
+            activations: 0.0,
+        }
+    }
+
     /// Peak memory of one attention GPU (group of `a`, `p` pairs) with `in_flight` micro-batches
     /// whose activations are alive, each holding on average half of the group's layers.
     /// With `recompute`, only each layer's input is kept and backward recomputes the forward.
     pub fn attention_memory(&self, p: usize, a: usize, in_flight: usize, recompute: bool) -> f64 {
+        self.attention_memory_parts(p, a, in_flight, recompute).total()
+    }
+
+    /// [`Self::attention_memory`] by kind: the `a` GPUs of a group hold copies of its
+    /// parameters, whose optimizer state the distributed optimizer shards over them.
+    pub fn attention_memory_parts(&self, p: usize, a: usize, in_flight: usize, recompute: bool) -> MemoryParts {
         let worst = (0..p).map(|g| self.attention_group_params(g, p)).fold(0.0, f64::max);
         let layers = self.model.layers.div_ceil(p) as f64;
         let tokens = self.workload.tokens_per_micro_batch() / a as f64;
         let per_token = if recompute { self.checkpoint_per_token() } else { self.attention_activation_per_token() };
         let act = in_flight as f64 * (layers / 2.0).max(1.0) * tokens * per_token;
-        worst * self.state_bytes(a) + act
+        MemoryParts { activations: act, ..self.state_parts(worst, a) }
     }
 
     /// Bytes kept per token per layer under full recomputation (the layer input).
@@ -413,14 +494,24 @@ impl CostModel {
 
     /// Peak memory of one expert GPU (group of `f`, `p` pairs) with `in_flight` live micro-batches.
     pub fn ffn_memory(&self, p: usize, f: usize, in_flight: usize, recompute: bool) -> f64 {
-        let (sharded, replicated) = (0..p)
-            .map(|g| self.ffn_group_params(g, p, f))
-            .fold((0.0, 0.0), |acc, x| (f64::max(acc.0, x.0), f64::max(acc.1, x.1)));
+        self.ffn_memory_parts(p, f, in_flight, recompute).total()
+    }
+
+    /// [`Self::ffn_memory`] by kind, for the group's first GPU, the fullest: its share of the
+    /// routed experts and, as the runtime places them, the group's shared experts and dense MLPs
+    /// (one holder, no copies: nothing to shard the optimizer state over).
+    pub fn ffn_memory_parts(&self, p: usize, f: usize, in_flight: usize, recompute: bool) -> MemoryParts {
+        let held = (0..p)
+            .map(|g| {
+                let (sharded, replicated) = self.ffn_group_params(g, p, f);
+                sharded + replicated
+            })
+            .fold(0.0, f64::max);
         let layers = self.model.layers.div_ceil(p) as f64;
         let t = self.workload.tokens_per_micro_batch();
         let per_token = if recompute { self.checkpoint_per_token() } else { self.ffn_activation_per_token() };
         let act = in_flight as f64 * (layers / 2.0).max(1.0) * t / f as f64 * per_token;
-        sharded * self.state_bytes(1) + replicated * self.state_bytes(f) + act
+        MemoryParts { activations: act, ..self.state_parts(held, 1) }
     }
 
     /// Gradient bytes all-reduced by an attention group per step.

@@ -44,7 +44,10 @@ fn relative(from: &Path, to: &Path) -> String {
 fn cost_for(model: &str, cluster: &Cluster, seq: usize) -> Result<CostModel> {
     let mb = paper_micro_batch(seq);
     let workload = Workload { seq, micro_batch: mb, global_batch: 2 * cluster.total_gpus() * mb };
-    CostModel::new(ModelShape::preset(model)?, cluster.clone(), workload)
+    let mut cost = CostModel::new(ModelShape::preset(model)?, cluster.clone(), workload)?;
+    // The paper's setting: Megatron-Core's mixed precision.
+    cost.precision = crate::cost::Precision::megatron();
+    Ok(cost)
 }
 
 /// Runs every setting, writes the markdown and figures, returns the number of settings.

@@ -12,7 +12,10 @@ use disagmoe_core::simulator::{run, simulate};
 fn cost(model: &str, cluster: Cluster, seq: usize) -> CostModel {
     let mb = paper_micro_batch(seq);
     let workload = Workload { seq, micro_batch: mb, global_batch: 2 * cluster.total_gpus() * mb };
-    CostModel::new(ModelShape::preset(model).unwrap(), cluster, workload).unwrap()
+    let mut cost = CostModel::new(ModelShape::preset(model).unwrap(), cluster, workload).unwrap();
+    // The paper's setting (Megatron-Core's mixed precision), as `reproduce-paper` plans it.
+    cost.precision = disagmoe_core::cost::Precision::megatron();
+    cost
 }
 
 fn share(model: &str, cluster: &Cluster, seq: usize) -> f64 {

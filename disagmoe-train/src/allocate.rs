@@ -144,6 +144,15 @@ impl<F: FnMut(&RunConfig) -> Result<TrainSummary>> StepTimeOracle for MeasuredOr
     }
 }
 
+/// The planner's bytes per element for what this run holds (`disagmoe_core::cost::Precision::runtime`
+/// under the run's `--precision`, with its exchange dtypes).
+pub fn runtime_precision(cfg: &RunConfig) -> disagmoe_core::cost::Precision {
+    let compute = cfg.precision.compute;
+    let mut p = disagmoe_core::cost::Precision::runtime(compute != crate::config::Precision::F32);
+    p.exchange = cfg.parallel.exchange_precision(compute);
+    p
+}
+
 /// The run config with the chosen `attn_workers`, `ffn_workers` and `groups` (`placement disagg`,
 /// `allocation manual`) for a model of `shape`, each candidate measured by `measure` (a short run
 /// of the same job on `device`'s backend).
@@ -158,7 +167,9 @@ pub fn choose<B: AutodiffBackend>(
     let mbs = cfg.micro_batches();
     let workload = Workload { seq: cfg.data.seq, micro_batch: cfg.data.batch / mbs, global_batch: cfg.data.batch };
     let cluster = local_cluster(workers, measured_matmul_rate::<B>(device), cfg);
-    let cost = CostModel::new(shape, cluster, workload).map_err(|e| planner_error("the planner's cost model", e))?;
+    let mut cost =
+        CostModel::new(shape, cluster, workload).map_err(|e| planner_error("the planner's cost model", e))?;
+    cost.precision = runtime_precision(cfg);
     let problem = AllocationProblem::new(&cost, None).map_err(|e| planner_error("the allocation problem", e))?;
     let milp = solve_milp_pruned(&problem).map_err(|e| planner_error("the planner's MILP", e))?;
     tracing::info!(

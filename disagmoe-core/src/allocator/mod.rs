@@ -100,7 +100,16 @@ pub struct AllocationProblem {
     /// Micro-batches per step.
     pub micro_batches: f64,
     /// Smallest memory overshoot seen among dropped options, per side (for error messages).
-    shortfall: [Option<(f64, f64)>; 2],
+    shortfall: [Option<Shortfall>; 2],
+}
+
+/// The smallest footprint of one side that did not fit.
+#[derive(Debug, Clone, Copy)]
+struct Shortfall {
+    need: crate::cost::MemoryParts,
+    usable: f64,
+    groups: usize,
+    gpus: usize,
 }
 
 /// The value of one allocation under the roofline model.
@@ -165,11 +174,11 @@ impl AllocationProblem {
         let uses_nics = c.nodes > 1;
         let usable = c.gpu.usable_memory();
         let node = c.node.gpus_per_node;
-        let mut shortfall: [Option<(f64, f64)>; 2] = [None, None];
-        let mut note = |side: usize, mem: f64| {
+        let mut shortfall: [Option<Shortfall>; 2] = [None, None];
+        let mut note = |side: usize, need: crate::cost::MemoryParts, groups: usize, gpus: usize| {
             let s = &mut shortfall[side];
-            if s.is_none_or(|(best, _)| mem < best) {
-                *s = Some((mem, usable));
+            if s.is_none_or(|best| need.total() < best.need.total()) {
+                *s = Some(Shortfall { need, usable, groups, gpus });
             }
         };
         let (mut attention, mut ffn) = (Vec::new(), Vec::new());
@@ -191,10 +200,14 @@ impl AllocationProblem {
                 v
             };
             for a in group_sizes(node, per_group.saturating_sub(1)) {
-                let mem =
-                    cost.attention_memory(p, a, in_flight, false).min(cost.attention_memory(p, a, in_flight, true));
+                let need = [false, true]
+                    .map(|rc| cost.attention_memory_parts(p, a, in_flight, rc))
+                    .into_iter()
+                    .min_by(|x, y| x.total().total_cmp(&y.total()))
+                    .expect("two");
+                let mem = need.total();
                 if mem > usable {
-                    note(0, mem);
+                    note(0, need, p, a);
                     continue;
                 }
                 let compute: f64 = groups
@@ -235,9 +248,14 @@ impl AllocationProblem {
                 if f > m.moe.experts {
                     continue;
                 }
-                let mem = cost.ffn_memory(p, f, in_flight, false).min(cost.ffn_memory(p, f, in_flight, true));
+                let need = [false, true]
+                    .map(|rc| cost.ffn_memory_parts(p, f, in_flight, rc))
+                    .into_iter()
+                    .min_by(|x, y| x.total().total_cmp(&y.total()))
+                    .expect("two");
+                let mem = need.total();
                 if mem > usable {
-                    note(1, mem);
+                    note(1, need, p, f);
                     continue;
                 }
                 let compute = groups
@@ -322,12 +340,16 @@ impl AllocationProblem {
         let gb = |b: f64| b / 1e9;
         for (side, opts, name) in [(0, &self.attention, "memory_attention"), (1, &self.ffn, "memory_ffn")] {
             if opts.is_empty() {
+                let what = if side == 0 { "attention" } else { "expert" };
                 let detail = match self.shortfall[side] {
-                    Some((need, have)) => format!(
-                        "the smallest footprint needs {:.1} GB per GPU, {:.1} GB usable (short by {:.1} GB); add nodes or use a smaller micro-batch",
-                        gb(need),
-                        gb(have),
-                        gb(need - have)
+                    Some(s) => format!(
+                        "the smallest footprint needs {:.1} GB per GPU, {:.1} GB usable (short by {:.1} GB): {} per {what} GPU with {} groups of {} {what} GPUs; add nodes or use a smaller micro-batch",
+                        gb(s.need.total()),
+                        gb(s.usable),
+                        gb(s.need.total() - s.usable),
+                        s.need.describe(),
+                        s.groups,
+                        s.gpus
                     ),
                     None => format!("no group size fits in {} GPUs (expert groups may not exceed the expert count)", self.total_gpus),
                 };

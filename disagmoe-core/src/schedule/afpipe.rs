@@ -529,7 +529,10 @@ mod tests {
         micro_batches: usize,
     ) -> (CostModel, Vec<Allocation>) {
         let w = Workload { seq, micro_batch, global_batch: micro_batch * micro_batches };
-        let cost = CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
+        let mut cost =
+            CostModel::new(ModelShape::preset(model).unwrap(), Cluster::preset(cluster).unwrap(), w).unwrap();
+        // The precision the golden schedules were made with.
+        cost.precision = crate::cost::Precision::megatron();
         let problem = AllocationProblem::new(&cost, None).unwrap();
         let allocations = problem
             .attention
@@ -609,10 +612,13 @@ mod tests {
         }
     }
 
-    /// (ops, hash, step time's bits) per case, from b084daa's builder.
+    /// (ops, hash, step time's bits) per case, from b084daa's builder, under Megatron's precision.
+    /// Mixtral's (three groups) changed on purpose when the embedding, final norm and head all
+    /// moved to attention group 0, where the runtime holds them: its busiest group's gradient
+    /// all-reduce grew (the schedule's ops are the same).
     const GOLDEN: [(usize, u64, u64); 3] = [
         (9250, 0xca7e_9c89_4fda_4d35, 0x3ff4_80e2_dcb6_b13e),
         (21636, 0x3182_22b8_8a41_00cb, 0x401c_d15a_d1db_b3d5),
-        (18531, 0x700d_01cb_504f_f9de, 0x4017_e07f_ffcf_3176),
+        (18531, 0x842e_a565_e726_f0d0, 0x4017_e19e_56e0_0bfa),
     ];
 }
