@@ -228,6 +228,11 @@ pub struct TrainArgs {
     /// device [default: auto].
     #[arg(long, value_name = "auto|host|device")]
     pub exchange_payloads: Option<disagmoe_train::ExchangePayloads>,
+    /// Parameters held in copies (an attention group's data-parallel copies, ep's attention) are
+    /// updated in shards: gradients reduce-scattered, each copy keeping the optimizer moments of
+    /// its shard, the updated weights all-gathered [default: on].
+    #[arg(long, value_name = "on|off")]
+    pub distributed_optimizer: Option<Switch>,
 }
 
 /// `--placement` values.
@@ -319,6 +324,9 @@ impl TrainArgs {
         }
         if let Some(p) = self.exchange_payloads {
             cfg.parallel.exchange_payloads = p;
+        }
+        if let Some(d) = self.distributed_optimizer {
+            cfg.parallel.distributed_optimizer = d == Switch::On;
         }
         if !self.devices.is_empty() {
             cfg.parallel.devices = self.devices.clone();

@@ -36,6 +36,7 @@ const SINGLE: &[&str] = &["--placement", "single"];
 const DISAGG: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "2"];
 const DISAGG_2_4: &[&str] = &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "4", "--groups", "2"];
 const EP: &[&str] = &["--placement", "ep", "--workers", "4"];
+const DISAGG_4_2: &[&str] = &["--placement", "disagg", "--attn-workers", "4", "--ffn-workers", "2", "--groups", "2"];
 const DISAGG_1_3: &[&str] = &["--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "3", "--groups", "1"];
 /// Every family's tiny preset: GPT-OSS's stacked fused experts and DeepSeek's shared experts
 /// reshard differently from the per-expert tensors of the others.
@@ -276,6 +277,8 @@ fn checkpoints_resume_under_any_other_placement() {
         resharded_resume(Launch::Local, tmp.path(), preset, EP, SINGLE, "ep 4 -> single");
         resharded_resume(Launch::Local, tmp.path(), preset, DISAGG, DISAGG_1_3, "disagg 2+2 -> disagg 1+3");
         resharded_resume(Launch::Local, tmp.path(), preset, SINGLE, DISAGG_2_4, "single -> disagg 2+4 in 2 groups");
+        // The distributed optimizer's shards over 4 copies -> 2 copies per group.
+        resharded_resume(Launch::Local, tmp.path(), preset, EP, DISAGG_4_2, "ep 4 -> disagg 4+2 in 2 groups");
     }
 }
 

@@ -83,18 +83,21 @@ impl Moment {
 struct MomentsOf<'a, B: AutodiffBackend> {
     state: &'a HashMap<ParamId, Moments<B::InnerBackend>>,
     moment: Moment,
+    /// Moments given whole, before `state`'s.
+    full: &'a HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for MomentsOf<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.dims();
-        let value = match self.state.get(&id) {
-            Some(Moments { m, v }) => {
+        let value = match (self.full.get(&id), self.state.get(&id)) {
+            (Some(t), _) => t.clone().reshape(shape),
+            (None, Some(Moments { m, v })) => {
                 let t = if self.moment == Moment::First { m } else { v };
                 t.clone().reshape(shape)
             }
-            None => Tensor::zeros(shape, &tensor.device()),
+            (None, None) => Tensor::zeros(shape, &tensor.device()),
         };
         Param::from_mapped_value(id, Tensor::from_inner(value), mapper)
     }
@@ -194,6 +197,28 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &Gr
     GradNorms { total, per_param }
 }
 
+/// Bytes of the weights of `model` and of the gradients in `grads` of its parameters (elements
+/// times their dtype's size).
+pub fn weight_and_grad_bytes<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &GradientsParams) -> (u64, u64) {
+    struct Count<'a> {
+        grads: &'a GradientsParams,
+        params: u64,
+        grads_bytes: u64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let v = param.val();
+            self.params += (v.dims().iter().product::<usize>() * v.dtype().size()) as u64;
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.grads_bytes += (g.dims().iter().product::<usize>() * g.dtype().size()) as u64;
+            }
+        }
+    }
+    let mut count = Count { grads, params: 0, grads_bytes: 0 };
+    model.visit(&mut count);
+    (count.params, count.grads_bytes)
+}
+
 struct SquareSum<'a, B: Backend> {
     parts: &'a mut Vec<Tensor<B, 1>>,
 }
@@ -228,37 +253,11 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
         let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;
         let require_grad = tensor.is_require_grad();
-        #[cfg(feature = "flex")]
-        let (tensor, grad) = match self.fused_step(id, tensor, grad) {
-            Ok(out) => {
-                let out = if require_grad { out.require_grad() } else { out };
-                return Param::from_mapped_value(id, out, mapper);
-            }
-            Err(back) => back,
-        };
-        let shape = tensor.dims();
-        let n: usize = shape.iter().product();
-        let mut p = tensor.inner().reshape([n]); // [n]
-        let g = if self.grad_scale != 1.0 { grad.reshape([n]).mul_scalar(self.grad_scale) } else { grad.reshape([n]) };
-        if D >= 2 && weight_decay > 0.0 {
-            p = p.mul_scalar(1.0 - self.lr * weight_decay);
-        }
-        let Moments { m, v } = self
-            .opt
-            .state
-            .remove(&id)
-            .unwrap_or_else(|| Moments { m: Tensor::zeros([n], &g.device()), v: Tensor::zeros([n], &g.device()) });
-        let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
-        let v = v.mul_scalar(beta2) + g.square().mul_scalar(1.0 - beta2);
-        let t = self.opt.step as i32;
-        let bc1 = 1.0 - beta1.powi(t);
-        let bc2 = 1.0 - beta2.powi(t);
-        let update = m.clone().div_scalar(bc1) / v.clone().div_scalar(bc2).sqrt().add_scalar(eps);
-        let p = p - update.mul_scalar(self.lr);
+        let moments = self.opt.state.remove(&id).map(|Moments { m, v }| (m, v));
+        let (p, m, v) = self.opt.update(tensor.inner(), grad, moments, D >= 2, self.lr, self.grad_scale);
         self.opt.state.insert(id, Moments { m, v });
-        let mut out = Tensor::from_inner(p.reshape(shape));
+        let mut out = Tensor::from_inner(p);
         if require_grad {
             out = out.require_grad();
         }
@@ -266,55 +265,97 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
     }
 }
 
-impl<B: AutodiffBackend> StepMapper<'_, B> {
-    /// The same update in one fused pass (flex backend); gives the tensors back where it does not
-    /// apply.
-    #[cfg(feature = "flex")]
-    #[allow(clippy::type_complexity)]
-    fn fused_step<const D: usize>(
-        &mut self,
-        id: ParamId,
-        tensor: Tensor<B, D>,
-        grad: Tensor<B::InnerBackend, D>,
-    ) -> std::result::Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B::InnerBackend, D>)> {
-        if !disagmoe_kernels::fused::cpu_available::<B::InnerBackend>() {
-            return Err((tensor, grad));
-        }
-        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.opt.settings;
-        let t = self.opt.step as i32;
-        let s = disagmoe_kernels::cpu::AdamWScalars {
-            grad_scale: self.grad_scale as f32,
-            beta1: beta1 as f32,
-            one_minus_beta1: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            bc1: (1.0 - beta1.powi(t)) as f32,
-            bc2: (1.0 - beta2.powi(t)) as f32,
-            eps: eps as f32,
-            lr: self.lr as f32,
-            decay: if D >= 2 && weight_decay > 0.0 { (1.0 - self.lr * weight_decay) as f32 } else { 1.0 },
-        };
-        let n: usize = tensor.dims().iter().product();
-        let f32s = tensor.dtype() == DType::F32 && grad.dtype() == DType::F32;
-        let moments_ok = self.opt.state.get(&id).is_none_or(|Moments { m, v }| {
-            m.dims() == [n] && v.dims() == [n] && m.dtype() == DType::F32 && v.dtype() == DType::F32
-        });
-        if !f32s || !moments_ok {
-            return Err((tensor, grad));
-        }
-        // Moved, not cloned: the update then runs in place in the parameter's and moments' buffers.
-        let moments = self.opt.state.remove(&id).map(|Moments { m, v }| (m, v));
-        let (p, m, v) = disagmoe_kernels::fused::adamw(tensor.inner(), grad, moments, s)
-            .expect("fused AdamW applies: backend, dtypes and shapes checked above");
-        self.opt.state.insert(id, Moments { m, v });
-        Ok(Tensor::from_inner(p))
-    }
-}
-
 impl<B: AutodiffBackend> AdamW<B> {
     /// A fresh optimizer.
     pub fn new(settings: AdamWSettings) -> Self {
         Self { settings, step: 0, state: HashMap::new() }
+    }
+
+    /// One AdamW update of the values `param` (any shape: a parameter, or the part of a flattened
+    /// parameter a distributed optimizer's shard holds) with gradient `grad` (multiplied by
+    /// `grad_scale` first) and moments `moments` (flattened; zeros when `None`), at the step
+    /// counter's current value; `matrix`: decayed. Returns the new values and moments. Elementwise,
+    /// so a part of a tensor gets the bits the whole would (fused on the CPU, Burn's operations
+    /// elsewhere).
+    #[allow(clippy::type_complexity)]
+    pub fn update<const D: usize>(
+        &self,
+        param: Tensor<B::InnerBackend, D>,
+        grad: Tensor<B::InnerBackend, D>,
+        moments: Option<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)>,
+        matrix: bool,
+        lr: f64,
+        grad_scale: f64,
+    ) -> (Tensor<B::InnerBackend, D>, Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
+        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.settings;
+        let t = self.step as i32;
+        let decay = matrix && weight_decay > 0.0;
+        #[cfg(feature = "flex")]
+        let (param, grad, moments) = {
+            let n: usize = param.dims().iter().product();
+            let f32s = param.dtype() == DType::F32 && grad.dtype() == DType::F32;
+            let moments_ok = moments.as_ref().is_none_or(|(m, v)| {
+                m.dims() == [n] && v.dims() == [n] && m.dtype() == DType::F32 && v.dtype() == DType::F32
+            });
+            if disagmoe_kernels::fused::cpu_available::<B::InnerBackend>() && f32s && moments_ok {
+                let s = disagmoe_kernels::cpu::AdamWScalars {
+                    grad_scale: grad_scale as f32,
+                    beta1: beta1 as f32,
+                    one_minus_beta1: (1.0 - beta1) as f32,
+                    beta2: beta2 as f32,
+                    one_minus_beta2: (1.0 - beta2) as f32,
+                    bc1: (1.0 - beta1.powi(t)) as f32,
+                    bc2: (1.0 - beta2.powi(t)) as f32,
+                    eps: eps as f32,
+                    lr: lr as f32,
+                    decay: if decay { (1.0 - lr * weight_decay) as f32 } else { 1.0 },
+                };
+                // Moved, not cloned: the update then runs in place in the parameter's and moments'
+                // buffers.
+                return disagmoe_kernels::fused::adamw(param, grad, moments, s)
+                    .expect("fused AdamW applies: backend, dtypes and shapes checked above");
+            }
+            (param, grad, moments)
+        };
+        let shape = param.dims();
+        let n: usize = shape.iter().product();
+        let mut p = param.reshape([n]);
+        let g = if grad_scale != 1.0 { grad.reshape([n]).mul_scalar(grad_scale) } else { grad.reshape([n]) };
+        if decay {
+            p = p.mul_scalar(1.0 - lr * weight_decay);
+        }
+        let (m, v) = moments.unwrap_or_else(|| (Tensor::zeros([n], &g.device()), Tensor::zeros([n], &g.device())));
+        let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
+        let v = v.mul_scalar(beta2) + g.square().mul_scalar(1.0 - beta2);
+        let bc1 = 1.0 - beta1.powi(t);
+        let bc2 = 1.0 - beta2.powi(t);
+        let update = m.clone().div_scalar(bc1) / v.clone().div_scalar(bc2).sqrt().add_scalar(eps);
+        let p = p - update.mul_scalar(lr);
+        (p.reshape(shape), m, v)
+    }
+
+    /// Takes out the moments of parameter `id` (flattened), when it has any.
+    #[allow(clippy::type_complexity)]
+    pub fn take_moments(&mut self, id: ParamId) -> Option<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)> {
+        self.state.remove(&id).map(|Moments { m, v }| (m, v))
+    }
+
+    /// Bytes of the moments this optimizer holds.
+    pub fn state_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor<B::InnerBackend, 1>| (t.dims()[0] * t.dtype().size()) as u64;
+        self.state.values().map(|Moments { m, v }| bytes(m) + bytes(v)).sum()
+    }
+
+    /// A copy of `module` whose parameters hold one of their moments: `full` gives those of the
+    /// parameters it names (flattened; a distributed optimizer's, gathered), this optimizer the
+    /// others (zeros for a parameter not updated yet).
+    pub fn moments_with<M: AutodiffModule<B>>(
+        &self,
+        module: M,
+        moment: Moment,
+        full: &HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    ) -> M {
+        module.map(&mut MomentsOf::<B> { state: &self.state, moment, full })
     }
 
     /// Steps taken so far.
@@ -330,7 +371,7 @@ impl<B: AutodiffBackend> AdamW<B> {
     /// A copy of `module` whose parameters hold one of their moments (zeros for a parameter not
     /// updated yet): saved like the module itself, with its names, shapes and sharding.
     pub fn moments_as<M: AutodiffModule<B>>(&self, module: M, moment: Moment) -> M {
-        module.map(&mut MomentsOf::<B> { state: &self.state, moment })
+        self.moments_with(module, moment, &HashMap::new())
     }
 
     /// Takes the moments of `module`'s parameters from `m` and `v`, modules of the same structure

@@ -19,8 +19,8 @@ use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
-use crate::optim::{grad_norm, poison_gradient, sum_of_squares, AdamW};
-use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
+use crate::optim::{grad_norm, poison_gradient, sum_of_squares, weight_and_grad_bytes, AdamW};
+use crate::trainer::{EngineInfo, FinalReport, StateBytes, StepEngine, StepReport, StepTiming};
 
 /// The whole model on one device.
 pub struct SingleDevice<B: AutodiffBackend> {
@@ -38,6 +38,8 @@ pub struct SingleDevice<B: AutodiffBackend> {
     save_dtype: SaveDtype,
     /// Testing: make one parameter's gradient NaN at one step.
     poison: Option<(usize, ParamId)>,
+    /// The most training state held at a step's end so far.
+    peak_state: StateBytes,
 }
 
 /// The model a run config asks for, freshly initialised from the run seed (every tensor drawn from
@@ -122,6 +124,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
             recompute: cfg.memory.recompute,
             save_dtype: cfg.save_dtype,
             poison,
+            peak_state: StateBytes::default(),
         })
     }
 
@@ -256,8 +259,11 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             } else {
                 1.0
             };
+            let (params, grad_bytes) = weight_and_grad_bytes(self.model(), &grads);
             let model = self.model.take().expect("model");
             let mut model = self.opt.step(model, &mut grads, lr, scale / loss_scale);
+            let now = StateBytes { params, grads: grad_bytes, optimizer: self.opt.state_bytes() };
+            self.peak_state = self.peak_state.max(now);
             if self.bias_update_rate > 0.0 {
                 model.update_router_biases(&sums.counts, self.bias_update_rate)?;
             }
@@ -299,6 +305,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         Ok(FinalReport {
             param_checksum: sum_of_squares(self.model()),
             peak_rss_mb_per_rank: vec![crate::metrics::peak_rss_mb()],
+            state_per_rank: vec![self.peak_state],
         })
     }
 }

@@ -177,6 +177,12 @@ pub struct ParallelOptions {
     /// Where the exchange's payloads live between workers: `auto` (on the device under transport
     /// `local` with one GPU device for every worker, else on the host), `host`, or `device`.
     pub exchange_payloads: ExchangePayloads,
+    /// Parameters several workers hold in copies (an attention group's data-parallel copies;
+    /// `ep`'s attention and ends) are updated in shards: gradients reduce-scattered, each copy
+    /// keeping AdamW's moments of its shard only, the updated weights all-gathered (Megatron-Core's
+    /// distributed optimizer). Default on; off all-reduces the gradients and every copy keeps every
+    /// moment.
+    pub distributed_optimizer: bool,
 }
 
 impl Default for ParallelOptions {
@@ -200,6 +206,7 @@ impl Default for ParallelOptions {
             exchange_dtype: None,
             exchange_grad_dtype: None,
             exchange_payloads: ExchangePayloads::Auto,
+            distributed_optimizer: true,
         }
     }
 }

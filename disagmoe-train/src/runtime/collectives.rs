@@ -14,6 +14,7 @@
 //! along the ring, and then copied to the others.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use super::msg::ReduceData;
 use super::transport::Pulse;
@@ -96,6 +97,82 @@ pub trait AllReduce {
     fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
     /// Sums f64 values over `group`.
     fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()>;
+    /// The part of `len` values that member `pos` of a group of `n` holds summed after
+    /// [`AllReduce::reduce_scatter_f32`] (and gives in [`AllReduce::all_gather_f32`]): the
+    /// members' parts are disjoint, contiguous and cover `0..len`.
+    fn shard(&self, n: usize, pos: usize, len: usize) -> Range<usize>;
+    /// The first half of an all-reduce: afterwards this member's [`AllReduce::shard`] of `data`
+    /// holds the sum over `group` (the rest of `data` is left undefined).
+    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
+    /// The second half: every member's shard of `data` reaches every other member.
+    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
+}
+
+/// The block layout of MPI's and NCCL's reduce-scatter: blocks of `ceil(len / n)` values in member
+/// order (the last ones shorter, or empty).
+pub fn block_shard(n: usize, pos: usize, len: usize) -> Range<usize> {
+    let b = len.div_ceil(n.max(1));
+    (pos * b).min(len)..((pos + 1) * b).min(len)
+}
+
+/// Which half of an all-reduce [`block_rounds`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockHalf {
+    /// Each call sends `n` blocks (member-major) and receives this member's block, summed.
+    ReduceScatter,
+    /// Each call sends this member's block and receives every member's, in member order.
+    AllGather,
+}
+
+/// A reduce-scatter or all-gather of `data` in the [`block_shard`] layout over `n` members (this
+/// one at `pos`) through a collective of equal blocks (`MPI_Reduce_scatter_block` and
+/// `MPI_Allgather`, NCCL's), in calls of at most [`max_chunk_elements`] values in all: `call(send,
+/// recv)` is one such call; every member makes the same calls (the layout is the same everywhere).
+/// Values past the end travel as zeros.
+pub fn block_rounds(
+    n: usize,
+    pos: usize,
+    data: &mut [f32],
+    half: BlockHalf,
+    mut call: impl FnMut(&[f32], &mut [f32]) -> Result<()>,
+) -> Result<()> {
+    let len = data.len();
+    let b = len.div_ceil(n.max(1));
+    let chunk = (max_chunk_elements(std::mem::size_of::<f32>()) / n.max(1)).max(1);
+    let mut k0 = 0;
+    while k0 < b {
+        let c = chunk.min(b - k0);
+        let at = |member: usize, j: usize| Some(member * b + k0 + j).filter(|&i| i < len);
+        match half {
+            BlockHalf::ReduceScatter => {
+                let mut send = vec![0f32; n * c];
+                for (k, x) in send.iter_mut().enumerate() {
+                    if let Some(i) = at(k / c, k % c) {
+                        *x = data[i];
+                    }
+                }
+                let mut recv = vec![0f32; c];
+                call(&send, &mut recv)?;
+                for (j, x) in recv.into_iter().enumerate() {
+                    if let Some(i) = at(pos, j) {
+                        data[i] = x;
+                    }
+                }
+            }
+            BlockHalf::AllGather => {
+                let send: Vec<f32> = (0..c).map(|j| at(pos, j).map_or(0.0, |i| data[i])).collect();
+                let mut recv = vec![0f32; n * c];
+                call(&send, &mut recv)?;
+                for (k, x) in recv.into_iter().enumerate() {
+                    if let Some(i) = at(k / c, k % c) {
+                        data[i] = x;
+                    }
+                }
+            }
+        }
+        k0 += c;
+    }
+    Ok(())
 }
 
 /// The ring all-reduce over the worker's port ([`ring_all_reduce`]): each of a group's
@@ -123,12 +200,22 @@ impl Ring {
     }
 
     fn sum<T: ReduceValues>(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [T]) -> Result<()> {
+        self.rounds(via, group, data, Half::Both)
+    }
+
+    fn rounds<T: ReduceValues>(
+        &mut self,
+        via: &mut dyn Transit,
+        group: &[usize],
+        data: &mut [T],
+        half: Half,
+    ) -> Result<()> {
         if group.len() <= 1 {
             return Ok(());
         }
         let op = self.next_op(group);
         let chunk = max_chunk_elements(std::mem::size_of::<T>());
-        ring_all_reduce(&mut Tagged { via, op }, group, self.me, data, chunk)
+        ring_rounds(&mut Tagged { via, op }, group, self.me, data, chunk, half)
     }
 }
 
@@ -138,6 +225,16 @@ impl AllReduce for Ring {
     }
     fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
         self.sum(via, group, data)
+    }
+    /// The piece the ring's reduce-scatter completes at a member: the one after its own.
+    fn shard(&self, n: usize, pos: usize, len: usize) -> Range<usize> {
+        piece(len, n, (pos + 1) % n)
+    }
+    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.rounds(via, group, data, Half::ReduceScatter)
+    }
+    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.rounds(via, group, data, Half::AllGather)
     }
 }
 
@@ -168,6 +265,17 @@ pub trait RingLink<T: Summable> {
     fn recv_chunk(&mut self, src: usize, seq: u64) -> Result<Vec<T>>;
 }
 
+/// The rounds of a ring all-reduce to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    /// Reduce-scatter then all-gather: the sum everywhere.
+    Both,
+    /// The first `n - 1` rounds: member `pos` ends with piece `pos + 1` summed.
+    ReduceScatter,
+    /// The last `n - 1` rounds: member `pos`'s piece `pos + 1` reaches everyone.
+    AllGather,
+}
+
 /// The `part`-th of `parts` contiguous pieces of `0..len` (sizes differ by at most one).
 fn piece(len: usize, parts: usize, part: usize) -> std::ops::Range<usize> {
     (part * len / parts)..((part + 1) * len / parts)
@@ -183,6 +291,18 @@ pub fn ring_all_reduce<T: Summable, L: RingLink<T>>(
     data: &mut [T],
     chunk: usize,
 ) -> Result<()> {
+    ring_rounds(link, group, me, data, chunk, Half::Both)
+}
+
+/// The rounds `half` of [`ring_all_reduce`]: both halves run apart give the same bits as the whole.
+pub fn ring_rounds<T: Summable, L: RingLink<T>>(
+    link: &mut L,
+    group: &[usize],
+    me: usize,
+    data: &mut [T],
+    chunk: usize,
+    half: Half,
+) -> Result<()> {
     let n = group.len();
     if n <= 1 || data.is_empty() {
         return Ok(());
@@ -194,7 +314,12 @@ pub fn ring_all_reduce<T: Summable, L: RingLink<T>>(
     // Chunk `c` of round `r` is message `r << 32 | c`: sender and receiver agree on it whatever
     // the pieces' sizes.
     let seq = |round: usize, c: usize| ((round as u64) << 32) | c as u64;
-    for round in 0..2 * (n - 1) {
+    let rounds = match half {
+        Half::Both => 0..2 * (n - 1),
+        Half::ReduceScatter => 0..n - 1,
+        Half::AllGather => n - 1..2 * (n - 1),
+    };
+    for round in rounds {
         // Reduce-scatter (rounds 0..n-1): after round s, piece (pos - s - 1) holds the sum of
         // s + 2 members; piece (pos + 1) is complete at the end. All-gather (rounds n-1..): the
         // complete pieces travel once around the ring.
@@ -263,6 +388,10 @@ mod tests {
     }
 
     fn run(n: usize, len: usize, chunk: usize) -> Vec<Vec<f32>> {
+        run_scaled(n, len, chunk, 0.5)
+    }
+
+    fn run_scaled(n: usize, len: usize, chunk: usize, scale: f32) -> Vec<Vec<f32>> {
         let (tx, rx): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
         let handles: Vec<_> = rx
             .into_iter()
@@ -271,7 +400,7 @@ mod tests {
                 let to = tx.clone();
                 std::thread::spawn(move || {
                     let mut link = Channels { me, to, inbox, held: HashMap::new() };
-                    let mut data: Vec<f32> = (0..len).map(|i| (me * 1000 + i) as f32 * 0.5).collect();
+                    let mut data: Vec<f32> = (0..len).map(|i| (me * 1000 + i) as f32 * scale).collect();
                     let group: Vec<usize> = (0..n).collect();
                     ring_all_reduce(&mut link, &group, me, &mut data, chunk).unwrap();
                     data
@@ -279,6 +408,125 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn run_halves(n: usize, len: usize, chunk: usize) -> Vec<Vec<f32>> {
+        let (tx, rx): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
+        let handles: Vec<_> = rx
+            .into_iter()
+            .enumerate()
+            .map(|(me, inbox)| {
+                let to = tx.clone();
+                std::thread::spawn(move || {
+                    let mut link = Channels { me, to, inbox, held: HashMap::new() };
+                    let mut data: Vec<f32> = (0..len).map(|i| (me * 1000 + i) as f32 * 0.37).collect();
+                    let group: Vec<usize> = (0..n).collect();
+                    ring_rounds(&mut link, &group, me, &mut data, chunk, Half::ReduceScatter).unwrap();
+                    // Only the shard is kept: the all-gather must not read the rest.
+                    let shard = Ring::new(me).shard(n, me, len);
+                    let mut kept = vec![f32::NAN; len];
+                    kept[shard.clone()].copy_from_slice(&data[shard]);
+                    ring_rounds(&mut link, &group, me, &mut kept, chunk, Half::AllGather).unwrap();
+                    kept
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn the_halves_apart_give_the_whole_ring_bits_and_shards_cover_the_values() {
+        for (n, len, chunk) in [(2, 10, 3), (3, 7, 1), (4, 1, 4), (4, 1000, 64), (5, 13, 1000), (3, 2, 1)] {
+            // Values whose sums round: the order of the additions shows in the bits.
+            let whole = run_scaled(n, len, chunk, 0.37);
+            let halves = run_halves(n, len, chunk);
+            assert_eq!(halves, whole, "n={n} len={len} chunk={chunk}: the halves give the whole's bits everywhere");
+            for ring in [true, false] {
+                let mut covered = vec![0; len];
+                for pos in 0..n {
+                    let s = if ring { Ring::new(0).shard(n, pos, len) } else { block_shard(n, pos, len) };
+                    s.for_each(|i| covered[i] += 1);
+                }
+                assert!(covered.iter().all(|&c| c == 1), "n={n} len={len}: {covered:?}");
+            }
+        }
+    }
+
+    /// Every member's calls of [`block_rounds`], run in lockstep by one thread that plays the
+    /// collective.
+    fn block_sum(n: usize, len: usize) -> Vec<Vec<f32>> {
+        let inputs: Vec<Vec<f32>> = (0..n).map(|m| (0..len).map(|i| (m * 100 + i) as f32).collect()).collect();
+        // Record each member's sends, then answer them as the collective would.
+        let sends: Vec<Vec<Vec<f32>>> = (0..n)
+            .map(|pos| {
+                let mut calls = Vec::new();
+                block_rounds(n, pos, &mut inputs[pos].clone(), BlockHalf::ReduceScatter, |send, _| {
+                    calls.push(send.to_vec());
+                    Ok(())
+                })
+                .unwrap();
+                calls
+            })
+            .collect();
+        let mut out: Vec<Vec<f32>> = inputs.clone();
+        for (pos, data) in out.iter_mut().enumerate() {
+            let mut k = 0;
+            block_rounds(n, pos, data, BlockHalf::ReduceScatter, |_, recv| {
+                let c = recv.len();
+                for (j, r) in recv.iter_mut().enumerate() {
+                    *r = (0..n).map(|m| sends[m][k][pos * c + j]).sum();
+                }
+                k += 1;
+                Ok(())
+            })
+            .unwrap();
+        }
+        // Keep the shards only, then gather them.
+        let kept: Vec<Vec<f32>> = (0..n)
+            .map(|pos| {
+                let s = block_shard(n, pos, len);
+                let mut v = vec![f32::NAN; len];
+                v[s.clone()].copy_from_slice(&out[pos][s]);
+                v
+            })
+            .collect();
+        let gsends: Vec<Vec<Vec<f32>>> = (0..n)
+            .map(|pos| {
+                let mut calls = Vec::new();
+                block_rounds(n, pos, &mut kept[pos].clone(), BlockHalf::AllGather, |send, _| {
+                    calls.push(send.to_vec());
+                    Ok(())
+                })
+                .unwrap();
+                calls
+            })
+            .collect();
+        (0..n)
+            .map(|pos| {
+                let mut data = kept[pos].clone();
+                let mut k = 0;
+                block_rounds(n, pos, &mut data, BlockHalf::AllGather, |_, recv| {
+                    let c = recv.len() / n;
+                    for (i, r) in recv.iter_mut().enumerate() {
+                        *r = gsends[i / c][k][i % c];
+                    }
+                    k += 1;
+                    Ok(())
+                })
+                .unwrap();
+                data
+            })
+            .collect()
+    }
+
+    #[test]
+    fn block_rounds_sum_and_gather_any_length() {
+        for (n, len) in [(2, 10), (3, 7), (4, 1), (4, 3), (5, 13), (2, 0)] {
+            let want: Vec<f32> = (0..len).map(|i| (0..n).map(|m| (m * 100 + i) as f32).sum()).collect();
+            for (pos, got) in block_sum(n, len).iter().enumerate() {
+                assert_eq!(got, &want, "n={n} len={len} member {pos}");
+            }
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::config::TransportKind;
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::{AdamW, Moment};
-use crate::trainer::{EngineInfo, FinalReport, StepEngine, StepReport};
+use crate::trainer::{EngineInfo, FinalReport, StateBytes, StepEngine, StepReport};
 
 /// What the engine reports about the model.
 pub(crate) struct RunFacts {
@@ -77,6 +77,7 @@ pub(crate) struct StartReport {
 pub(crate) struct FinalParts {
     pub(crate) checksum: f64,
     pub(crate) peak_rss_mb_per_rank: Vec<f64>,
+    pub(crate) state_per_rank: Vec<StateBytes>,
     pub(crate) traces: Vec<TraceEvent>,
 }
 
@@ -447,9 +448,10 @@ fn serve<B, A, R, X>(
             Command::Finish { out, traces } => {
                 let r = guarded(shared, &mut worker, |w| {
                     let config = &shared.hf_config;
-                    let (checksum, peak_rss_mb_per_rank) = w.finish(out.as_deref(), config, shared.cfg.save_dtype)?;
+                    let (checksum, peak_rss_mb_per_rank, state_per_rank) =
+                        w.finish(out.as_deref(), config, shared.cfg.save_dtype)?;
                     let traces = if traces { w.gather_traces()? } else { Vec::new() };
-                    Ok(FinalParts { checksum, peak_rss_mb_per_rank, traces })
+                    Ok(FinalParts { checksum, peak_rss_mb_per_rank, state_per_rank, traces })
                 });
                 (Reply::Finish(r), true)
             }
@@ -552,11 +554,12 @@ impl StepEngine for Distributed {
     fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {
         let (out, traces) = (out.map(Path::to_path_buf), self.trace.is_some());
         let replies = self.round(|| Command::Finish { out: out.clone(), traces })?;
-        let mut checksum = 0.0;
+        let (mut checksum, mut state_per_rank) = (0.0, Vec::new());
         for (rank, reply) in replies {
             let Reply::Finish(Ok(parts)) = reply else { unreachable!("every worker replied to the finish") };
             checksum = parts.checksum;
             self.peak_rss_mb_per_rank = parts.peak_rss_mb_per_rank;
+            state_per_rank = parts.state_per_rank;
             if rank == 0 {
                 if let Some(path) = &self.trace {
                     let names: Vec<String> = (0..self.layout.workers).map(|w| self.layout.worker_name(w)).collect();
@@ -574,6 +577,7 @@ impl StepEngine for Distributed {
         Ok(FinalReport {
             param_checksum: checksum,
             peak_rss_mb_per_rank: std::mem::take(&mut self.peak_rss_mb_per_rank),
+            state_per_rank,
         })
     }
 }

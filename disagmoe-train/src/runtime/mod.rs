@@ -136,6 +136,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         recompute: cfg.memory.recompute,
         exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
         device_payloads: false,
+        distributed_optimizer: cfg.parallel.distributed_optimizer,
     }
 }
 

@@ -37,7 +37,7 @@ use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::Root;
 
-use super::collectives::{max_chunk_elements, AllReduce, Transit};
+use super::collectives::{block_rounds, block_shard, max_chunk_elements, AllReduce, BlockHalf, Transit};
 use super::msg::{DeviceAlloc, DeviceBytes, DeviceTensor, Envelope, RemoteShape};
 use super::transport::rounds::{self, Outgoing, RoundWire};
 use super::transport::{receive_within, Beacon, Delivery, Endpoint};
@@ -376,16 +376,42 @@ impl NcclGroups {
         Ok(Self { rank, everyone, replicas })
     }
 
+    /// The communicator of `group`.
+    fn comm(&self, group: &[usize]) -> Result<&Comm> {
+        match &self.replicas {
+            Some((ranks, comm)) if ranks == group => Ok(comm),
+            _ if self.everyone.0 == group => Ok(&self.everyone.1),
+            _ => Err(nccl_error(self.rank, format!("no communicator for the group {group:?}"))),
+        }
+    }
+
+    /// `ncclReduceScatter` / `ncclAllGather` of host values through the device ([`block_rounds`]).
+    fn block_half(&self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
+        let comm = self.comm(group)?;
+        let err = |e: String| nccl_error(self.rank, e);
+        let stream = comm.stream();
+        block_rounds(group.len(), comm.rank(), data, half, |send, recv| {
+            let sbuf = stream.clone_htod(send).map_err(|e| err(format!("{e:?}")))?;
+            let mut rbuf = stream.alloc_zeros::<f32>(recv.len()).map_err(|e| err(format!("{e:?}")))?;
+            match half {
+                BlockHalf::ReduceScatter => comm
+                    .reduce_scatter(&sbuf, &mut rbuf, &cudarc::nccl::safe::ReduceOp::Sum)
+                    .map_err(|e| err(format!("reduce-scatter: {e:?}")))?,
+                BlockHalf::AllGather => {
+                    comm.all_gather(&sbuf, &mut rbuf).map_err(|e| err(format!("all-gather: {e:?}")))?
+                }
+            };
+            stream.memcpy_dtoh(&rbuf, recv).map_err(|e| err(format!("{e:?}")))?;
+            stream.synchronize().map_err(|e| err(format!("{e:?}")))
+        })
+    }
+
     /// Sums `data` over `group` in place.
     pub fn all_reduce<T>(&self, group: &[usize], data: &mut [T]) -> Result<()>
     where
         T: cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy,
     {
-        let comm = match &self.replicas {
-            Some((ranks, comm)) if ranks == group => comm,
-            _ if self.everyone.0 == group => &self.everyone.1,
-            _ => return Err(nccl_error(self.rank, format!("no communicator for the group {group:?}"))),
-        };
+        let comm = self.comm(group)?;
         let err = |e: String| nccl_error(self.rank, e);
         let stream = comm.stream();
         for part in data.chunks_mut(max_chunk_elements(std::mem::size_of::<T>())) {
@@ -407,5 +433,18 @@ impl AllReduce for NcclGroups {
     }
     fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
         via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
+    }
+    fn shard(&self, n: usize, pos: usize, len: usize) -> std::ops::Range<usize> {
+        block_shard(n, pos, len)
+    }
+    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().in_collective(format!("a reduce-scatter over workers {group:?}"), || {
+            self.block_half(group, data, BlockHalf::ReduceScatter)
+        })
+    }
+    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().in_collective(format!("an all-gather over workers {group:?}"), || {
+            self.block_half(group, data, BlockHalf::AllGather)
+        })
     }
 }

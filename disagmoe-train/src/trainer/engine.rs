@@ -125,4 +125,36 @@ pub struct FinalReport {
     /// Peak resident memory of the process of each worker, MB, by rank (under `local` every worker
     /// is a thread of the one process, and each reports it).
     pub peak_rss_mb_per_rank: Vec<f64>,
+    /// The most training state each worker held at the end of a step, by rank.
+    pub state_per_rank: Vec<StateBytes>,
+}
+
+/// Bytes of training state a worker holds, counted from its live tensors (their elements times
+/// their dtype's size): parameters, gradients, optimizer moments. Activations, messages and
+/// buffers of the collectives are not in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StateBytes {
+    /// The weights.
+    pub params: u64,
+    /// The step's gradients (summed over its micro-batches), before any reduction.
+    pub grads: u64,
+    /// AdamW's moments (of its shard only for parameters held in copies, with the distributed
+    /// optimizer).
+    pub optimizer: u64,
+}
+
+impl StateBytes {
+    /// All of it.
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+
+    /// The larger of two by total.
+    pub fn max(self, other: Self) -> Self {
+        if other.total() > self.total() {
+            other
+        } else {
+            self
+        }
+    }
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-pub use self::engine::{EngineInfo, FinalReport, StepEngine, StepReport, StepTiming};
+pub use self::engine::{EngineInfo, FinalReport, StateBytes, StepEngine, StepReport, StepTiming};
 use self::report::{step_metrics, Progress};
 pub use self::report::{throughput, TrainSummary};
 use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSettings, TrainState};
@@ -205,7 +205,7 @@ pub fn run(
     progress.finish();
     let train_s = start.elapsed().as_secs_f64();
     let final_dir = cfg.out.as_ref().map(|d| d.join("final"));
-    let FinalReport { param_checksum, peak_rss_mb_per_rank } = engine.finish(final_dir.as_deref())?;
+    let FinalReport { param_checksum, peak_rss_mb_per_rank, state_per_rank } = engine.finish(final_dir.as_deref())?;
     if let (Some(dir), true) = (&final_dir, info.primary) {
         copy_tokenizer(cfg, dir)?;
     }
@@ -214,7 +214,11 @@ pub fn run(
         for (rank, name) in info.worker_names.iter().enumerate() {
             let params = info.params_per_rank.get(rank).copied().unwrap_or(0);
             let rss = peak_rss_mb_per_rank.get(rank).copied().unwrap_or(0.0);
-            eprintln!("{name}: {:.2}M parameters, peak RSS {rss:.0} MB", params as f64 / 1e6);
+            let state = state_per_rank.get(rank).map_or(0.0, |s| s.total() as f64 / 1e6);
+            eprintln!(
+                "{name}: {:.2}M parameters, {state:.1} MB of weights, gradients and optimizer state, peak RSS {rss:.0} MB",
+                params as f64 / 1e6
+            );
         }
     }
     let steps_run = done + 1 - first_step;
@@ -234,6 +238,8 @@ pub fn run(
         params: info.params,
         params_per_rank: info.params_per_rank.clone(),
         peak_rss_mb_per_rank,
+        state_bytes_per_rank: state_per_rank.iter().map(StateBytes::total).collect(),
+        state_per_rank,
         train_s,
         param_checksum,
         kernels: Default::default(),

@@ -53,6 +53,13 @@ pub struct TrainSummary {
     /// Peak resident memory of each worker's process, MB, by rank (each process measures its own;
     /// under `local` the workers share one process and report it).
     pub peak_rss_mb_per_rank: Vec<f64>,
+    /// Bytes of parameters, gradients and optimizer state each worker held at most (at a step's
+    /// end), by rank, counted from its live tensors ([`crate::trainer::StateBytes`]).
+    #[serde(default)]
+    pub state_bytes_per_rank: Vec<u64>,
+    /// The same, by kind.
+    #[serde(default)]
+    pub state_per_rank: Vec<crate::trainer::StateBytes>,
     /// Wall time of the training loop in seconds.
     pub train_s: f64,
     /// Which implementation each family of operations ran in this process (`attention`,

@@ -14,6 +14,7 @@ mod autodiff;
 mod comm;
 mod payload;
 mod persist;
+mod sharded;
 mod step_end;
 mod tasks;
 
@@ -33,6 +34,7 @@ use disagmoe_models::{AuxLoss, Recompute, TrainModule};
 use self::comm::Comm;
 #[cfg(feature = "mpi")]
 pub(crate) use self::payload::device_alloc;
+use self::sharded::Sharded;
 use self::step_end::StepStats;
 use self::tasks::{AttnSaved, FfnSaved};
 use super::collectives::AllReduce;
@@ -46,7 +48,7 @@ use super::transport::{now_us, Port};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::optim::AdamW;
-use crate::trainer::StepReport;
+use crate::trainer::{StateBytes, StepReport};
 
 /// Message tags of evaluation passes start here (training steps count from 1), so that an
 /// evaluation's messages never mix with a step's.
@@ -102,6 +104,8 @@ pub struct StepSettings {
     /// The exchange's payloads stay tensors on the device that computed them (workers of one
     /// process on one device), instead of host data.
     pub device_payloads: bool,
+    /// Parameters held in copies are updated in shards ([`sharded`]).
+    pub distributed_optimizer: bool,
 }
 
 /// A worker and its state within a step.
@@ -119,6 +123,10 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     ffn_index: HashMap<usize, usize>,
     rope: (Tensor<B, 4>, Tensor<B, 4>),
     opt: AdamW<B>,
+    /// The distributed optimizer's shard, for a worker with copies when it is on.
+    sharded: Option<Sharded<B::InnerBackend>>,
+    /// The most training state held at a step's end so far.
+    peak_state: StateBytes,
     /// Checkpoint name of each parameter this worker holds.
     names: HashMap<ParamId, String>,
     /// Checkpoint name of a layer's feed-forward module.
@@ -164,10 +172,17 @@ where
         rope: (Tensor<B, 4>, Tensor<B, 4>),
         device: B::Device,
         trace: bool,
-        opt: AdamW<B>,
+        mut opt: AdamW<B>,
     ) -> Self {
         let comm = Comm::new(port, layout.workers, settings.timeout, trace, settings.exchange);
         let rank = comm.rank;
+        let replicas = layout.replicas(rank);
+        let sharded = (settings.distributed_optimizer && replicas.len() > 1).then(|| {
+            let (n, pos) = (replicas.len(), replicas.iter().position(|&r| r == rank).expect("a copy of itself"));
+            let mut s = Sharded::new(replicas.clone(), &part, |len| reducer.shard(n, pos, len));
+            s.take_moments_from(&mut opt);
+            s
+        });
         let names = part.names(&layout, rank, ffn_name);
         let attn_index = layout.attn_layers(rank).into_iter().enumerate().map(|(i, l)| (l, i)).collect();
         let ffn_index = layout.ffn_layers(rank).into_iter().enumerate().map(|(i, (l, _))| (l, i)).collect();
@@ -182,6 +197,8 @@ where
             ffn_index,
             rope,
             opt,
+            sharded,
+            peak_state: StateBytes::default(),
             names,
             ffn_name,
             rows: HashMap::new(),

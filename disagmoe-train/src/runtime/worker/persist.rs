@@ -18,6 +18,7 @@ use crate::optim::{sum_of_squares, Moment};
 use crate::runtime::msg::{Msg, ShardReport};
 use crate::runtime::shards::{write_index, write_shards};
 use crate::runtime::trace::TraceEvent;
+use crate::trainer::StateBytes;
 
 /// The `i`-th report of every worker's [`Msg::Shards`] (the model's files, then each moment's).
 fn nth_reports(gathered: &[Msg], i: usize) -> Vec<ShardReport> {
@@ -54,16 +55,16 @@ where
         Ok((v[..workers].iter().map(|&x| x as usize).collect(), v[workers] as usize))
     }
 
-    /// The end of the run: the sum of squares of every parameter (each once) and each worker's peak
-    /// resident memory, the same on every worker; with `out`, the model written there by every
-    /// worker ([`crate::runtime::shards`]) in `dtype`, rank 0 writing `config.json` and the index
-    /// last.
+    /// The end of the run: the sum of squares of every parameter (each once), each worker's peak
+    /// resident memory and the most training state it held, the same on every worker; with `out`,
+    /// the model written there by every worker ([`crate::runtime::shards`]) in `dtype`, rank 0
+    /// writing `config.json` and the index last.
     pub fn finish(
         &mut self,
         out: Option<&Path>,
         config: &serde_json::Value,
         dtype: SaveDtype,
-    ) -> Result<(f64, Vec<f64>)> {
+    ) -> Result<(f64, Vec<f64>, Vec<StateBytes>)> {
         let rank = self.rank();
         self.comm.working_on("writing the final model".into());
         let part = self.part();
@@ -82,11 +83,23 @@ where
             }
         }
         let workers = self.layout.workers;
-        let mut v = vec![0f64; workers + 1];
+        // The checksum, then per rank its peak RSS and its state bytes by kind (exact in f64 up
+        // to 2^53 bytes).
+        let mut v = vec![0f64; 1 + 4 * workers];
         v[0] = own;
-        v[1 + rank] = crate::metrics::peak_rss_mb();
+        let s = self.peak_state;
+        v[1 + 4 * rank..5 + 4 * rank].copy_from_slice(&[
+            crate::metrics::peak_rss_mb(),
+            s.params as f64,
+            s.grads as f64,
+            s.optimizer as f64,
+        ]);
         self.all_reduce(&self.everyone(), &mut v)?;
-        Ok((v[0], v[1..].to_vec()))
+        let per_rank = v[1..].chunks(4);
+        let rss = per_rank.clone().map(|c| c[0]).collect();
+        let state =
+            per_rank.map(|c| StateBytes { params: c[1] as u64, grads: c[2] as u64, optimizer: c[3] as u64 }).collect();
+        Ok((v[0], rss, state))
     }
 
     /// Writes a training checkpoint of the state after `state.step` into `dir` without gathering
@@ -118,12 +131,22 @@ where
         // Phase 1: every worker's files, each synced.
         let partial = checkpoint::partial_dir(dir, step);
         let experts = self.layout.experts;
+        // The distributed optimizer's moments, gathered whole (every copy takes part; the first
+        // writes them).
+        let mut whole = Vec::new();
+        for moment in Moment::BOTH {
+            let Some(sharded) = &self.sharded else { break };
+            let (group, mut data) = (sharded.group.clone(), sharded.moment_shard(moment));
+            self.all_gather(&group, &mut data)?;
+            whole.push(self.sharded.as_ref().expect("sharded").split(&data, &self.device));
+        }
         let part = self.part();
         let mut reports =
             vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts, F32)?];
         hook(CheckpointMoment::Writing);
-        for moment in Moment::BOTH {
-            let moments = self.opt.moments_as(part.clone(), moment);
+        for (i, moment) in Moment::BOTH.into_iter().enumerate() {
+            let none = std::collections::HashMap::new();
+            let moments = self.opt.moments_with(part.clone(), moment, whole.get(i).unwrap_or(&none));
             let parts = moments.counted_once(&self.layout, rank, self.ffn_name);
             reports.push(write_shards(&checkpoint::moment_dir(&partial, moment), rank, &parts, experts, F32)?);
         }

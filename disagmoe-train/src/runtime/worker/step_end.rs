@@ -14,13 +14,15 @@ use disagmoe_models::TrainModule;
 
 use super::autodiff::{Flatten, Restore, ZeroFill};
 use super::comm::StepMeters;
+use super::sharded::ShardGrads;
 use super::{Worker, WorkerPart};
 use crate::error::{Result, TrainError};
 use crate::metrics::ExchangeBytes;
-use crate::optim::{grad_norm, poison_gradient};
+use crate::optim::{grad_norm, poison_gradient, weight_and_grad_bytes};
 use crate::runtime::collectives::ReduceValues;
 use crate::runtime::trace::COMPUTE;
 use crate::runtime::transport::now_us;
+use crate::trainer::StateBytes;
 use crate::trainer::{StepReport, StepTiming};
 
 /// The losses of a step's micro-batches, summed (divided by the micro-batches at the end).
@@ -136,6 +138,21 @@ where
         T::sum_with(self.reducer.as_mut(), &mut self.comm, group, data)
     }
 
+    /// The first half of [`Self::all_reduce`] over this worker's copies: its shard of `data` holds
+    /// the sum (see [`super::sharded`]).
+    fn reduce_scatter(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+        let n = group.len();
+        self.comm.meters.bytes_sent += ((n - 1) * data.len() * 4 / n) as u64;
+        self.reducer.reduce_scatter_f32(&mut self.comm, group, data)
+    }
+
+    /// The second half: every copy's shard of `data` reaches the others.
+    pub(super) fn all_gather(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+        let n = group.len();
+        self.comm.meters.bytes_sent += ((n - 1) * data.len() * 4 / n) as u64;
+        self.reducer.all_gather_f32(&mut self.comm, group, data)
+    }
+
     /// The global sums of this worker's step: squared gradient norm, losses, the step's waits,
     /// compute, link time and bytes since `start` (the final reduction is the step's barrier and
     /// is not counted), the stop request, and the expert load of every MoE layer.
@@ -228,9 +245,30 @@ where
         let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
         routed.sort_unstable();
         let e = self.layout.experts;
+        let (param_bytes, grad_bytes) = if update { weight_and_grad_bytes(self.part(), &grads) } else { (0, 0) };
         // 1. Copies of the attention side add their gradients and their routers' expert counts
-        //    (not for an evaluation: nothing is updated).
-        if replicas.len() > 1 && update {
+        //    (not for an evaluation: nothing is updated). With the distributed optimizer, the
+        //    gradients are reduce-scattered and which of them exist travels with the counts.
+        let mut shard = None;
+        if let (Some(sharded), true) = (&self.sharded, update) {
+            let part = self.part.as_ref().expect("part");
+            let (mut data, mut small) = sharded.flatten(&mut grads, part);
+            let params = sharded.count();
+            for l in &routed {
+                let c = self.stats.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
+                small.extend(c.iter().map(|&x| x as f32));
+            }
+            self.all_reduce(&replicas, &mut small)?;
+            self.reduce_scatter(&replicas, &mut data)?;
+            let mut pos = params;
+            for l in &routed {
+                if self.stats.counts.contains_key(l) || small[pos..pos + e].iter().any(|&x| x > 0.0) {
+                    self.stats.counts.insert(*l, small[pos..pos + e].iter().map(|&x| x.round() as usize).collect());
+                }
+                pos += e;
+            }
+            shard = Some(ShardGrads { data, present: small[..params].iter().map(|&x| x > 0.0).collect() });
+        } else if replicas.len() > 1 && update {
             // f32 gradients with a presence flag per parameter, then the routers' counts.
             let part = self.part.as_ref().expect("part");
             let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
@@ -263,15 +301,22 @@ where
         }
         // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
         let mut norms = vec![grad_norm::<B, _>(&part.experts, &grads)];
-        if replicas.first() == Some(&rank) {
+        if replicas.first() == Some(&rank) && shard.is_none() {
             norms.push(grad_norm::<B, _>(&part.ends, &grads));
             norms.push(grad_norm::<B, _>(&part.attention, &grads));
         }
-        let sq: f64 = norms.iter().map(|n| n.total.powi(2)).sum();
+        // With the distributed optimizer each copy adds the squares of its shard.
+        let (shard_sq, shard_bad) = match (&self.sharded, &shard) {
+            (Some(s), Some(g)) => s.squares(g),
+            _ => (0.0, None),
+        };
+        let sq: f64 = norms.iter().map(|n| n.total.powi(2)).sum::<f64>() + shard_sq;
         // The first tensor of this worker whose gradient is not finite, for the error message.
         let bad = (norms.iter().flat_map(|n| n.per_param.iter()))
             .find(|(_, v)| !v.is_finite())
-            .and_then(|(id, _)| self.names.get(id).cloned());
+            .map(|(id, _)| *id)
+            .or(shard_bad)
+            .and_then(|id| self.names.get(&id).cloned());
         let sparse: Vec<usize> = (0..self.layout.layers).filter(|&l| self.layout.sparse[l]).collect();
         let mut sums = self.my_sums(sq, start, stop, &sparse).into_vec();
         self.all_reduce(&self.everyone(), &mut sums)?;
@@ -322,6 +367,14 @@ where
             };
             let part = self.part.take().expect("part");
             let mut part = self.opt.step(part, &mut grads, lr, scale / self.loss_scale);
+            if let (Some(sharded), Some(g)) = (self.sharded.as_mut(), shard.as_mut()) {
+                sharded.update_shard(g, &self.opt, lr, scale / self.loss_scale, &part);
+                self.part = Some(part);
+                let group = sharded.group.clone();
+                self.all_gather(&group, &mut g.data)?;
+                let sharded = self.sharded.as_ref().expect("sharded");
+                part = sharded.load(g, self.part.take().expect("part"));
+            }
             if self.settings.bias_update_rate > 0.0 {
                 for l in &routed {
                     if let (Some(c), Some(router)) =
@@ -332,6 +385,14 @@ where
                 }
             }
             self.part = Some(part);
+        }
+        if update {
+            let now = StateBytes {
+                params: param_bytes,
+                grads: grad_bytes,
+                optimizer: self.opt.state_bytes() + self.sharded.as_ref().map_or(0, |s| s.state_bytes()),
+            };
+            self.peak_state = self.peak_state.max(now);
         }
         self.stats = StepStats::default();
         self.comm.tracer.span(|| "all-reduce + optimizer".into(), "optimizer", COMPUTE, t0, now_us());
