@@ -85,6 +85,11 @@ pub struct TrainArgs {
     /// Clip the global gradient norm (0: off) [default: 1.0].
     #[arg(long)]
     pub grad_clip: Option<f64>,
+    /// What AdamW's moments are kept in: f32, or bf16 (half their bytes; each update computes in
+    /// f32) [default: f32]. A resume keeps the checkpoint's unless --allow-change
+    /// optimizer_state_dtype.
+    #[arg(long, value_name = "f32|bf16")]
+    pub optimizer_state_dtype: Option<disagmoe_train::config::StateDtype>,
     /// Seed of initialisation and data order [default: 42].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -120,7 +125,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N")]
     pub stop_after: Option<usize>,
     /// Resume even though this setting differs from the checkpoint's run: seed, seq, batch, data,
-    /// steps (to extend a run), schedule (lr, min-lr, warmup, weight decay, grad clip); repeatable.
+    /// steps (to extend a run), schedule (lr, min-lr, warmup, weight decay, grad clip),
+    /// optimizer_state_dtype; repeatable.
     /// The placement and worker counts may always change (the checkpoint is resharded).
     #[arg(long, value_name = "SETTING")]
     pub allow_change: Vec<String>,
@@ -324,6 +330,9 @@ impl TrainArgs {
         }
         if let Some(p) = self.exchange_payloads {
             cfg.parallel.exchange_payloads = p;
+        }
+        if let Some(d) = self.optimizer_state_dtype {
+            cfg.optimizer.state_dtype = d;
         }
         if let Some(d) = self.distributed_optimizer {
             cfg.parallel.distributed_optimizer = d == Switch::On;

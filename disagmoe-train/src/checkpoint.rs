@@ -148,10 +148,13 @@ pub struct RunSettings {
     /// Micro-batches per step (a change is reported, not refused: the balance loss is per
     /// micro-batch, so it changes the objective slightly).
     pub micro_batches: usize,
+    /// `--optimizer-state-dtype` (checkpoints from before it kept f32 moments).
+    #[serde(default)]
+    pub optimizer_state_dtype: crate::config::StateDtype,
 }
 
 /// Settings a resume may change on request, as `--allow-change` takes them.
-pub const CHANGEABLE: &[&str] = &["seed", "seq", "batch", "data", "steps", "schedule"];
+pub const CHANGEABLE: &[&str] = &["seed", "seq", "batch", "data", "steps", "schedule", "optimizer_state_dtype"];
 
 impl RunSettings {
     /// The settings of `cfg` (its model resolved without building it).
@@ -180,6 +183,7 @@ impl RunSettings {
             grad_clip: o.grad_clip,
             model: serde_json::json!({"model_type": model.model_type(), "shape": shape}),
             micro_batches: cfg.micro_batches(),
+            optimizer_state_dtype: o.state_dtype,
         })
     }
 
@@ -203,6 +207,14 @@ impl RunSettings {
             ("schedule", "--weight-decay", show(&self.weight_decay), show(&now.weight_decay)),
             ("schedule", "beta1/beta2/eps", format!("{:?}", self.betas_eps), format!("{:?}", now.betas_eps)),
             ("schedule", "--grad-clip", show(&self.grad_clip), show(&now.grad_clip)),
+            // Moments rounded to bf16, or bf16 moments continued in f32: not the run the
+            // checkpoint was part of.
+            (
+                "optimizer_state_dtype",
+                "--optimizer-state-dtype",
+                self.optimizer_state_dtype.name().into(),
+                now.optimizer_state_dtype.name().into(),
+            ),
         ];
         // A warm-up left at its default follows --steps: with the steps change allowed, it changes
         // with them (reported) rather than counting as a schedule change.
@@ -617,6 +629,7 @@ mod tests {
             grad_clip: 1.0,
             model: serde_json::json!({"model_type": "qwen3_moe", "shape": {"layers": 2}}),
             micro_batches: 4,
+            optimizer_state_dtype: crate::config::StateDtype::F32,
         }
     }
 

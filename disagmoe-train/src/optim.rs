@@ -50,6 +50,8 @@ pub struct AdamWSettings {
     pub eps: f64,
     /// Decoupled weight decay (matrices only).
     pub weight_decay: f64,
+    /// The moments are kept in bf16 (read into f32 for each update, rounded back after it).
+    pub bf16_moments: bool,
 }
 
 struct Moments<B: Backend> {
@@ -92,14 +94,23 @@ impl<B: AutodiffBackend> ModuleMapper<B> for MomentsOf<'_, B> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.dims();
         let value = match (self.full.get(&id), self.state.get(&id)) {
-            (Some(t), _) => t.clone().reshape(shape),
+            (Some(t), _) => to_f32(t.clone()).reshape(shape),
             (None, Some(Moments { m, v })) => {
                 let t = if self.moment == Moment::First { m } else { v };
-                t.clone().reshape(shape)
+                to_f32(t.clone()).reshape(shape)
             }
             (None, None) => Tensor::zeros(shape, &tensor.device()),
         };
         Param::from_mapped_value(id, Tensor::from_inner(value), mapper)
+    }
+}
+
+/// `t` in f32 (itself when it is).
+fn to_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if t.dtype() == burn::tensor::DType::F32 {
+        t
+    } else {
+        t.cast(burn::tensor::DType::F32)
     }
 }
 
@@ -287,9 +298,12 @@ impl<B: AutodiffBackend> AdamW<B> {
         lr: f64,
         grad_scale: f64,
     ) -> (Tensor<B::InnerBackend, D>, Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
-        let AdamWSettings { beta1, beta2, eps, weight_decay } = self.settings;
+        let AdamWSettings { beta1, beta2, eps, weight_decay, bf16_moments } = self.settings;
         let t = self.step as i32;
         let decay = matrix && weight_decay > 0.0;
+        // bf16 moments are computed with in f32 and kept in bf16.
+        let moments = moments.map(|(m, v)| (to_f32(m), to_f32(v)));
+        let keep = |t: Tensor<B::InnerBackend, 1>| if bf16_moments { t.cast(burn::tensor::DType::BF16) } else { t };
         #[cfg(feature = "flex")]
         let (param, grad, moments) = {
             let n: usize = param.dims().iter().product();
@@ -312,8 +326,9 @@ impl<B: AutodiffBackend> AdamW<B> {
                 };
                 // Moved, not cloned: the update then runs in place in the parameter's and moments'
                 // buffers.
-                return disagmoe_kernels::fused::adamw(param, grad, moments, s)
+                let (p, m, v) = disagmoe_kernels::fused::adamw(param, grad, moments, s)
                     .expect("fused AdamW applies: backend, dtypes and shapes checked above");
+                return (p, keep(m), keep(v));
             }
             (param, grad, moments)
         };
@@ -331,7 +346,16 @@ impl<B: AutodiffBackend> AdamW<B> {
         let bc2 = 1.0 - beta2.powi(t);
         let update = m.clone().div_scalar(bc1) / v.clone().div_scalar(bc2).sqrt().add_scalar(eps);
         let p = p - update.mul_scalar(lr);
-        (p.reshape(shape), m, v)
+        (p.reshape(shape), keep(m), keep(v))
+    }
+
+    /// A moment as this optimizer keeps it (bf16 when asked, else as given).
+    fn kept(&self, t: Tensor<B::InnerBackend, 1>) -> Tensor<B::InnerBackend, 1> {
+        if self.settings.bf16_moments {
+            t.cast(burn::tensor::DType::BF16)
+        } else {
+            t
+        }
     }
 
     /// Takes out the moments of parameter `id` (flattened), when it has any.
@@ -406,7 +430,7 @@ impl<B: AutodiffBackend> AdamW<B> {
                     format!("a moment of the checkpoint has {:?} values, its parameter {:?}", m.dims(), p.dims()),
                 ));
             }
-            self.state.insert(id, Moments { m, v });
+            self.state.insert(id, Moments { m: self.kept(m), v: self.kept(v) });
         }
         Ok(())
     }
@@ -431,8 +455,8 @@ impl<B: AutodiffBackend> AdamW<B> {
             self.state.insert(
                 *id,
                 Moments {
-                    m: Tensor::from_data(TensorData::new(m, [nm]), device),
-                    v: Tensor::from_data(TensorData::new(v, [nv]), device),
+                    m: self.kept(Tensor::from_data(TensorData::new(m, [nm]), device)),
+                    v: self.kept(Tensor::from_data(TensorData::new(v, [nv]), device)),
                 },
             );
         }
@@ -478,7 +502,13 @@ mod tests {
         let expected_norm = (1.0f64 + 1.0 + 4.0 + 0.25 + 9.0 + 9.0).sqrt();
         assert!((norms.total - expected_norm).abs() < 1e-5);
         let (lr, wd) = (0.1, 0.5);
-        let mut opt = AdamW::<TB>::new(AdamWSettings { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd });
+        let mut opt = AdamW::<TB>::new(AdamWSettings {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: wd,
+            bf16_moments: false,
+        });
         let m = opt.step(m, &mut grads, lr, 1.0);
         let w: Vec<f32> = m.w.val().into_data().to_vec().unwrap();
         let signs = [1.0f32, -1.0, 1.0, -1.0];

@@ -5,7 +5,7 @@
 //! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `save_dtype`, `log_every`, `progress` |
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
-//! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip` |
+//! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
@@ -40,7 +40,7 @@ pub use self::data::DataOptions;
 pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPlan, WorkerFault};
 pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
-pub use self::optimizer::OptimizerOptions;
+pub use self::optimizer::{OptimizerOptions, StateDtype};
 pub use self::parallel::{
     AllocationMode, ExchangeDtype, ExchangePayloads, ExchangePrecision, ParallelOptions, Placement, TransportKind,
 };
@@ -143,6 +143,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("beta2", "beta2"),
             ("eps", "eps"),
             ("grad_clip", "grad_clip"),
+            ("optimizer_state_dtype", "state_dtype"),
         ],
     ),
     (

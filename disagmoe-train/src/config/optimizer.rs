@@ -25,6 +25,43 @@ pub struct OptimizerOptions {
     pub eps: f64,
     /// Clip the global gradient norm to this (0 turns clipping off).
     pub grad_clip: f64,
+    /// What AdamW's two moments are kept in: `f32`, or `bf16` (half their bytes; each update
+    /// reads them into f32, computes in f32 and rounds them back, as Megatron-Core's
+    /// precision-aware optimizer does). A resume keeps the checkpoint's unless
+    /// `--allow-change optimizer_state_dtype`.
+    pub state_dtype: StateDtype,
+}
+
+/// The dtype of AdamW's moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StateDtype {
+    /// 4 bytes per value.
+    #[default]
+    F32,
+    /// 2 bytes per value.
+    Bf16,
+}
+
+impl std::str::FromStr for StateDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown optimizer state dtype {s:?} (allowed: f32, bf16)")),
+        }
+    }
+}
+
+impl StateDtype {
+    /// Its name in options and `state.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
 }
 
 impl Default for OptimizerOptions {
@@ -38,6 +75,7 @@ impl Default for OptimizerOptions {
             beta2: 0.95,
             eps: 1e-8,
             grad_clip: 1.0,
+            state_dtype: StateDtype::F32,
         }
     }
 }
@@ -82,7 +120,13 @@ impl OptimizerOptions {
 
     /// The AdamW hyper-parameters.
     pub fn adamw(&self) -> AdamWSettings {
-        AdamWSettings { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay }
+        AdamWSettings {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            bf16_moments: self.state_dtype == StateDtype::Bf16,
+        }
     }
 
     /// The learning-rate schedule of a run of `steps` steps.
