@@ -103,6 +103,15 @@ pub struct AllocationProblem {
     shortfall: [Option<Shortfall>; 2],
 }
 
+/// The smaller of two footprints (without and with recomputation).
+fn smaller([a, b]: [crate::cost::MemoryParts; 2]) -> crate::cost::MemoryParts {
+    if b.total() < a.total() {
+        b
+    } else {
+        a
+    }
+}
+
 /// The smallest footprint of one side that did not fit.
 #[derive(Debug, Clone, Copy)]
 struct Shortfall {
@@ -200,11 +209,7 @@ impl AllocationProblem {
                 v
             };
             for a in group_sizes(node, per_group.saturating_sub(1)) {
-                let need = [false, true]
-                    .map(|rc| cost.attention_memory_parts(p, a, in_flight, rc))
-                    .into_iter()
-                    .min_by(|x, y| x.total().total_cmp(&y.total()))
-                    .expect("two");
+                let need = smaller([false, true].map(|rc| cost.attention_memory_parts(p, a, in_flight, rc)));
                 let mem = need.total();
                 if mem > usable {
                     note(0, need, p, a);
@@ -248,11 +253,7 @@ impl AllocationProblem {
                 if f > m.moe.experts {
                     continue;
                 }
-                let need = [false, true]
-                    .map(|rc| cost.ffn_memory_parts(p, f, in_flight, rc))
-                    .into_iter()
-                    .min_by(|x, y| x.total().total_cmp(&y.total()))
-                    .expect("two");
+                let need = smaller([false, true].map(|rc| cost.ffn_memory_parts(p, f, in_flight, rc)));
                 let mem = need.total();
                 if mem > usable {
                     note(1, need, p, f);

@@ -108,6 +108,40 @@ pub trait AllReduce {
     fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
 }
 
+/// A reducer built on a library's collectives over host values (MPI's, NCCL's): each call blocks on
+/// the group's other members, so the worker is marked as waiting inside it (its watchdog bounds the
+/// wait, see [`Pulse`]); its reduce-scatter and all-gather use the [`block_shard`] layout.
+pub trait LibraryCollectives {
+    /// Sums f32 values over `group` in place.
+    fn all_reduce_f32(&mut self, group: &[usize], data: &mut [f32]) -> Result<()>;
+    /// Sums f64 values over `group` in place.
+    fn all_reduce_f64(&mut self, group: &[usize], data: &mut [f64]) -> Result<()>;
+    /// A reduce-scatter or all-gather over `group` ([`block_rounds`]).
+    fn block_half(&mut self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()>;
+}
+
+impl<L: LibraryCollectives> AllReduce for L {
+    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce_f32(group, data))
+    }
+    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
+        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce_f64(group, data))
+    }
+    fn shard(&self, n: usize, pos: usize, len: usize) -> Range<usize> {
+        block_shard(n, pos, len)
+    }
+    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().in_collective(format!("a reduce-scatter over workers {group:?}"), || {
+            self.block_half(group, data, BlockHalf::ReduceScatter)
+        })
+    }
+    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
+        via.pulse().in_collective(format!("an all-gather over workers {group:?}"), || {
+            self.block_half(group, data, BlockHalf::AllGather)
+        })
+    }
+}
+
 /// The block layout of MPI's and NCCL's reduce-scatter: blocks of `ceil(len / n)` values in member
 /// order (the last ones shorter, or empty).
 pub fn block_shard(n: usize, pos: usize, len: usize) -> Range<usize> {
@@ -392,17 +426,29 @@ mod tests {
     }
 
     fn run_scaled(n: usize, len: usize, chunk: usize, scale: f32) -> Vec<Vec<f32>> {
+        on_members(n, len, scale, move |link, group, me, data| ring_all_reduce(link, group, me, data, chunk).unwrap())
+    }
+
+    /// Member `me`'s values are `(me * 1000 + i) * scale`; each member's thread runs `work` on its
+    /// link, the group, its rank and its values; returns every member's values after.
+    fn on_members(
+        n: usize,
+        len: usize,
+        scale: f32,
+        work: impl Fn(&mut Channels, &[usize], usize, &mut Vec<f32>) + Send + Sync + 'static,
+    ) -> Vec<Vec<f32>> {
+        let work = std::sync::Arc::new(work);
         let (tx, rx): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
         let handles: Vec<_> = rx
             .into_iter()
             .enumerate()
             .map(|(me, inbox)| {
-                let to = tx.clone();
+                let (to, work) = (tx.clone(), work.clone());
                 std::thread::spawn(move || {
                     let mut link = Channels { me, to, inbox, held: HashMap::new() };
                     let mut data: Vec<f32> = (0..len).map(|i| (me * 1000 + i) as f32 * scale).collect();
                     let group: Vec<usize> = (0..n).collect();
-                    ring_all_reduce(&mut link, &group, me, &mut data, chunk).unwrap();
+                    work(&mut link, &group, me, &mut data);
                     data
                 })
             })
@@ -411,27 +457,15 @@ mod tests {
     }
 
     fn run_halves(n: usize, len: usize, chunk: usize) -> Vec<Vec<f32>> {
-        let (tx, rx): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
-        let handles: Vec<_> = rx
-            .into_iter()
-            .enumerate()
-            .map(|(me, inbox)| {
-                let to = tx.clone();
-                std::thread::spawn(move || {
-                    let mut link = Channels { me, to, inbox, held: HashMap::new() };
-                    let mut data: Vec<f32> = (0..len).map(|i| (me * 1000 + i) as f32 * 0.37).collect();
-                    let group: Vec<usize> = (0..n).collect();
-                    ring_rounds(&mut link, &group, me, &mut data, chunk, Half::ReduceScatter).unwrap();
-                    // Only the shard is kept: the all-gather must not read the rest.
-                    let shard = Ring::new(me).shard(n, me, len);
-                    let mut kept = vec![f32::NAN; len];
-                    kept[shard.clone()].copy_from_slice(&data[shard]);
-                    ring_rounds(&mut link, &group, me, &mut kept, chunk, Half::AllGather).unwrap();
-                    kept
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_members(n, len, 0.37, move |link, group, me, data| {
+            ring_rounds(link, group, me, data, chunk, Half::ReduceScatter).unwrap();
+            // Only the shard is kept: the all-gather must not read the rest.
+            let shard = Ring::new(me).shard(n, me, len);
+            let mut kept = vec![f32::NAN; len];
+            kept[shard.clone()].copy_from_slice(&data[shard]);
+            ring_rounds(link, group, me, &mut kept, chunk, Half::AllGather).unwrap();
+            *data = kept;
+        })
     }
 
     #[test]
@@ -452,22 +486,26 @@ mod tests {
         }
     }
 
-    /// Every member's calls of [`block_rounds`], run in lockstep by one thread that plays the
-    /// collective.
-    fn block_sum(n: usize, len: usize) -> Vec<Vec<f32>> {
-        let inputs: Vec<Vec<f32>> = (0..n).map(|m| (0..len).map(|i| (m * 100 + i) as f32).collect()).collect();
-        // Record each member's sends, then answer them as the collective would.
-        let sends: Vec<Vec<Vec<f32>>> = (0..n)
+    /// What each member of `data` sends in each call of [`block_rounds`].
+    fn sends_of(data: &[Vec<f32>], half: BlockHalf) -> Vec<Vec<Vec<f32>>> {
+        (0..data.len())
             .map(|pos| {
                 let mut calls = Vec::new();
-                block_rounds(n, pos, &mut inputs[pos].clone(), BlockHalf::ReduceScatter, |send, _| {
+                block_rounds(data.len(), pos, &mut data[pos].clone(), half, |send, _| {
                     calls.push(send.to_vec());
                     Ok(())
                 })
                 .unwrap();
                 calls
             })
-            .collect();
+            .collect()
+    }
+
+    /// Every member's calls of [`block_rounds`], run in lockstep by one thread that plays the
+    /// collective: each member's sends recorded, then answered as the collective would.
+    fn block_sum(n: usize, len: usize) -> Vec<Vec<f32>> {
+        let inputs: Vec<Vec<f32>> = (0..n).map(|m| (0..len).map(|i| (m * 100 + i) as f32).collect()).collect();
+        let sends = sends_of(&inputs, BlockHalf::ReduceScatter);
         let mut out: Vec<Vec<f32>> = inputs.clone();
         for (pos, data) in out.iter_mut().enumerate() {
             let mut k = 0;
@@ -490,17 +528,7 @@ mod tests {
                 v
             })
             .collect();
-        let gsends: Vec<Vec<Vec<f32>>> = (0..n)
-            .map(|pos| {
-                let mut calls = Vec::new();
-                block_rounds(n, pos, &mut kept[pos].clone(), BlockHalf::AllGather, |send, _| {
-                    calls.push(send.to_vec());
-                    Ok(())
-                })
-                .unwrap();
-                calls
-            })
-            .collect();
+        let gsends = sends_of(&kept, BlockHalf::AllGather);
         (0..n)
             .map(|pos| {
                 let mut data = kept[pos].clone();

@@ -12,7 +12,6 @@
 //! others). When a worker fails it tells the others (an `Abort` message) and the job ends with
 //! `MPI_Abort`; if a process dies outright, `mpirun` ends the job.
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -28,7 +27,7 @@ use mpi::topology::Color;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use super::collectives::{block_rounds, block_shard, max_chunk_elements, AllReduce, BlockHalf, Transit};
+use super::collectives::{block_rounds, max_chunk_elements, BlockHalf, LibraryCollectives};
 use super::msg::{Envelope, Msg};
 use super::transport::{
     receive_within, Beacon, Delivery, Endpoint, Liveness, Reassembly, TAG_HEAD, TAG_PIECE, TAG_WHOLE,
@@ -345,20 +344,6 @@ impl MpiGroups {
         Ok(())
     }
 
-    /// [`AllReduce::reduce_scatter_f32`] or [`AllReduce::all_gather_f32`] with
-    /// `MPI_Reduce_scatter_block` / `MPI_Allgather` ([`block_rounds`]).
-    fn block_half(&self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
-        let comm = self.communicator(group)?;
-        let pos = comm.rank() as usize;
-        block_rounds(group.len(), pos, data, half, |send, recv| {
-            match half {
-                BlockHalf::ReduceScatter => comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()),
-                BlockHalf::AllGather => comm.all_gather_into(send, recv),
-            }
-            Ok(())
-        })
-    }
-
     /// The MPI communicator of `group` (every worker, or this worker's copies).
     fn communicator(&self, group: &[usize]) -> Result<&SimpleCommunicator> {
         match &self.replicas {
@@ -390,26 +375,25 @@ impl MpiGroups {
     }
 }
 
-/// Blocked on the peers inside the collective: the worker is not busy, and its watchdog bounds the
-/// wait (see the port's pulse).
-impl AllReduce for MpiGroups {
-    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
+/// Blocked on the peers inside a collective, the worker is not busy, and its watchdog bounds the
+/// wait (see the port's pulse): the blanket `AllReduce` of [`LibraryCollectives`] says so.
+impl LibraryCollectives for MpiGroups {
+    fn all_reduce_f32(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.all_reduce(group, data)
     }
-    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
+    fn all_reduce_f64(&mut self, group: &[usize], data: &mut [f64]) -> Result<()> {
+        self.all_reduce(group, data)
     }
-    fn shard(&self, n: usize, pos: usize, len: usize) -> Range<usize> {
-        block_shard(n, pos, len)
-    }
-    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("a reduce-scatter over workers {group:?}"), || {
-            self.block_half(group, data, BlockHalf::ReduceScatter)
-        })
-    }
-    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-gather over workers {group:?}"), || {
-            self.block_half(group, data, BlockHalf::AllGather)
+    /// `MPI_Reduce_scatter_block` / `MPI_Allgather`.
+    fn block_half(&mut self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
+        let comm = self.communicator(group)?;
+        let pos = comm.rank() as usize;
+        block_rounds(group.len(), pos, data, half, |send, recv| {
+            match half {
+                BlockHalf::ReduceScatter => comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()),
+                BlockHalf::AllGather => comm.all_gather_into(send, recv),
+            }
+            Ok(())
         })
     }
 }

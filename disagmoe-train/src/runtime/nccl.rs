@@ -37,7 +37,7 @@ use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::Root;
 
-use super::collectives::{block_rounds, block_shard, max_chunk_elements, AllReduce, BlockHalf, Transit};
+use super::collectives::{block_rounds, max_chunk_elements, BlockHalf, LibraryCollectives};
 use super::msg::{DeviceAlloc, DeviceBytes, DeviceTensor, Envelope, RemoteShape};
 use super::transport::rounds::{self, Outgoing, RoundWire};
 use super::transport::{receive_within, Beacon, Delivery, Endpoint};
@@ -386,7 +386,7 @@ impl NcclGroups {
     }
 
     /// `ncclReduceScatter` / `ncclAllGather` of host values through the device ([`block_rounds`]).
-    fn block_half(&self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
+    fn block_rounds_on_device(&self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
         let comm = self.comm(group)?;
         let err = |e: String| nccl_error(self.rank, e);
         let stream = comm.stream();
@@ -425,26 +425,16 @@ impl NcclGroups {
     }
 }
 
-/// Blocked on the peers inside the collective: the worker is not busy, and its watchdog bounds the
-/// wait (see the port's pulse).
-impl AllReduce for NcclGroups {
-    fn sum_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
+/// Blocked on the peers inside a collective, the worker is not busy, and its watchdog bounds the
+/// wait (see the port's pulse): the blanket `AllReduce` of [`LibraryCollectives`] says so.
+impl LibraryCollectives for NcclGroups {
+    fn all_reduce_f32(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.all_reduce(group, data)
     }
-    fn sum_f64(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f64]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-reduce over workers {group:?}"), || self.all_reduce(group, data))
+    fn all_reduce_f64(&mut self, group: &[usize], data: &mut [f64]) -> Result<()> {
+        self.all_reduce(group, data)
     }
-    fn shard(&self, n: usize, pos: usize, len: usize) -> std::ops::Range<usize> {
-        block_shard(n, pos, len)
-    }
-    fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("a reduce-scatter over workers {group:?}"), || {
-            self.block_half(group, data, BlockHalf::ReduceScatter)
-        })
-    }
-    fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
-        via.pulse().in_collective(format!("an all-gather over workers {group:?}"), || {
-            self.block_half(group, data, BlockHalf::AllGather)
-        })
+    fn block_half(&mut self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
+        self.block_rounds_on_device(group, data, half)
     }
 }
