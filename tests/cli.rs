@@ -588,6 +588,8 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "exchange-dtype",
         "exchange-grad-dtype",
         "exchange-payloads",
+        "distributed-optimizer",
+        "optimizer-state-dtype",
     ];
     // (command, numeric options, other options, the base arguments: small valid values)
     let train_base: Vec<(&str, &str)> =
@@ -609,13 +611,21 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         (
             "plan",
             vec!["seq", "micro-batch", "global-batch", "search-evals"],
-            vec!["model", "cluster", "roofline-svg", "exchange-dtype"],
+            vec!["model", "cluster", "roofline-svg", "exchange-dtype", "precision", "optimizer-state-dtype"],
             vec![("model", "mixtral-8x7b"), ("cluster", "h100x2"), ("seq", "4096"), ("search-evals", "2")],
         ),
         (
             "simulate",
             vec!["seq", "micro-batch", "global-batch"],
-            vec!["model", "cluster", "schedules", "timeline-dir", "exchange-dtype"],
+            vec![
+                "model",
+                "cluster",
+                "schedules",
+                "timeline-dir",
+                "exchange-dtype",
+                "precision",
+                "optimizer-state-dtype",
+            ],
             vec![("model", "mixtral-8x7b"), ("cluster", "h100x2"), ("seq", "4096")],
         ),
         (

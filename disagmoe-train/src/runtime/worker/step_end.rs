@@ -1,6 +1,7 @@
-//! The end of a worker's step: the attention copies' gradient all-reduce, one global sum of what
-//! every worker measured, and the update (clipping, AdamW, the routers' bias), the same decision
-//! on every worker.
+//! The end of a worker's step: the attention copies' gradient all-reduce (reduce-scatter, with the
+//! distributed optimizer: [`super::sharded`]), one global sum of what every worker measured, and
+//! the update (clipping, AdamW, the routers' bias; the shards' update and all-gather), the same
+//! decision on every worker.
 
 use std::collections::HashMap;
 
@@ -153,6 +154,78 @@ where
         self.reducer.all_gather_f32(&mut self.comm, group, data)
     }
 
+    /// The routers' expert counts of the layers in `routed` this worker routed (zeros for the
+    /// others), for its copies' sum.
+    fn counts_to_add(&self, routed: &[usize]) -> Vec<f32> {
+        let e = self.layout.experts;
+        routed
+            .iter()
+            .flat_map(|l| self.stats.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]))
+            .map(|x| x as f32)
+            .collect()
+    }
+
+    /// Takes the copies' summed counts (`sums`, as [`Self::counts_to_add`] laid them out) as this
+    /// worker's, for the layers it routed or that any copy did.
+    fn take_summed_counts(&mut self, routed: &[usize], sums: &[f32]) {
+        let e = self.layout.experts;
+        for (l, c) in routed.iter().zip(sums.chunks(e.max(1))) {
+            if self.stats.counts.contains_key(l) || c.iter().any(|&x| x > 0.0) {
+                self.stats.counts.insert(*l, c.iter().map(|&x| x.round() as usize).collect());
+            }
+        }
+    }
+
+    /// The copies' sum of their attention-side gradients (in place in `grads`) and router counts;
+    /// with the distributed optimizer, the gradients reduce-scattered instead (taken out of
+    /// `grads`: the returned shard holds them) and which of them exist summed with the counts.
+    fn reduce_copies(
+        &mut self,
+        grads: &mut GradientsParams,
+        replicas: &[usize],
+        routed: &[usize],
+    ) -> Result<Option<ShardGrads>> {
+        if let Some(sharded) = &self.sharded {
+            let (mut data, mut small) = sharded.flatten(grads, self.part());
+            let params = sharded.count();
+            small.extend(self.counts_to_add(routed));
+            self.all_reduce(replicas, &mut small)?;
+            self.reduce_scatter(replicas, &mut data)?;
+            self.take_summed_counts(routed, &small[params..]);
+            return Ok(Some(ShardGrads { data, present: small[..params].iter().map(|&x| x > 0.0).collect() }));
+        }
+        if replicas.len() <= 1 {
+            return Ok(None);
+        }
+        // f32 gradients with a presence flag per parameter, then the routers' counts.
+        let part = self.part();
+        let mut flat = Flatten { grads, out: Vec::new() };
+        part.ends.visit(&mut flat);
+        part.attention.visit(&mut flat);
+        let mut data = flat.out;
+        data.extend(self.counts_to_add(routed));
+        self.all_reduce(replicas, &mut data)?;
+        let part = self.part();
+        let mut restore = Restore { grads, data: &data, pos: 0 };
+        part.ends.visit(&mut restore);
+        part.attention.visit(&mut restore);
+        let pos = restore.pos;
+        self.take_summed_counts(routed, &data[pos..]);
+        Ok(None)
+    }
+
+    /// The distributed optimizer's update (after `opt.step`, whose step it shares): this copy's
+    /// shard of the shared weights, then every copy's shard gathered into the part.
+    fn update_shard(&mut self, g: &mut ShardGrads, lr: f64, grad_scale: f64) -> Result<()> {
+        let sharded = self.sharded.as_mut().expect("a shard to update");
+        sharded.update_shard(g, &self.opt, lr, grad_scale, self.part.as_ref().expect("part"));
+        let group = sharded.group.clone();
+        self.all_gather(&group, &mut g.data)?;
+        let part = self.part.take().expect("part");
+        self.part = Some(self.sharded.as_ref().expect("sharded").load(g, part));
+        Ok(())
+    }
+
     /// The global sums of this worker's step: squared gradient norm, losses, the step's waits,
     /// compute, link time and bytes since `start` (the final reduction is the step's barrier and
     /// is not counted), the stop request, and the expert load of every MoE layer.
@@ -247,51 +320,8 @@ where
         let e = self.layout.experts;
         let (param_bytes, grad_bytes) = if update { weight_and_grad_bytes(self.part(), &grads) } else { (0, 0) };
         // 1. Copies of the attention side add their gradients and their routers' expert counts
-        //    (not for an evaluation: nothing is updated). With the distributed optimizer, the
-        //    gradients are reduce-scattered and which of them exist travels with the counts.
-        let mut shard = None;
-        if let (Some(sharded), true) = (&self.sharded, update) {
-            let part = self.part.as_ref().expect("part");
-            let (mut data, mut small) = sharded.flatten(&mut grads, part);
-            let params = sharded.count();
-            for l in &routed {
-                let c = self.stats.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
-                small.extend(c.iter().map(|&x| x as f32));
-            }
-            self.all_reduce(&replicas, &mut small)?;
-            self.reduce_scatter(&replicas, &mut data)?;
-            let mut pos = params;
-            for l in &routed {
-                if self.stats.counts.contains_key(l) || small[pos..pos + e].iter().any(|&x| x > 0.0) {
-                    self.stats.counts.insert(*l, small[pos..pos + e].iter().map(|&x| x.round() as usize).collect());
-                }
-                pos += e;
-            }
-            shard = Some(ShardGrads { data, present: small[..params].iter().map(|&x| x > 0.0).collect() });
-        } else if replicas.len() > 1 && update {
-            // f32 gradients with a presence flag per parameter, then the routers' counts.
-            let part = self.part.as_ref().expect("part");
-            let mut flat = Flatten { grads: &mut grads, out: Vec::new() };
-            part.ends.visit(&mut flat);
-            part.attention.visit(&mut flat);
-            let mut data = flat.out;
-            for l in &routed {
-                let c = self.stats.counts.get(l).cloned().unwrap_or_else(|| vec![0; e]);
-                data.extend(c.iter().map(|&x| x as f32));
-            }
-            self.all_reduce(&replicas, &mut data)?;
-            let part = self.part.as_ref().expect("part");
-            let mut restore = Restore { grads: &mut grads, data: &data, pos: 0 };
-            part.ends.visit(&mut restore);
-            part.attention.visit(&mut restore);
-            let mut pos = restore.pos;
-            for l in &routed {
-                if self.stats.counts.contains_key(l) || data[pos..pos + e].iter().any(|&x| x > 0.0) {
-                    self.stats.counts.insert(*l, data[pos..pos + e].iter().map(|&x| x.round() as usize).collect());
-                }
-                pos += e;
-            }
-        }
+        //    (not for an evaluation: nothing is updated).
+        let mut shard = if update { self.reduce_copies(&mut grads, &replicas, &routed)? } else { None };
         // A fused expert tensor is stepped whenever its layer saw tokens, on every holder.
         let part = self.part.as_ref().expect("part");
         for stage in &part.experts {
@@ -366,15 +396,11 @@ where
                 1.0
             };
             let part = self.part.take().expect("part");
-            let mut part = self.opt.step(part, &mut grads, lr, scale / self.loss_scale);
-            if let (Some(sharded), Some(g)) = (self.sharded.as_mut(), shard.as_mut()) {
-                sharded.update_shard(g, &self.opt, lr, scale / self.loss_scale, &part);
-                self.part = Some(part);
-                let group = sharded.group.clone();
-                self.all_gather(&group, &mut g.data)?;
-                let sharded = self.sharded.as_ref().expect("sharded");
-                part = sharded.load(g, self.part.take().expect("part"));
+            self.part = Some(self.opt.step(part, &mut grads, lr, scale / self.loss_scale));
+            if let Some(g) = shard.as_mut() {
+                self.update_shard(g, lr, scale / self.loss_scale)?;
             }
+            let mut part = self.part.take().expect("part");
             if self.settings.bias_update_rate > 0.0 {
                 for l in &routed {
                     if let (Some(c), Some(router)) =
