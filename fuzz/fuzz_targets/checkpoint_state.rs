@@ -24,6 +24,7 @@ fn settings() -> RunSettings {
         grad_clip: 1.0,
         model: serde_json::json!({"model_type": "qwen3_moe"}),
         micro_batches: 4,
+        optimizer_state_dtype: disagmoe_train::config::StateDtype::F32,
     }
 }
 
