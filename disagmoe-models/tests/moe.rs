@@ -37,9 +37,10 @@ fn grouped_experts_equal_the_per_token_reference_with_gradients() {
         let moe = block(experts, k, norm);
         let x = Tensor::<B, 3>::random([2, 7, 16], Distribution::Normal(0.0, 1.0), &Default::default()).require_grad();
         let probe = Tensor::<B, 3>::random([2, 7, 16], Distribution::Normal(0.0, 1.0), &Default::default());
-        // Each path's backward before the next forward: two live graphs sharing nodes (x, the
-        // parameters) can lose their leaves when another test thread runs a backward (Burn 0.21's
-        // autodiff cleanup; the runtime forks its stages for the same reason).
+        // Each path's backward before the next forward, so the two graphs never live at once. (This
+        // test also failed now and then when another test thread ran a backward meanwhile: Burn
+        // 0.21's sweep of every thread's graphs, patched in vendor/burn-autodiff, see
+        // tests/autodiff_threads.rs.)
         let (fast, _) = moe.forward(x.clone());
         let g_fast = (fast.clone() * probe.clone()).sum().backward();
         let slow = moe.forward_per_token(x.clone());

@@ -7,7 +7,8 @@
 //! Each path runs its backward before the other's forward, and the tests run one at a time
 //! ([`serial`]): a graph can lose its leaves when another test thread runs a backward meanwhile
 //! (Burn 0.21's autodiff cleanup; the attention test failed about one run in 13 when they ran
-//! side by side).
+//! side by side). The workspace now patches that sweep (`vendor/burn-autodiff`); the tests stay
+//! serial, which costs little.
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};

@@ -60,6 +60,42 @@ pub struct GraphLocator {
 pub(crate) struct Graph {
     origin: NodeId,
     state: Mutex<GraphState>,
+    /// The thread that created the graph (disagmoe patch, see [`owner`]).
+    #[cfg(feature = "std")]
+    owner: owner::Owner,
+}
+
+/// disagmoe's patch to burn-autodiff 0.21.0 (upstream issue tracel-ai/burn#5573, fixed after
+/// 0.21 by tracel-ai/burn#5647): a `backward()` ends with a sweep of every graph of the process
+/// for unused roots. A graph another thread is building can look unused to it for a moment (an
+/// operation such as `float_cat` drops its inputs' reference counts before it registers its own
+/// node), and the sweep then frees steps that thread's backward needs: a gradient goes missing
+/// without an error. Here the sweep visits only the graphs its own thread created, and those of
+/// threads that have ended; a thread's own graphs cannot be half-registered while it sweeps.
+#[cfg(feature = "std")]
+mod owner {
+    use std::sync::{Arc, Weak};
+
+    std::thread_local! {
+        static TOKEN: Arc<()> = Arc::new(());
+    }
+
+    /// A weak handle on the creating thread's token: alive while that thread runs.
+    pub(super) struct Owner(Weak<()>);
+
+    impl Owner {
+        /// The calling thread (no owner, i.e. anyone's to sweep, while the thread is ending).
+        pub(super) fn current() -> Self {
+            Owner(TOKEN.try_with(Arc::downgrade).unwrap_or_default())
+        }
+
+        /// Whether the sweep of the calling thread may visit this graph: its creator is this
+        /// thread or has ended.
+        pub(super) fn sweepable_here(&self) -> bool {
+            self.0.strong_count() == 0
+                || TOKEN.try_with(|t| core::ptr::eq(Weak::as_ptr(&self.0), Arc::as_ptr(t))).unwrap_or(false)
+        }
+    }
 }
 
 #[derive(Default)]
@@ -161,6 +197,10 @@ impl<'a> GraphCleaner<'a> {
 
         let mut should_remove = Vec::new();
         for graph in graphs.values() {
+            #[cfg(feature = "std")]
+            if !graph.owner.sweepable_here() {
+                continue;
+            }
             {
                 let mut guard = graph.state.lock();
                 // Double safety: in case it was marked as no longer useful, but other
@@ -325,6 +365,8 @@ impl GraphLocator {
         let graph = Arc::new(Graph {
             origin,
             state: Mutex::new(GraphState::default()),
+            #[cfg(feature = "std")]
+            owner: owner::Owner::current(),
         });
         self.graphs.insert(origin, graph.clone());
         self.keys.insert(origin, HashSet::new());
