@@ -5,9 +5,10 @@ use anyhow::{Context, Result};
 use clap::Args;
 use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
+use disagmoe_core::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
 use disagmoe_core::hardware::Cluster;
 use disagmoe_core::model_shape::ModelShape;
-use disagmoe_core::plan::{plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use disagmoe_core::plan::{plan, simulate_schedules, BalanceReport, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
 use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
 use std::path::PathBuf;
 
@@ -45,6 +46,19 @@ pub struct JobArgs {
     /// f32].
     #[arg(long, value_name = "f32|bf16")]
     pub optimizer_state_dtype: Option<disagmoe_train::config::StateDtype>,
+    /// How routed tokens spread over each layer's experts: uniform, zipf:S (the expert of rank r
+    /// gets a share proportional to r^-S, ranks shuffled per layer), or the path of a run's
+    /// metrics.jsonl (the measured mean share of each expert per layer) [default: uniform].
+    #[arg(long, value_name = "uniform|zipf:S|METRICS.jsonl")]
+    pub expert_load: Option<String>,
+    /// Extra replicas of the hottest experts per MoE layer (DeepSeek's EPLB), placed to even the
+    /// expert GPUs' loads [default: 0].
+    #[arg(long, default_value_t = 0)]
+    pub redundant_experts: usize,
+    /// How experts are placed on expert GPUs: contiguous ranges (the runtime's split) or balanced
+    /// by load (EPLB) [default: balanced with --redundant-experts, else contiguous].
+    #[arg(long, value_name = "contiguous|balanced")]
+    pub expert_placement: Option<disagmoe_core::experts::ExpertPlacement>,
 }
 
 impl JobArgs {
@@ -81,7 +95,17 @@ impl JobArgs {
         if let Some(d) = self.exchange_dtype {
             cost.precision.exchange = ExchangePrecision::of(d);
         }
-        Ok(cost)
+        let load = match &self.expert_load {
+            Some(spec) => ExpertLoad::from_arg(spec).with_context(|| format!("--expert-load {spec}"))?,
+            None => ExpertLoad::Uniform,
+        };
+        let placement = self.expert_placement.unwrap_or(if self.redundant_experts > 0 {
+            ExpertPlacement::Balanced
+        } else {
+            ExpertPlacement::Contiguous
+        });
+        let balance = ExpertBalance { load, placement, redundant: self.redundant_experts };
+        Ok(cost.with_expert_balance(balance)?)
     }
 }
 
@@ -200,6 +224,19 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         report.in_flight,
         if report.recompute { ", recomputing activations" } else { "" }
     );
+    if let Some(b) = &report.expert_balance {
+        println!(
+            "  expert load {}: busiest expert GPU at {:.2}x the mean with {} placement and {} redundant \
+             expert(s) per layer, step {:.3} s; contiguous without redundant experts {:.2}x, step {:.3} s",
+            b.load,
+            b.imbalance,
+            b.placement.name(),
+            b.redundant_experts,
+            report.predicted_step_s,
+            b.imbalance_contiguous,
+            b.step_contiguous_s
+        );
+    }
     println!("  solved in {:.3} s (MILP {:.3} s)", report.solve_s, report.milp_s);
     for c in report.candidates.iter().flatten() {
         let a = &c.allocation;
@@ -247,6 +284,18 @@ pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!("{} on {} at {} tokens", report.model, report.cluster, report.seq);
+    if let Some(b) = report.allocation.map(|a| BalanceReport::of(&cost, &a)).transpose()?.flatten() {
+        println!(
+            "  expert load {}: busiest expert GPU at {:.2}x the mean on AF-Pipe's expert groups with {} \
+             placement and {} redundant expert(s) per layer ({:.2}x contiguous without); every schedule is \
+             timed with it",
+            b.load,
+            b.imbalance,
+            b.placement.name(),
+            b.redundant_experts,
+            b.imbalance_contiguous
+        );
+    }
     for r in &report.schedules {
         let vs = match r.afpipe_speedup {
             Some(x) => format!("  AF-Pipe {x:.2}x faster"),

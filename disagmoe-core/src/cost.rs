@@ -13,9 +13,14 @@
 //! A GPU's time for a piece of work is the roofline `max(flops / sustained FLOP/s,
 //! bytes / sustained HBM bandwidth)`; weights are read once per visit, so small micro-batches are
 //! memory-bound.
+//!
+//! The expert side is timed by its busiest GPU, whose share of a layer's routed copies comes from
+//! the expert load and placement of [`CostModel::expert_balance`] (uniform and contiguous by
+//! default: `ceil(E / f) / E`). Exchange volumes stay those of uniform routing.
 
 use crate::error::{check_nonzero, invalid, Result};
 use crate::exchange::ExchangePrecision;
+use crate::experts::{Busiest, ExpertBalance};
 use crate::hardware::Cluster;
 use crate::model_shape::{AttentionShape, ModelShape};
 use serde::{Deserialize, Serialize};
@@ -211,6 +216,9 @@ pub struct CostModel {
     pub workload: Workload,
     /// Byte sizes.
     pub precision: Precision,
+    /// Expert load and placement (set through [`CostModel::with_expert_balance`], which checks it
+    /// against the model).
+    expert_balance: ExpertBalance,
 }
 
 impl CostModel {
@@ -219,7 +227,56 @@ impl CostModel {
         model.validate()?;
         cluster.validate()?;
         workload.validate()?;
-        Ok(Self { model, cluster, workload, precision: Precision::default() })
+        Ok(Self { model, cluster, workload, precision: Precision::default(), expert_balance: ExpertBalance::default() })
+    }
+
+    /// The same model with expert load and placement `balance`, refused when it does not fit the
+    /// model (a measured load without one of its MoE layers or with another expert count;
+    /// redundant experts without the balanced placement).
+    pub fn with_expert_balance(mut self, balance: ExpertBalance) -> Result<Self> {
+        balance.validate()?;
+        let most = self.model.moe.experts.saturating_mul(self.cluster.total_gpus().saturating_sub(1));
+        if balance.redundant > most {
+            return Err(invalid(
+                "redundant_experts",
+                &balance.redundant.to_string(),
+                &format!("at most {most}: one replica of each of the {} experts per GPU", self.model.moe.experts),
+            ));
+        }
+        for l in (0..self.model.layers).filter(|&l| !self.model.is_dense(l)) {
+            balance.load.shares(l, self.model.moe.experts)?;
+        }
+        self.expert_balance = balance;
+        Ok(self)
+    }
+
+    /// The expert load and placement the expert side is timed with.
+    pub fn expert_balance(&self) -> &ExpertBalance {
+        &self.expert_balance
+    }
+
+    /// The busiest of `gpus` GPUs holding MoE layer `layer`'s experts.
+    pub fn busiest_expert_gpu(&self, layer: usize, gpus: usize) -> Busiest {
+        self.expert_balance
+            .busiest(layer, self.model.moe.experts, gpus)
+            .expect("the expert load was checked against every MoE layer by with_expert_balance")
+    }
+
+    /// The busiest expert GPU's load over what uniform routing and the contiguous split give it
+    /// (1.0 by default), averaged over the MoE layers of expert group `group` of `p`.
+    fn ffn_load_factor(&self, group: usize, p: usize, gpus: usize) -> f64 {
+        let e = self.model.moe.experts.max(1);
+        let uniform = e.div_ceil(gpus.max(1)) as f64 / e as f64;
+        let factors: Vec<f64> = (group..self.model.layers)
+            .step_by(p.max(1))
+            .filter(|&l| !self.model.is_dense(l))
+            .map(|l| self.busiest_expert_gpu(l, gpus).share / uniform)
+            .collect();
+        if factors.is_empty() {
+            1.0
+        } else {
+            factors.iter().sum::<f64>() / factors.len() as f64
+        }
     }
 
     /// Seconds a GPU needs for `work` (roofline of compute and HBM).
@@ -299,8 +356,9 @@ impl CostModel {
     }
 
     /// Forward work of the busiest GPU of an expert group of `gpus` GPUs for layer `layer` on one
-    /// micro-batch: its routed experts (`ceil(E / f)` of them, tokens routed uniformly over
-    /// experts) plus shared experts or the dense MLP (split by tokens).
+    /// micro-batch: its routed experts (by default `ceil(E / f)` of them, tokens routed uniformly
+    /// over experts; see [`CostModel::busiest_expert_gpu`]) plus shared experts or the dense MLP
+    /// (split by tokens).
     pub fn ffn_forward(&self, layer: usize, gpus: usize) -> Work {
         let t = self.workload.tokens_per_micro_batch();
         let g = gpus as f64;
@@ -311,11 +369,12 @@ impl CostModel {
         let (routed_tokens, local_experts, inter) = if self.model.is_dense(layer) {
             (0.0, 0.0, self.model.dense_intermediate as f64)
         } else {
-            // Experts are dealt to ranks as evenly as possible; the busiest rank holds
-            // ceil(E / f) of them and receives their share of the routed tokens.
-            let local = self.model.moe.experts.div_ceil(gpus) as f64;
-            let assignments = t * self.model.moe.top_k as f64 * local / self.model.moe.experts as f64;
-            let local = local.min(assignments.max(1.0));
+            // The busiest rank: uniform routing over contiguous ranges gives it ceil(E / f)
+            // experts and their share of the routed tokens; a skewed load or a balanced placement
+            // with redundant replicas gives it what `expert_balance` says.
+            let busiest = self.busiest_expert_gpu(layer, gpus);
+            let assignments = t * self.model.moe.top_k as f64 * busiest.share;
+            let local = (busiest.experts as f64).min(assignments.max(1.0));
             (assignments, local, self.model.moe.intermediate as f64)
         };
         let flops = 2.0 * routed_tokens * self.model.expert_params() + 2.0 * (t / g) * dense;
@@ -435,8 +494,9 @@ impl CostModel {
         params
     }
 
-    /// Parameters of expert group `group` of `p`, over all its GPUs (routed experts sharded,
-    /// shared experts and dense MLPs counted once: they are split by tokens, replicated).
+    /// Parameters of expert group `group` of `p`, over all its GPUs (routed experts sharded, their
+    /// redundant replicas included; shared experts and dense MLPs counted once: they are split by
+    /// tokens, replicated).
     pub fn ffn_group_params(&self, group: usize, p: usize, gpus: usize) -> (f64, f64) {
         let m = &self.model;
         let (mut sharded, mut replicated) = (0.0, 0.0);
@@ -444,7 +504,7 @@ impl CostModel {
             if m.is_dense(l) {
                 replicated += m.mlp_params(m.dense_intermediate, false);
             } else {
-                sharded += m.moe.experts as f64 * m.expert_params();
+                sharded += self.expert_balance.slots(m.moe.experts, gpus) as f64 * m.expert_params();
                 replicated += m.moe.shared_experts as f64 * m.mlp_params(m.moe.intermediate, false);
             }
         }
@@ -517,7 +577,9 @@ impl CostModel {
         let layers = self.model.layers.div_ceil(p) as f64;
         let t = self.workload.tokens_per_micro_batch();
         let per_token = if recompute { self.checkpoint_per_token() } else { self.ffn_activation_per_token() };
-        let act = in_flight as f64 * (layers / 2.0).max(1.0) * t / f as f64 * per_token;
+        // The busiest GPU's activations grow with its share of the copies.
+        let load = (0..p).map(|g| self.ffn_load_factor(g, p, f)).fold(0.0, f64::max);
+        let act = in_flight as f64 * (layers / 2.0).max(1.0) * t / f as f64 * per_token * load;
         MemoryParts { activations: act, ..self.state_parts(held, 1) }
     }
 

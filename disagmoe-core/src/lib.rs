@@ -41,6 +41,7 @@ pub mod allocator;
 pub mod cost;
 pub mod error;
 pub mod exchange;
+pub mod experts;
 pub mod hardware;
 pub mod layout;
 pub mod model_shape;

@@ -11,6 +11,7 @@ use crate::allocator::search::{local_search, Candidate};
 use crate::allocator::{Allocation, AllocationProblem};
 use crate::cost::CostModel;
 use crate::error::{invalid, Result};
+use crate::experts::{ExpertBalance, ExpertPlacement};
 use crate::schedule::afpipe::{afpipe_window, build_afpipe};
 use crate::schedule::baselines::{build_baseline, ep_layout, Baseline};
 use crate::schedule::Schedule;
@@ -71,6 +72,68 @@ pub struct PlanReport {
     /// Every allocation considered with its predicted step time (only with `explain`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub candidates: Option<Vec<Candidate>>,
+    /// The expert side's balance on the chosen allocation (absent under uniform load with the
+    /// contiguous split, where it is even by construction).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_balance: Option<BalanceReport>,
+}
+
+/// How even the expert GPUs' loads are on a planned allocation, with the placement asked for and
+/// with the plain contiguous split (no redundant experts) of the same load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BalanceReport {
+    /// The expert load (`uniform`, `zipf:S`, `measured`).
+    pub load: String,
+    /// The placement asked for.
+    pub placement: ExpertPlacement,
+    /// Redundant replicas per MoE layer.
+    pub redundant_experts: usize,
+    /// Busiest expert GPU's share of a layer's copies over the mean share, averaged over MoE layers.
+    pub imbalance: f64,
+    /// The same with the contiguous split and no redundant experts.
+    pub imbalance_contiguous: f64,
+    /// Simulated step of the chosen allocation with the contiguous split and no redundant experts.
+    pub step_contiguous_s: f64,
+}
+
+impl BalanceReport {
+    /// The balance of `cost`'s expert load and placement on `alloc`, beside the contiguous split's
+    /// (`None` when the load is uniform and the split contiguous).
+    pub fn of(cost: &CostModel, alloc: &Allocation) -> Result<Option<Self>> {
+        let balance = cost.expert_balance().clone();
+        if balance == ExpertBalance::default() {
+            return Ok(None);
+        }
+        let contiguous =
+            ExpertBalance { load: balance.load.clone(), placement: ExpertPlacement::Contiguous, redundant: 0 };
+        let plain = cost.clone().with_expert_balance(contiguous.clone())?;
+        let (report, _) = simulate_schedules(&plain, &["afpipe".to_string()], Some(*alloc))?;
+        let step_contiguous_s = report
+            .schedules
+            .first()
+            .map(|r| r.step_s)
+            .ok_or_else(|| invalid("allocation", &format!("{alloc:?}"), "an allocation AF-Pipe can be built on"))?;
+        let f = alloc.ffn_gpus_per_group;
+        Ok(Some(BalanceReport {
+            load: balance.load.name(),
+            placement: balance.placement,
+            redundant_experts: balance.redundant,
+            imbalance: mean_imbalance(cost, &balance, f)?,
+            imbalance_contiguous: mean_imbalance(cost, &contiguous, f)?,
+            step_contiguous_s,
+        }))
+    }
+}
+
+/// [`ExpertBalance::imbalance`] averaged over `cost`'s MoE layers on `f` expert GPUs.
+fn mean_imbalance(cost: &CostModel, balance: &ExpertBalance, f: usize) -> Result<f64> {
+    let m = &cost.model;
+    let layers: Vec<usize> = (0..m.layers).filter(|&l| !m.is_dense(l)).collect();
+    let mut sum = 0.0;
+    for &l in &layers {
+        sum += balance.imbalance(l, m.moe.experts, f)?;
+    }
+    Ok(if layers.is_empty() { 1.0 } else { sum / layers.len() as f64 })
 }
 
 /// Plans the allocation for `cost`'s model, cluster and workload.
@@ -116,6 +179,7 @@ pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<Plan
         params_active: params.active,
         flops_per_token: cost.flops_per_token(),
         candidates: explain.then_some(search.candidates),
+        expert_balance: BalanceReport::of(cost, &best)?,
     })
 }
 

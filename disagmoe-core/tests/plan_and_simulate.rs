@@ -180,3 +180,59 @@ fn unknown_schedule_names_are_rejected_with_the_allowed_list() {
     let e = simulate_schedules(&c, &["gpipe".to_string()], None).err().unwrap().to_string();
     assert!(e.contains("gpipe") && e.contains("dualpipe"), "{e}");
 }
+
+/// A skewed expert load slows the expert side by its busiest GPU's share; EPLB's redundant
+/// replicas give most of it back and cost expert memory; the plan reports both placements.
+#[test]
+fn skewed_expert_load_is_timed_on_the_busiest_gpu_and_redundant_experts_even_it() {
+    use disagmoe_core::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
+    let base = cost("gpt-oss-120b", Cluster::preset("h800x16").unwrap(), 8192);
+    let uniform = base.clone();
+    let skewed =
+        base.clone().with_expert_balance(ExpertBalance { load: ExpertLoad::Zipf(1.2), ..Default::default() }).unwrap();
+    let balanced = base
+        .clone()
+        .with_expert_balance(ExpertBalance {
+            load: ExpertLoad::Zipf(1.2),
+            placement: ExpertPlacement::Balanced,
+            redundant: 16,
+        })
+        .unwrap();
+    let layers = 0..base.model.layers;
+    let flops = |c: &CostModel, f: usize| layers.clone().map(|l| c.ffn_forward(l, f).flops).sum::<f64>();
+    let (u, s, b) = (flops(&uniform, 8), flops(&skewed, 8), flops(&balanced, 8));
+    assert!(s > 1.5 * u, "zipf 1.2 on 8 GPUs: busiest GPU's flops {s:e} vs uniform {u:e}");
+    assert!(b < s && b < 1.2 * u, "16 redundant experts: {b:e} (contiguous {s:e}, uniform {u:e})");
+    // The busiest GPU's share under uniform routing: ceil(E / f) / E, in closed form.
+    let uniform_share = base.model.moe.experts.div_ceil(8) as f64 / base.model.moe.experts as f64;
+    assert!((uniform.busiest_expert_gpu(0, 8).share - uniform_share).abs() < 1e-12);
+    // Redundant replicas are held: more expert memory.
+    let mem = |c: &CostModel| c.ffn_memory_parts(4, 8, 2, false).params;
+    assert!(mem(&balanced) > mem(&skewed), "{} vs {}", mem(&balanced), mem(&skewed));
+    assert!((mem(&skewed) - mem(&uniform)).abs() < 1e-6, "no replicas, same weights");
+
+    let p = plan(&balanced, false, 6).unwrap();
+    let b = p.expert_balance.expect("a skewed load is reported");
+    assert!(b.imbalance < b.imbalance_contiguous, "{b:?}");
+    assert!(b.step_contiguous_s > p.predicted_step_s, "{b:?} vs {}", p.predicted_step_s);
+    assert!(plan(&uniform, false, 6).unwrap().expert_balance.is_none());
+
+    // What does not fit the model is refused by name.
+    let e =
+        base.clone().with_expert_balance(ExpertBalance { redundant: 2, ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("redundant_experts") && e.contains("balanced"), "{e}");
+    let e = base
+        .clone()
+        .with_expert_balance(ExpertBalance {
+            load: ExpertLoad::Zipf(1.0),
+            placement: ExpertPlacement::Balanced,
+            redundant: usize::MAX,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most"), "{e}");
+    let measured =
+        ExpertLoad::from_metrics_jsonl(r#"{"expert_load":[{"layer":0,"tokens_per_expert":[1,2,3]}]}"#).unwrap();
+    let e = base.with_expert_balance(ExpertBalance { load: measured, ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("experts"), "{e}");
+}
