@@ -99,6 +99,10 @@ pub struct TrainArgs {
     /// Output directory: metrics.jsonl and the final checkpoint in final/.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Write TensorBoard event files here (losses, learning rate, gradient norm, throughput,
+    /// communication, eval loss, and each MoE layer's expert load as a histogram; rank 0 only).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Print a log line every N steps when stderr is not a terminal [default: 10].
     #[arg(long)]
     pub log_every: Option<usize>,
@@ -295,7 +299,7 @@ impl TrainArgs {
                 $( if let Some(v) = &self.$field { cfg.$($target).+ = v.clone().into(); } )*
             };
         }
-        set!(steps => steps, seed => seed, log_every => log_every, out => out);
+        set!(steps => steps, seed => seed, log_every => log_every, out => out, tensorboard => tensorboard);
         if self.model_config.is_some() || self.model_dir.is_some() {
             cfg.model.config = self.model_config.clone();
             cfg.model.dir = self.model_dir.clone();

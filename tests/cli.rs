@@ -567,6 +567,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
     ];
     let train_other = [
         "run-config",
+        "tensorboard",
         "model-config",
         "model-dir",
         "model-preset",

@@ -1380,3 +1380,84 @@ mod mpi {
         assert!(err.contains("mpirun -np 4"), "{err}");
     }
 }
+
+/// `--tensorboard DIR`: the event files read back hold every tag, the same tags under every
+/// placement, the losses of the summary and each layer's expert load of metrics.jsonl.
+#[test]
+fn tensorboard_event_files_hold_every_tag_under_every_placement() {
+    use disagmoe::train::tensorboard::{read_dir, Value};
+    use disagmoe::train::{train_on, Placement, RunConfig, TrainBackend};
+    use std::collections::BTreeSet;
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let mut tags_of = Vec::new();
+    for (name, placement) in [("single", Placement::Single), ("disagg", Placement::Disagg)] {
+        let mut cfg = RunConfig { steps: 4, progress: false, ..Default::default() };
+        cfg.model.preset = Some("tiny-qwen3-moe".into());
+        cfg.model.aux_loss = Some(true);
+        cfg.model.router_z_loss_coef = 1e-3;
+        (cfg.data.batch, cfg.data.seq, cfg.data.eval_every) = (8, 32, 2);
+        cfg.parallel.placement = placement;
+        if placement == Placement::Disagg {
+            (cfg.parallel.attn_workers, cfg.parallel.ffn_workers, cfg.parallel.groups) = (2, 2, 1);
+            cfg.parallel.micro_batches = Some(4);
+        }
+        let (tb, out) = (dir.path().join(format!("{name}-tb")), dir.path().join(name));
+        cfg.tensorboard = Some(tb.clone());
+        cfg.out = Some(out.clone());
+        let summary = train_on::<TrainBackend>(&cfg, &[Default::default()], &AtomicBool::new(false)).unwrap();
+        let events = read_dir(&tb).unwrap();
+        let tags: BTreeSet<String> = events.iter().map(|(_, t, _)| t.clone()).collect();
+        for tag in [
+            "loss",
+            "loss/lm",
+            "loss/aux",
+            "loss/z",
+            "lr",
+            "grad_norm",
+            "throughput/tokens_per_s",
+            "time/step_s",
+            "time/compute_s",
+            "comm/exposed_s",
+            "comm/in_flight_wait_s",
+            "comm/bytes_sent",
+            "eval/loss",
+            "eval/perplexity",
+            "expert_load/layer_0",
+            "expert_load/layer_3",
+        ] {
+            assert!(tags.contains(tag), "{name}: no `{tag}` in {tags:?}");
+        }
+        // The losses of the run, step by step (as f32).
+        let losses: Vec<(i64, f32)> = events
+            .iter()
+            .filter_map(|(s, t, v)| match (t.as_str(), v) {
+                ("loss", Value::Scalar(x)) => Some((*s, *x)),
+                _ => None,
+            })
+            .collect();
+        let want: Vec<(i64, f32)> = summary.losses.iter().enumerate().map(|(i, &l)| (i as i64 + 1, l as f32)).collect();
+        assert_eq!(losses, want, "{name}");
+        // Evaluation at steps 2 and 4 only.
+        let evals: Vec<i64> = events.iter().filter(|(_, t, _)| t == "eval/loss").map(|(s, _, _)| *s).collect();
+        assert_eq!(evals, vec![2, 4], "{name}");
+        // Each layer's histogram is its metrics.jsonl load, expert by expert.
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let mut compared = 0;
+        for line in metrics.lines() {
+            let m: serde_json::Value = serde_json::from_str(line).unwrap();
+            let step = m["step"].as_i64().unwrap();
+            for load in m["expert_load"].as_array().unwrap() {
+                let tag = format!("expert_load/layer_{}", load["layer"]);
+                let want: Vec<f64> =
+                    load["tokens_per_expert"].as_array().unwrap().iter().map(|c| c.as_f64().unwrap()).collect();
+                let got = events.iter().find(|(s, t, _)| *s == step && *t == tag).map(|(_, _, v)| v.clone());
+                assert_eq!(got, Some(Value::Histogram(want)), "{name} step {step} {tag}");
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 4 * 4, "{name}: 4 steps x 4 MoE layers");
+        tags_of.push(tags);
+    }
+    assert_eq!(tags_of[0], tags_of[1], "the same tags under every placement");
+}

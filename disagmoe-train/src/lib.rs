@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod optim;
 pub mod runtime;
 pub mod single;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};

@@ -2,7 +2,7 @@
 //!
 //! | section | type | keys |
 //! |---|---|---|
-//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `save_dtype`, `log_every`, `progress` |
+//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `tensorboard`, `save_dtype`, `log_every`, `progress` |
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
@@ -57,6 +57,8 @@ pub struct RunConfig {
     pub seed: u64,
     /// Output directory: `metrics.jsonl` and the final model in `final/`.
     pub out: Option<PathBuf>,
+    /// TensorBoard event files of the run go here (`crate::tensorboard`).
+    pub tensorboard: Option<PathBuf>,
     /// The dtype of the final model's weights (`f32`, `bf16`, `f16`); training checkpoints keep
     /// the f32 master weights.
     pub save_dtype: SaveDtype,
@@ -89,6 +91,7 @@ impl Default for RunConfig {
             steps: 300,
             seed: 42,
             out: None,
+            tensorboard: None,
             save_dtype: SaveDtype::F32,
             log_every: 10,
             progress: true,
@@ -195,7 +198,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
 ];
 
 /// Top-level keys that are not sections.
-const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "save_dtype", "log_every", "progress"];
+const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "tensorboard", "save_dtype", "log_every", "progress"];
 
 /// Moves the flat keys of a run config into their sections; refuses unknown keys (naming the
 /// allowed ones) and the test-only fault keys.

@@ -142,6 +142,10 @@ pub fn run(
         }
         _ => None,
     };
+    let mut tensorboard = match (&cfg.tensorboard, info.primary) {
+        (Some(dir), true) => Some(crate::tensorboard::TensorBoard::create(dir)?),
+        _ => None,
+    };
     if let Some(d) = &data {
         tracing::info!(
             model = info.model_type,
@@ -189,6 +193,9 @@ pub fn run(
         seen.record(&record);
         if let Some(w) = &mut metrics {
             w.write(&record)?;
+        }
+        if let Some(tb) = &mut tensorboard {
+            tb.write(&record)?;
         }
         progress.step(&record, tokens);
         done = step;
