@@ -126,7 +126,7 @@ impl BalanceReport {
 }
 
 /// [`ExpertBalance::imbalance`] averaged over `cost`'s MoE layers on `f` expert GPUs.
-fn mean_imbalance(cost: &CostModel, balance: &ExpertBalance, f: usize) -> Result<f64> {
+pub fn mean_imbalance(cost: &CostModel, balance: &ExpertBalance, f: usize) -> Result<f64> {
     let m = &cost.model;
     let layers: Vec<usize> = (0..m.layers).filter(|&l| !m.is_dense(l)).collect();
     let mut sum = 0.0;

@@ -11,7 +11,7 @@ use crate::exchange::{ExchangeDtype, ExchangePrecision};
 use crate::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
 use crate::hardware::Cluster;
 use crate::model_shape::ModelShape;
-use crate::plan::{plan, simulate_schedules, ScheduleResult, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use crate::plan::{mean_imbalance, plan, simulate_schedules, ScheduleResult, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -310,24 +310,15 @@ fn exchange_section(md: &mut String, cluster: &Cluster, names: &[String]) -> Res
             cost.precision.exchange = ExchangePrecision::of(dtype);
             let p = plan(&cost, false, DEFAULT_SEARCH_EVALS)?;
             let (report, _) = simulate_schedules(&cost, names, Some(p.allocation))?;
-            let afpipe = report.schedules.iter().find(|r| r.schedule == "afpipe");
-            let best =
-                report.schedules.iter().filter(|r| r.schedule != "afpipe").min_by(|a, b| a.step_s.total_cmp(&b.step_s));
             let a = &p.allocation;
             let _ = writeln!(
                 md,
-                "| {model} | {} | {} x {}+{} | {} | {} | {} | {} |",
+                "| {model} | {} | {} x {}+{} | {} |",
                 cost.precision.exchange.describe(),
                 a.groups,
                 a.attention_gpus_per_group,
                 a.ffn_gpus_per_group,
-                afpipe.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
-                best.map_or("—".into(), |r| r.schedule.clone()),
-                best.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
-                match (afpipe, best) {
-                    (Some(a), Some(b)) => format!("{:.2}x", b.step_s / a.step_s),
-                    _ => "—".into(),
-                }
+                versus_cells(&report.schedules)
             );
         }
     }
@@ -390,33 +381,36 @@ fn balance_section(md: &mut String, cluster: &Cluster, names: &[String]) -> Resu
                 }
             };
             let a = &p.allocation;
-            let (mut imbalance, mut layers) = (0.0, 0);
-            for l in (0..cost.model.layers).filter(|&l| !cost.model.is_dense(l)) {
-                imbalance += balance.imbalance(l, experts, a.ffn_gpus_per_group)?;
-                layers += 1;
-            }
-            let afpipe = report.schedules.iter().find(|r| r.schedule == "afpipe");
-            let best =
-                report.schedules.iter().filter(|r| r.schedule != "afpipe").min_by(|a, b| a.step_s.total_cmp(&b.step_s));
             let _ = writeln!(
                 md,
-                "| {model} | {} | {placement} | {} x {}+{} | {:.2} | {} | {} | {} | {} |",
+                "| {model} | {} | {placement} | {} x {}+{} | {:.2} | {} |",
                 balance.load.name(),
                 a.groups,
                 a.attention_gpus_per_group,
                 a.ffn_gpus_per_group,
-                imbalance / layers.max(1) as f64,
-                afpipe.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
-                best.map_or("—".into(), |r| r.schedule.clone()),
-                best.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
-                match (afpipe, best) {
-                    (Some(a), Some(b)) => format!("{:.2}x", b.step_s / a.step_s),
-                    _ => "—".into(),
-                }
+                mean_imbalance(&cost, &balance, a.ffn_gpus_per_group)?,
+                versus_cells(&report.schedules)
             );
         }
     }
     Ok(())
+}
+
+/// The cells `AF-Pipe step | fastest baseline | its step | AF-Pipe speedup` of simulated
+/// `schedules` ("—" where a side did not fit).
+fn versus_cells(schedules: &[ScheduleResult]) -> String {
+    let afpipe = schedules.iter().find(|r| r.schedule == "afpipe");
+    let best = schedules.iter().filter(|r| r.schedule != "afpipe").min_by(|a, b| a.step_s.total_cmp(&b.step_s));
+    [
+        afpipe.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
+        best.map_or("—".into(), |r| r.schedule.clone()),
+        best.map_or("—".into(), |r| format!("{:.3}", r.step_s)),
+        match (afpipe, best) {
+            (Some(a), Some(b)) => format!("{:.2}x", b.step_s / a.step_s),
+            _ => "—".into(),
+        },
+    ]
+    .join(" | ")
 }
 
 fn plain(message: &str) -> String {

@@ -95,30 +95,27 @@ impl TensorBoard {
     /// Writes the tags of one step (see the module doc) and flushes them to the file.
     pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
         let s = m.step;
-        self.scalar(s, "loss", m.loss)?;
-        self.scalar(s, "loss/lm", m.lm_loss)?;
-        if let Some(aux) = m.aux_loss {
-            self.scalar(s, "loss/aux", aux)?;
-        }
-        if let Some(z) = m.z_loss {
-            self.scalar(s, "loss/z", z)?;
-        }
-        self.scalar(s, "lr", m.lr)?;
-        self.scalar(s, "grad_norm", m.grad_norm)?;
-        if let Some(scale) = m.loss_scale {
-            self.scalar(s, "loss_scale", scale)?;
-        }
-        self.scalar(s, "throughput/tokens_per_s", m.tokens_per_s)?;
-        self.scalar(s, "time/step_s", m.step_s)?;
-        self.scalar(s, "time/compute_s", m.compute_s)?;
-        self.scalar(s, "comm/exposed_s", m.exposed_comm_s)?;
-        self.scalar(s, "comm/in_flight_wait_s", m.in_flight_wait_s)?;
-        self.scalar(s, "comm/bytes_sent", m.bytes_sent)?;
-        if let Some(loss) = m.eval_loss {
-            self.scalar(s, "eval/loss", loss)?;
-        }
-        if let Some(ppl) = m.eval_perplexity {
-            self.scalar(s, "eval/perplexity", ppl)?;
+        let scalars = [
+            ("loss", Some(m.loss)),
+            ("loss/lm", Some(m.lm_loss)),
+            ("loss/aux", m.aux_loss),
+            ("loss/z", m.z_loss),
+            ("lr", Some(m.lr)),
+            ("grad_norm", Some(m.grad_norm)),
+            ("loss_scale", m.loss_scale),
+            ("throughput/tokens_per_s", Some(m.tokens_per_s)),
+            ("time/step_s", Some(m.step_s)),
+            ("time/compute_s", Some(m.compute_s)),
+            ("comm/exposed_s", Some(m.exposed_comm_s)),
+            ("comm/in_flight_wait_s", Some(m.in_flight_wait_s)),
+            ("comm/bytes_sent", Some(m.bytes_sent)),
+            ("eval/loss", m.eval_loss),
+            ("eval/perplexity", m.eval_perplexity),
+        ];
+        for (tag, value) in scalars {
+            if let Some(v) = value {
+                self.scalar(s, tag, v)?;
+            }
         }
         for load in &m.expert_load {
             let counts: Vec<f64> = load.tokens_per_expert.iter().map(|&c| c as f64).collect();
