@@ -8,7 +8,7 @@ use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
 use disagmoe_core::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
 use disagmoe_core::hardware::Cluster;
 use disagmoe_core::model_shape::ModelShape;
-use disagmoe_core::plan::{plan, simulate_schedules, BalanceReport, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use disagmoe_core::plan::{mean_imbalance, plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
 use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
 use std::path::PathBuf;
 
@@ -284,16 +284,20 @@ pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!("{} on {} at {} tokens", report.model, report.cluster, report.seq);
-    if let Some(b) = report.allocation.map(|a| BalanceReport::of(&cost, &a)).transpose()?.flatten() {
+    let balance = cost.expert_balance();
+    if let (Some(a), false) = (report.allocation, *balance == ExpertBalance::default()) {
+        // The balance of AF-Pipe's expert groups (no extra simulation: `plan` reports the step).
+        let f = a.ffn_gpus_per_group;
+        let contiguous = ExpertBalance { load: balance.load.clone(), ..Default::default() };
         println!(
             "  expert load {}: busiest expert GPU at {:.2}x the mean on AF-Pipe's expert groups with {} \
              placement and {} redundant expert(s) per layer ({:.2}x contiguous without); every schedule is \
              timed with it",
-            b.load,
-            b.imbalance,
-            b.placement.name(),
-            b.redundant_experts,
-            b.imbalance_contiguous
+            balance.load.name(),
+            mean_imbalance(&cost, balance, f)?,
+            balance.placement.name(),
+            balance.redundant,
+            mean_imbalance(&cost, &contiguous, f)?
         );
     }
     for r in &report.schedules {

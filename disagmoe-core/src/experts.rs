@@ -349,7 +349,7 @@ impl ExpertBalance {
 
     /// The busiest of `workers` workers holding `layer`'s `experts` experts (uniform load and the
     /// contiguous split: `ceil(E / f) / E` of the copies on `ceil(E / f)` experts, in closed form).
-    /// Redundant replicas are capped at one of each expert per worker.
+    /// Redundant replicas are capped as in [`Self::slots`].
     pub fn busiest(&self, layer: usize, experts: usize, workers: usize) -> Result<Busiest> {
         let n = workers.max(1);
         if self.load == ExpertLoad::Uniform && self.placement == ExpertPlacement::Contiguous {
@@ -357,26 +357,24 @@ impl ExpertBalance {
             return Ok(Busiest { share: local as f64 / experts.max(1) as f64, experts: local });
         }
         let shares = self.load.shares(layer, experts)?;
-        // Replicas beyond one per worker buy nothing (one worker: none at all).
-        let redundant = self.redundant.min(experts * (n - 1));
         let map = match self.placement {
             ExpertPlacement::Contiguous => ExpertMap::contiguous(experts, n),
-            ExpertPlacement::Balanced => ExpertMap::balanced(&shares, n, redundant)?,
+            ExpertPlacement::Balanced => ExpertMap::balanced(&shares, n, self.slots(experts, n) - experts)?,
         };
         let loads = map.worker_loads(&shares);
         let w = (0..n).max_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(b.cmp(&a))).unwrap_or(0);
         Ok(Busiest { share: loads[w], experts: map.slots[w].len() })
     }
 
-    /// Expert replicas of a layer over all `workers` workers: `E + R`, `R` capped as in
-    /// [`Self::busiest`].
+    /// Expert replicas of a layer over all `workers` workers: `E + R`, `R` capped at one replica of
+    /// each expert per worker (beyond that replicas buy nothing; one worker: none at all).
     pub fn slots(&self, experts: usize, workers: usize) -> usize {
         experts + self.redundant.min(experts * (workers.max(1) - 1))
     }
 
     /// The busiest worker's share over the mean share (1.0: perfectly even).
     pub fn imbalance(&self, layer: usize, experts: usize, workers: usize) -> Result<f64> {
-        let n = workers.max(1).min(experts.max(1).saturating_add(self.redundant));
+        let n = workers.max(1).min(self.slots(experts, workers).max(1));
         Ok(self.busiest(layer, experts, workers)?.share * n as f64)
     }
 }
