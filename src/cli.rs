@@ -243,6 +243,20 @@ pub struct TrainArgs {
     /// its shard, the updated weights all-gathered [default: on].
     #[arg(long, value_name = "on|off")]
     pub distributed_optimizer: Option<Switch>,
+    /// Redundant replicas of hot experts per MoE layer (disagg, ep): the heaviest experts by
+    /// --expert-load get copies on several expert workers, each copy computing an even part of the
+    /// expert's tokens of a micro-batch, its gradients summed over the copies [default: 0].
+    #[arg(long, value_name = "R")]
+    pub redundant_experts: Option<usize>,
+    /// How a layer's experts are placed on its expert workers: contiguous (ranges) or balanced
+    /// (EPLB: replicas of the heaviest experts, packed to even the workers' loads)
+    /// [default: balanced with --redundant-experts, else contiguous].
+    #[arg(long, value_name = "contiguous|balanced")]
+    pub expert_placement: Option<disagmoe_train::ExpertPlacement>,
+    /// The expert load a balanced placement evens: uniform, zipf:S, or an earlier run's
+    /// metrics.jsonl [default: uniform].
+    #[arg(long, value_name = "uniform|zipf:S|METRICS.jsonl")]
+    pub expert_load: Option<String>,
 }
 
 /// `--placement` values.
@@ -337,6 +351,15 @@ impl TrainArgs {
         }
         if let Some(d) = self.optimizer_state_dtype {
             cfg.optimizer.state_dtype = d;
+        }
+        if let Some(r) = self.redundant_experts {
+            cfg.parallel.redundant_experts = r;
+        }
+        if let Some(p) = self.expert_placement {
+            cfg.parallel.expert_placement = Some(p);
+        }
+        if let Some(l) = &self.expert_load {
+            cfg.parallel.expert_load = Some(l.clone());
         }
         if let Some(d) = self.distributed_optimizer {
             cfg.parallel.distributed_optimizer = d == Switch::On;

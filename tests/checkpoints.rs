@@ -282,6 +282,44 @@ fn checkpoints_resume_under_any_other_placement() {
     }
 }
 
+/// A placement with redundant experts (EPLB's balanced placement for a Zipf(1.2) load, two extra
+/// replicas per layer): stopped and resumed the same way, the same run to the bit; its checkpoint
+/// (a replicated expert written once, stacked rows from several runs of one holder) resumes under
+/// a contiguous placement, and a contiguous one's under replicas, within the resharding bound.
+/// Per-expert modules (Qwen3-MoE) and stacked fused experts (GPT-OSS).
+#[test]
+fn redundant_experts_stop_resume_and_reshard() {
+    let tmp = tempfile::tempdir().unwrap();
+    let replicated: &[&str] =
+        &["--placement", "ep", "--workers", "4", "--redundant-experts", "2", "--expert-load", "zipf:1.2"];
+    let disagg_replicated: &[&str] = &[
+        "--placement",
+        "disagg",
+        "--attn-workers",
+        "1",
+        "--ffn-workers",
+        "3",
+        "--groups",
+        "1",
+        "--redundant-experts",
+        "2",
+        "--expert-load",
+        "zipf:1.2",
+    ];
+    for preset in ["tiny-qwen3-moe", "tiny-gpt-oss"] {
+        stop_and_resume_bit_identically(Launch::Local, &tmp.path().join("same"), preset, replicated, SMALL, 8);
+        resharded_resume(Launch::Local, tmp.path(), preset, replicated, DISAGG, "ep 4 with replicas -> disagg 2+2");
+        resharded_resume(
+            Launch::Local,
+            tmp.path(),
+            preset,
+            DISAGG,
+            disagg_replicated,
+            "disagg 2+2 -> disagg 1+3 with replicas",
+        );
+    }
+}
+
 /// A worker killed (SIGKILL) at `at` while the checkpoint of step 4 is written: the newest complete
 /// checkpoint verifies and the run resumes from it to the same end as a straight run, bit for bit.
 fn killed_while_checkpointing(launch: Launch, tmp: &Path) {

@@ -564,6 +564,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "link-gbps",
         "link-latency-us",
         "comm-timeout-s",
+        "redundant-experts",
     ];
     let train_other = [
         "run-config",
@@ -591,6 +592,8 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "exchange-payloads",
         "distributed-optimizer",
         "optimizer-state-dtype",
+        "expert-placement",
+        "expert-load",
     ];
     // (command, numeric options, other options, the base arguments: small valid values)
     let train_base: Vec<(&str, &str)> =
@@ -657,7 +660,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
             // Under every placement for the options that only a distributed run reads.
             let placements: &[&str] = match *opt {
                 "attn-workers" | "ffn-workers" | "groups" | "workers" | "micro-batches" | "in-flight"
-                | "threads-per-worker" | "link-gbps" | "link-latency-us" | "comm-timeout-s" => {
+                | "threads-per-worker" | "link-gbps" | "link-latency-us" | "comm-timeout-s" | "redundant-experts" => {
                     &["single", "ep", "disagg"]
                 }
                 _ => &["default"],

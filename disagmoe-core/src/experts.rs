@@ -261,8 +261,9 @@ impl ExpertMap {
                 field: "redundant_experts".into(),
                 value: redundant.to_string(),
                 allowed: format!(
-                    "at most {} with {e} experts on {n} workers (one replica of each per worker)",
-                    e * (n - 1)
+                    "at most {} with {e} experts on {n} worker{} (one replica of each per worker)",
+                    e * (n - 1),
+                    if n == 1 { "" } else { "s" }
                 ),
             });
         }
@@ -312,6 +313,22 @@ impl ExpertMap {
     pub fn worker_loads(&self, shares: &[f64]) -> Vec<f64> {
         self.slots.iter().map(|s| s.iter().map(|&x| shares[x] / self.replicas[x] as f64).sum()).collect()
     }
+}
+
+/// The routed experts `held` (global ids, any order, repeats ignored) as ascending contiguous runs,
+/// the experts for which `alone` holds each in a run of its own.
+pub fn expert_runs(held: &[usize], alone: impl Fn(usize) -> bool) -> Vec<std::ops::Range<usize>> {
+    let mut ids = held.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for e in ids {
+        match runs.last_mut() {
+            Some(r) if r.end == e && !alone(e) && !alone(r.start) => r.end = e + 1,
+            _ => runs.push(e..e + 1),
+        }
+    }
+    runs
 }
 
 /// The expert side of a plan: the load, the placement policy and the redundant replicas per layer.
@@ -404,6 +421,13 @@ mod tests {
             assert!(e.contains("zipf:S") && e.contains(bad), "{e}");
         }
         assert!("random".parse::<ExpertPlacement>().unwrap_err().to_string().contains("contiguous, balanced"));
+    }
+
+    #[test]
+    fn runs_are_contiguous_and_isolate_the_replicated_experts() {
+        assert_eq!(expert_runs(&[5, 0, 1, 2, 4, 1], |_| false), vec![0..3, 4..6]);
+        assert_eq!(expert_runs(&[0, 1, 2, 4, 5], |e| e == 1), vec![0..1, 1..2, 2..3, 4..6]);
+        assert!(expert_runs(&[], |_| true).is_empty());
     }
 
     #[test]

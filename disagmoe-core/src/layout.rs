@@ -17,6 +17,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
+use crate::experts::{expert_runs, ExpertMap};
 
 /// How a run is placed on workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -77,6 +78,10 @@ pub struct Layout {
     pub shared_experts: Vec<bool>,
     /// Layers with routed experts (the others are dense); set by the runner.
     pub sparse: Vec<bool>,
+    /// Per layer, which experts each of its holders holds when that is not the contiguous split
+    /// of [`Layout::expert_range`] (`None`, or no entry): a balanced placement with redundant
+    /// replicas of hot experts ([`Layout::set_expert_map`]); set by the runner.
+    pub expert_maps: Vec<Option<ExpertMap>>,
 }
 
 impl Layout {
@@ -109,6 +114,7 @@ impl Layout {
             workers: attn + ffn,
             shared_experts: vec![false; layers],
             sparse: vec![true; layers],
+            expert_maps: vec![None; layers],
         })
     }
 
@@ -136,6 +142,7 @@ impl Layout {
             workers,
             shared_experts: vec![false; layers],
             sparse: vec![true; layers],
+            expert_maps: vec![None; layers],
         })
     }
 
@@ -169,6 +176,89 @@ impl Layout {
     pub fn expert_range(&self, index: usize) -> Range<usize> {
         let n = self.ffn_per_group;
         (index * self.experts / n)..((index + 1) * self.experts / n)
+    }
+
+    /// Places `layer`'s experts on its holders by `map` (one slot list per holder of
+    /// [`Layout::ffn_holders`], in that order); refused unless every expert is held somewhere and
+    /// every id is an expert of the layer. An expert listed twice for one holder is held once.
+    pub fn set_expert_map(&mut self, layer: usize, mut map: ExpertMap) -> Result<()> {
+        let holders = self.ffn_holders(layer).len();
+        let e = self.experts;
+        if map.slots.len() != holders {
+            return Err(invalid(
+                "expert_map",
+                map.slots.len(),
+                format!("one slot list per holder of layer {layer} ({holders})"),
+            ));
+        }
+        for s in &mut map.slots {
+            s.sort_unstable();
+            s.dedup();
+            if let Some(&bad) = s.iter().find(|&&x| x >= e) {
+                return Err(invalid("expert_map", bad, format!("expert ids below the layer's {e} experts")));
+            }
+        }
+        map.replicas = (0..e).map(|x| map.slots.iter().filter(|s| s.contains(&x)).count()).collect();
+        if let Some(x) = (0..e).find(|&x| map.replicas[x] == 0) {
+            return Err(invalid("expert_map", x, format!("a placement holding every one of layer {layer}'s experts")));
+        }
+        if self.expert_maps.len() < self.layers {
+            self.expert_maps.resize(self.layers, None);
+        }
+        self.expert_maps[layer] = Some(map);
+        Ok(())
+    }
+
+    /// The explicit placement of `layer`'s experts, if it has one.
+    fn expert_map(&self, layer: usize) -> Option<&ExpertMap> {
+        self.expert_maps.get(layer).and_then(Option::as_ref)
+    }
+
+    /// Routed experts (global ids, ascending) holder `index` (of [`Layout::ffn_holders`]) of
+    /// `layer` holds: its [`Layout::expert_range`], or its slots of an explicit placement.
+    pub fn held_experts(&self, layer: usize, index: usize) -> Vec<usize> {
+        match self.expert_map(layer) {
+            Some(map) => map.slots[index].clone(),
+            None => self.expert_range(index).collect(),
+        }
+    }
+
+    /// How many holders of `layer` hold expert `e` (1 without an explicit placement).
+    pub fn expert_replicas(&self, layer: usize, e: usize) -> usize {
+        self.expert_map(layer).map_or(1, |m| m.replicas[e])
+    }
+
+    /// The holders (ranks, ascending) of `layer` that hold expert `e`.
+    pub fn expert_holders(&self, layer: usize, e: usize) -> Vec<usize> {
+        let holders = self.ffn_holders(layer);
+        (0..holders.len()).filter(|&i| self.held_experts(layer, i).contains(&e)).map(|i| holders[i]).collect()
+    }
+
+    /// The experts holder `index` of `layer` holds as contiguous runs, each replicated expert in a
+    /// run of its own (its gradients are summed with its replicas').
+    pub fn expert_runs(&self, layer: usize, index: usize) -> Vec<Range<usize>> {
+        expert_runs(&self.held_experts(layer, index), |e| self.expert_replicas(layer, e) > 1)
+    }
+
+    /// The distinct groups of holders (ranks, ascending) that share a replicated expert, over every
+    /// layer, in ascending order: the groups a replicated expert's gradients are summed over.
+    pub fn expert_replica_groups(&self) -> Vec<Vec<usize>> {
+        let mut groups: Vec<Vec<usize>> = (0..self.layers)
+            .filter(|&l| self.expert_map(l).is_some())
+            .flat_map(|l| {
+                (0..self.experts)
+                    .filter(move |&e| self.expert_replicas(l, e) > 1)
+                    .map(move |e| self.expert_holders(l, e))
+            })
+            .collect();
+        groups.sort();
+        groups.dedup();
+        groups
+    }
+
+    /// Whether any layer has an expert held by more than one holder.
+    pub fn has_replicas(&self) -> bool {
+        self.expert_maps.iter().flatten().any(|m| m.replicas.iter().any(|&r| r > 1))
     }
 
     /// Layers whose attention `worker` holds.

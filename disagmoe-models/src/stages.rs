@@ -13,7 +13,7 @@
 //! logits = head(norm(h_L))
 //! ```
 //!
-//! An expert stage can hold a contiguous range of a layer's experts ([`ExpertStage::shard`]); then
+//! An expert stage can hold any set of a layer's experts (contiguous runs, [`expert_runs`]); then
 //! each holder computes the gate-weighted sum of its own experts' outputs for the tokens it got, and
 //! the partial sums add up to the layer's output.
 //!
@@ -30,7 +30,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::balance::AuxLoss;
 use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::families::FamilyConfig;
 use crate::init::Init;
 use crate::moe::{Dispatch, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
@@ -190,27 +190,36 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
     }
 }
 
-/// The expert side of one decoder layer: a range of its routed experts and, where this holder has
+/// The expert side of one decoder layer: some of its routed experts and, where this holder has
 /// them, the shared experts or the dense MLP.
+///
+/// The routed experts held are any set of global ids, kept as contiguous runs (`runs`), one expert
+/// module per run: a holder of a contiguous range has one run, a holder of a balanced placement
+/// (hot experts replicated, replicas packed to even the load) has several, and the runtime may
+/// keep a replicated expert in a run of its own so that its gradients can be summed with its
+/// replicas'.
 #[derive(Module, Debug)]
 pub struct ExpertStage<B: Backend, X: Module<B>> {
-    /// Routed experts `first_expert..first_expert + n` (absent on dense layers and on holders of no
-    /// routed expert).
-    pub experts: Option<X>,
+    /// The routed experts of each run of `runs`, in order (empty on dense layers and on holders of
+    /// no routed expert).
+    pub experts: Vec<X>,
     /// Shared experts every token goes through (DeepSeek).
     pub shared_experts: Option<SwiGluMlp<B>>,
     /// The MLP of a dense layer.
     pub dense: Option<SwiGluMlp<B>>,
-    /// Global id of the first routed expert held.
+    /// The global ids of each module of `experts`: ascending, disjoint, non-empty ranges.
     #[module(skip)]
-    pub first_expert: usize,
+    pub runs: Vec<Range<usize>>,
 }
 
+pub use disagmoe_core::experts::expert_runs;
+
 impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
-    /// The expert side of `layer` of a family's model holding the routed experts `experts` (global
-    /// ids; empty on dense layers) and, when `first_holder`, the shared experts or the dense MLP;
-    /// from `init` (rooted at the model). Nothing else is allocated.
-    pub fn init<C>(config: &C, layer: usize, experts: Range<usize>, first_holder: bool, init: &Init<B>) -> Self
+    /// The expert side of `layer` of a family's model holding the routed experts of `runs`
+    /// (global ids, ascending disjoint ranges, see [`expert_runs`]; empty on dense layers) and,
+    /// when `first_holder`, the shared experts or the dense MLP; from `init` (rooted at the model).
+    /// Nothing else is allocated.
+    pub fn init<C>(config: &C, layer: usize, runs: &[Range<usize>], first_holder: bool, init: &Init<B>) -> Self
     where
         C: FamilyConfig<Experts<B> = X>,
     {
@@ -218,16 +227,18 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         let init = init.child(ffn_prefix(layer, C::FFN_NAME));
         if !config.is_sparse_layer(layer) {
             let dense = first_holder.then(|| SwiGluMlp::new(d.hidden_size, d.dense_intermediate_size, &init));
-            return Self { experts: None, shared_experts: None, dense, first_expert: 0 };
+            return Self { experts: Vec::new(), shared_experts: None, dense, runs: Vec::new() };
         }
+        let runs: Vec<Range<usize>> = runs.iter().filter(|r| !r.is_empty()).cloned().collect();
+        debug_assert!(runs.windows(2).all(|w| w[0].end <= w[1].start), "ascending disjoint runs: {runs:?}");
         Self {
-            first_expert: experts.start,
-            experts: (!experts.is_empty()).then(|| config.experts(layer, experts, &init.child("experts"))),
+            experts: runs.iter().map(|r| config.experts(layer, r.clone(), &init.child("experts"))).collect(),
             shared_experts: config
                 .shared_expert_intermediate()
                 .filter(|_| first_holder)
                 .map(|inter| SwiGluMlp::new(d.hidden_size, inter, &init.child("shared_experts"))),
             dense: None,
+            runs,
         }
     }
 
@@ -241,7 +252,7 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         device: &B::Device,
     ) -> Result<()> {
         let prefix = ffn_prefix(layer, ffn_name);
-        if let Some(x) = &mut self.experts {
+        for x in &mut self.experts {
             x.load(ckpt, &format!("{prefix}.experts"), device)?;
         }
         if let Some(shared) = &mut self.shared_experts {
@@ -257,9 +268,15 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
     /// saves its rows under the whole tensor's name).
     pub fn save(&self, sink: &mut TensorSink, layer: usize, ffn_name: &str) {
         let prefix = ffn_prefix(layer, ffn_name);
-        if let Some(x) = &self.experts {
+        for x in &self.experts {
             x.save(sink, &format!("{prefix}.experts"));
         }
+        self.save_shared(sink, layer, ffn_name);
+    }
+
+    /// Saves the shared experts and the dense MLP only (see [`ExpertStage::save`]).
+    pub fn save_shared(&self, sink: &mut TensorSink, layer: usize, ffn_name: &str) {
+        let prefix = ffn_prefix(layer, ffn_name);
         if let Some(shared) = &self.shared_experts {
             shared.save(sink, &format!("{prefix}.shared_experts"));
         }
@@ -268,10 +285,9 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         }
     }
 
-    /// Routed experts held.
-    pub fn local_experts(&self) -> Range<usize> {
-        let n = self.experts.as_ref().map(|x| x.num_experts()).unwrap_or(0);
-        self.first_expert..self.first_expert + n
+    /// Routed experts held (global ids, ascending).
+    pub fn held(&self) -> Vec<usize> {
+        self.runs.iter().flat_map(|r| r.clone()).collect()
     }
 
     /// Whether every token of the layer must come here (shared experts or dense MLP).
@@ -279,39 +295,11 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         self.shared_experts.is_some() || self.dense.is_some()
     }
 
-    /// Keeps the routed experts in `range` (global ids) and, when `keep_shared`, the shared experts
-    /// and dense MLP.
-    pub fn shard(self, range: Range<usize>, keep_shared: bool) -> Result<Self> {
-        let Self { experts, shared_experts, dense, first_expert } = self;
-        let experts = match experts {
-            Some(x) if range.is_empty() => {
-                drop(x);
-                None
-            }
-            Some(x) => {
-                let held = first_expert..first_expert + x.num_experts();
-                if range.start < held.start || range.end > held.end {
-                    return Err(ModelError::InvalidInput(format!(
-                        "expert shard {range:?} is not inside the experts held ({held:?})"
-                    )));
-                }
-                Some(if range == held { x } else { x.shard((range.start - first_expert)..(range.end - first_expert))? })
-            }
-            None => None,
-        };
-        Ok(Self {
-            experts,
-            shared_experts: shared_experts.filter(|_| keep_shared),
-            dense: dense.filter(|_| keep_shared),
-            first_expert: range.start,
-        })
-    }
-
     /// This holder's share of the layer output for the tokens it was sent.
     ///
-    /// `ids[t * k + j]` is the global expert of token `t`'s `j`-th choice; choices outside
-    /// [`ExpertStage::local_experts`] are other holders' and are skipped. `weights` are the gate
-    /// weights of all `k` choices. Dense layers ignore `weights` and `ids`.
+    /// `ids[t * k + j]` is the global expert of token `t`'s `j`-th choice; choices of experts not
+    /// held here ([`ExpertStage::held`]; other holders', another replica's, or dropped) are skipped.
+    /// `weights` are the gate weights of all `k` choices. Dense layers ignore `weights` and `ids`.
     ///
     /// # Shapes
     /// - y: `[n, M]`; weights: `[n, k]`; ids: `n * k` -> `[n, M]`
@@ -321,17 +309,18 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
         if let Some(dense) = &self.dense {
             return dense.forward(y);
         }
-        if let (Some(experts), Some(w)) = (&self.experts, weights) {
+        if let (false, Some(w)) = (self.experts.is_empty(), weights) {
             let k = if n == 0 { 1 } else { ids.len() / n };
             // 1. The model's dispatch over this holder's experts: a stable counting sort of the
             //    (token, choice) slots that chose them; the others are other holders' share.
-            let dispatch = Dispatch::for_experts(ids, self.local_experts(), k);
+            let dispatch = Dispatch::for_expert_set(ids, &self.held(), k);
             if dispatch.rows() > 0 {
-                // 2. Permute (and the shared experts' input), compute, and combine gate-weighted
-                //    back in token order with the shared experts' output, adding in the order one
-                //    device adds the same terms (forward and backward).
+                // 2. Permute (and the shared experts' input), compute run by run (a run's rows are
+                //    contiguous in expert order), and combine gate-weighted back in token order
+                //    with the shared experts' output, adding in the order one device adds the same
+                //    terms (forward and backward).
                 let (xs, shared_in) = dispatch.permute(y, self.shared_experts.is_some()); // [N, M], [n, M]
-                let ys = experts.forward_grouped(xs, &dispatch.counts); // [N, M]
+                let ys = self.forward_runs(xs, &dispatch.counts); // [N, M]
                 let shared = self.shared_experts.as_ref().zip(shared_in).map(|(shared, x)| shared.forward(x));
                 return dispatch.combine(ys, w, shared); // [n, M]
             }
@@ -341,6 +330,24 @@ impl<B: Backend, X: Module<B> + Experts<B>> ExpertStage<B, X> {
             None => Tensor::zeros([n, m], &device),
         }
     }
+
+    /// Each run's experts on its rows of `xs` (rows sorted by held expert, `counts` per held
+    /// expert), concatenated in the same order.
+    fn forward_runs(&self, xs: Tensor<B, 2>, counts: &[usize]) -> Tensor<B, 2> {
+        if let [x] = self.experts.as_slice() {
+            return x.forward_grouped(xs, counts);
+        }
+        let (mut outs, mut row, mut at) = (Vec::with_capacity(self.runs.len()), 0, 0);
+        for (x, run) in self.experts.iter().zip(&self.runs) {
+            let c = &counts[at..at + run.len()];
+            let n: usize = c.iter().sum();
+            if n > 0 {
+                outs.push(x.forward_grouped(xs.clone().narrow(0, row, n), c));
+            }
+            (row, at) = (row + n, at + run.len());
+        }
+        Tensor::cat(outs, 0)
+    }
 }
 
 impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForward<B, R, X> {
@@ -348,10 +355,11 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForwar
     pub fn split(self) -> (Option<R>, ExpertStage<B, X>) {
         match self {
             FeedForward::Sparse(SparseMoeBlock { gate, experts, shared_experts, .. }) => {
-                (Some(gate), ExpertStage { experts: Some(experts), shared_experts, dense: None, first_expert: 0 })
+                let runs = vec![0..experts.num_experts()];
+                (Some(gate), ExpertStage { experts: vec![experts], shared_experts, dense: None, runs })
             }
             FeedForward::Dense(mlp) => {
-                (None, ExpertStage { experts: None, shared_experts: None, dense: Some(mlp), first_expert: 0 })
+                (None, ExpertStage { experts: Vec::new(), shared_experts: None, dense: Some(mlp), runs: Vec::new() })
             }
         }
     }

@@ -20,6 +20,10 @@ pub struct ExpertLoad {
     pub dead_experts: usize,
     /// Routed copies dropped for capacity (`--capacity-factor`; 0 when dropless).
     pub dropped: usize,
+    /// The busiest expert worker's routed copies over the mean of the layer's expert workers, per
+    /// micro-batch (the step's sums of both); distributed runs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_imbalance: Option<f64>,
 }
 
 impl ExpertLoad {
@@ -34,6 +38,7 @@ impl ExpertLoad {
             max_mean_ratio: if mean > 0.0 { max / mean } else { 0.0 },
             dead_experts: counts.iter().filter(|&&c| c == 0).count(),
             dropped: 0,
+            worker_imbalance: None,
         }
     }
 }

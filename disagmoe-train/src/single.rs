@@ -281,6 +281,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             skipped: !finite,
             expert_counts: sums.counts,
             dropped: sums.dropped,
+            worker_imbalance: Vec::new(),
             timing: StepTiming { compute_s: t0.elapsed().as_secs_f64(), ..Default::default() },
             stop: stop.load(Ordering::SeqCst),
         })

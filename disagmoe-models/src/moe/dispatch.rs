@@ -53,6 +53,29 @@ impl Dispatch {
         Self { counts, slots, top_k, experts: ids.to_vec() }
     }
 
+    /// The same sort of only the copies routed to the experts `held` (global ids, ascending; a
+    /// holder of any set of experts): `counts` has one entry per held expert, in that order.
+    pub fn for_expert_set(ids: &[usize], held: &[usize], top_k: usize) -> Self {
+        debug_assert!(held.windows(2).all(|w| w[0] < w[1]), "held experts ascending");
+        if let (Some(&first), Some(&last)) = (held.first(), held.last()) {
+            if last + 1 - first == held.len() {
+                return Self::for_experts(ids, first..last + 1, top_k);
+            }
+        }
+        let local = |e: &usize| held.binary_search(e).ok();
+        let mut counts = vec![0usize; held.len()];
+        for i in ids.iter().filter_map(local) {
+            counts[i] += 1;
+        }
+        let mut next = exclusive_prefix_sum(&counts);
+        let mut slots = vec![0usize; counts.iter().sum()];
+        for (slot, i) in ids.iter().enumerate().filter_map(|(s, e)| local(e).map(|i| (s, i))) {
+            slots[next[i]] = slot;
+            next[i] += 1;
+        }
+        Self { counts, slots, top_k, experts: ids.to_vec() }
+    }
+
     /// Routed copies sorted here (`N`).
     pub fn rows(&self) -> usize {
         self.slots.len()

@@ -7,7 +7,7 @@
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
-//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer`, `redundant_experts`, `expert_placement`, `expert_load` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
@@ -42,7 +42,8 @@ pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
 pub use self::optimizer::{OptimizerOptions, StateDtype};
 pub use self::parallel::{
-    AllocationMode, ExchangeDtype, ExchangePayloads, ExchangePrecision, ParallelOptions, Placement, TransportKind,
+    AllocationMode, ExchangeDtype, ExchangePayloads, ExchangePrecision, ExpertLoad, ExpertPlacement, ParallelOptions,
+    Placement, TransportKind,
 };
 pub use self::precision::{NonFinitePolicy, Precision, PrecisionOptions};
 use crate::error::{Result, TrainError};
@@ -183,6 +184,9 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("exchange_grad_dtype", "exchange_grad_dtype"),
             ("exchange_payloads", "exchange_payloads"),
             ("distributed_optimizer", "distributed_optimizer"),
+            ("redundant_experts", "redundant_experts"),
+            ("expert_placement", "expert_placement"),
+            ("expert_load", "expert_load"),
         ],
     ),
     (
@@ -339,7 +343,15 @@ mod tests {
                     serde_json::Value::Number(n) if n.is_u64() => vec![(n.as_u64().unwrap() + 1).to_string()],
                     serde_json::Value::Number(n) => vec![format!("{:?}", n.as_f64().unwrap() + 0.5)],
                     serde_json::Value::String(s) => vec![format!("{s:?}")],
-                    _ => vec!["1".into(), "0.5".into(), "\"x\"".into(), "[]".into(), "true".into(), "\"bf16\"".into()],
+                    _ => vec![
+                        "1".into(),
+                        "0.5".into(),
+                        "\"x\"".into(),
+                        "[]".into(),
+                        "true".into(),
+                        "\"bf16\"".into(),
+                        "\"balanced\"".into(),
+                    ],
                 };
                 let (nested, text) = candidates
                     .iter()

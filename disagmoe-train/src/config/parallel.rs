@@ -44,6 +44,7 @@ fn node_ranks() -> usize {
 }
 
 pub use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
+pub use disagmoe_core::experts::{ExpertLoad, ExpertPlacement};
 pub use disagmoe_core::layout::Placement;
 
 use super::Precision;
@@ -183,6 +184,18 @@ pub struct ParallelOptions {
     /// distributed optimizer). Default on; off all-reduces the gradients and every copy keeps every
     /// moment.
     pub distributed_optimizer: bool,
+    /// Redundant replicas of hot experts per MoE layer (`disagg`, `ep`): a layer's expert workers
+    /// hold `E + R` expert slots, the heaviest experts (by `expert_load`) in several, each copy of
+    /// a replicated expert computing some of its tokens (an even split per micro-batch), its
+    /// gradients summed over its copies. Needs `expert_placement = balanced` (its default then).
+    pub redundant_experts: usize,
+    /// How a layer's experts are placed on its expert workers: `contiguous` (ranges of experts) or
+    /// `balanced` (DeepSeek's EPLB: replicate the heaviest experts, pack the copies so every worker
+    /// gets the same load). Default: `balanced` with `redundant_experts`, else `contiguous`.
+    pub expert_placement: Option<ExpertPlacement>,
+    /// The expert load a `balanced` placement evens: `uniform`, `zipf:S`, or the path of an earlier
+    /// run's `metrics.jsonl` (its measured loads). Default: uniform.
+    pub expert_load: Option<String>,
 }
 
 impl Default for ParallelOptions {
@@ -207,6 +220,9 @@ impl Default for ParallelOptions {
             exchange_grad_dtype: None,
             exchange_payloads: ExchangePayloads::Auto,
             distributed_optimizer: true,
+            redundant_experts: 0,
+            expert_placement: None,
+            expert_load: None,
         }
     }
 }
@@ -272,6 +288,23 @@ impl ParallelOptions {
             Precision::Bf16 | Precision::F16 => ExchangeDtype::Bf16,
         });
         ExchangePrecision::new(dtype, self.exchange_grad_dtype).unwrap_or(ExchangePrecision::F32)
+    }
+
+    /// The expert placement, the default filled in.
+    pub fn expert_placement(&self) -> ExpertPlacement {
+        self.expert_placement.unwrap_or(if self.redundant_experts > 0 {
+            ExpertPlacement::Balanced
+        } else {
+            ExpertPlacement::Contiguous
+        })
+    }
+
+    /// The load a balanced placement evens (`expert_load` read: a metrics file is read here).
+    pub fn expert_load(&self) -> Result<ExpertLoad> {
+        match &self.expert_load {
+            None => Ok(ExpertLoad::Uniform),
+            Some(spec) => ExpertLoad::from_arg(spec).map_err(|e| TrainError::option("expert_load", e.to_string())),
+        }
     }
 
     /// Whether the run is distributed over workers.
@@ -355,6 +388,36 @@ impl ParallelOptions {
                 "exchange_payloads",
                 "device needs transport local (one process's device memory) or nccl (device to device); allowed with mpi: auto, host",
             ));
+        }
+        if self.redundant_experts > 0 && self.expert_placement() == ExpertPlacement::Contiguous {
+            return Err(TrainError::option(
+                "redundant_experts",
+                format!(
+                    "needs expert_placement balanced (contiguous places each expert once), got {}",
+                    self.redundant_experts
+                ),
+            ));
+        }
+        if self.expert_load.is_some() {
+            self.expert_load()?;
+            if self.expert_placement() == ExpertPlacement::Contiguous {
+                return Err(TrainError::option(
+                    "expert_load",
+                    "is what a balanced placement evens; set expert_placement balanced (or redundant_experts) for it to be used",
+                ));
+            }
+        }
+        if !self.distributed()
+            && (self.redundant_experts > 0 || self.expert_placement.is_some() || self.expert_load.is_some())
+        {
+            let field = if self.redundant_experts > 0 {
+                "redundant_experts"
+            } else if self.expert_placement.is_some() {
+                "expert_placement"
+            } else {
+                "expert_load"
+            };
+            return Err(TrainError::option(field, "needs placement disagg or ep (one device holds every expert once)"));
         }
         // The dtypes are parsed already: only the gradients' can be refused.
         ExchangePrecision::new(ExchangeDtype::Bf16, self.exchange_grad_dtype)

@@ -215,8 +215,8 @@ pub fn block_rounds(
 #[derive(Debug)]
 pub struct Ring {
     me: usize,
-    /// All-reduces run so far per group (first rank, size).
-    counts: HashMap<(usize, usize), u64>,
+    /// All-reduces run so far per group.
+    counts: HashMap<Vec<usize>, u64>,
 }
 
 impl Ring {
@@ -225,12 +225,14 @@ impl Ring {
         Self { me, counts: HashMap::new() }
     }
 
-    /// The number of the next all-reduce over `group`: first rank, size and count packed in 64
-    /// bits (16, 16 and 32).
+    /// The number of the next all-reduce over `group`: a 32-bit digest of its members and the
+    /// group's count of all-reduces, packed in 64 bits. Groups that share members (a worker's
+    /// attention copies, the holders of each of several replicated experts) get different numbers,
+    /// so a chunk that arrives early for one of them is never taken for another's.
     fn next_op(&mut self, group: &[usize]) -> u64 {
-        let count = self.counts.entry((group[0], group.len())).or_insert(0);
+        let count = self.counts.entry(group.to_vec()).or_insert(0);
         *count += 1;
-        ((group[0] as u64) << 48) | ((group.len() as u64) << 32) | *count
+        (group_digest(group) << 32) | (*count & 0xFFFF_FFFF)
     }
 
     fn sum<T: ReduceValues>(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [T]) -> Result<()> {
@@ -270,6 +272,19 @@ impl AllReduce for Ring {
     fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()> {
         self.rounds(via, group, data, Half::AllGather)
     }
+}
+
+/// A 32-bit digest of a group's members (SplitMix64 over them, in order).
+fn group_digest(group: &[usize]) -> u64 {
+    let mut h = 0x243F_6A88_85A3_08D3u64 ^ group.len() as u64;
+    for &r in group {
+        h = h.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_add(r as u64);
+        let mut z = h;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h = z ^ (z >> 31);
+    }
+    h >> 32
 }
 
 /// One all-reduce's chunks over a [`Transit`].

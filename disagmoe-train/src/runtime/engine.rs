@@ -384,11 +384,13 @@ fn reducer_of(transport: TransportKind, layout: &Layout, rank: usize) -> Result<
     Ok(match transport {
         #[cfg(feature = "nccl")]
         TransportKind::Nccl => {
-            let mpi = super::mpi::MpiGroups::new(&layout.replicas(rank));
+            let mpi = super::mpi::MpiGroups::new(&layout.replicas(rank), &layout.expert_replica_groups());
             Box::new(super::nccl::NcclGroups::new(&mpi, rank)?)
         }
         #[cfg(feature = "mpi")]
-        TransportKind::Mpi => Box::new(super::mpi::MpiGroups::new(&layout.replicas(rank))),
+        TransportKind::Mpi => {
+            Box::new(super::mpi::MpiGroups::new(&layout.replicas(rank), &layout.expert_replica_groups()))
+        }
         // `nccl` without the feature is refused before any worker starts.
         _ => Box::new(Ring::new(rank)),
     })

@@ -65,6 +65,26 @@ pub fn layout_of(cfg: &RunConfig, layers: usize, experts: usize) -> Result<Layou
     }
 }
 
+/// Places every MoE layer's experts as `[parallel]` asks: the contiguous ranges (nothing to do),
+/// or EPLB's balanced placement of `E + redundant_experts` slots for the `expert_load`
+/// (`disagmoe_core::experts::ExpertMap::balanced`), every process computing the same one.
+pub fn place_experts(cfg: &RunConfig, layout: &mut Layout) -> Result<()> {
+    use disagmoe_core::experts::{ExpertMap, ExpertPlacement};
+    let p = &cfg.parallel;
+    if p.expert_placement() == ExpertPlacement::Contiguous {
+        return Ok(());
+    }
+    let load = p.expert_load()?;
+    let sparse: Vec<usize> = (0..layout.layers).filter(|&l| layout.sparse[l]).collect();
+    for l in sparse {
+        let shares = load.shares(l, layout.experts).map_err(layout::option_error)?;
+        let holders = layout.ffn_holders(l).len();
+        let map = ExpertMap::balanced(&shares, holders, p.redundant_experts).map_err(layout::option_error)?;
+        layout.set_expert_map(l, map).map_err(layout::option_error)?;
+    }
+    Ok(())
+}
+
 /// Everything a worker needs besides its endpoint and its part.
 pub(crate) struct Shared<B: AutodiffBackend> {
     pub(crate) cfg: RunConfig,
@@ -276,6 +296,7 @@ where
     layout.shared_experts =
         (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
     layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
+    place_experts(cfg, &mut layout)?;
     let rope = config.rope().tables::<B>(cfg.data.seq, &devices[0]);
     let source = match (resume, &cfg.model.dir) {
         (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),

@@ -311,23 +311,35 @@ pub(crate) fn start_mpi() -> Result<Universe> {
     Ok(universe)
 }
 
-/// The MPI communicators a worker sums over: a duplicate of the world for the global sums, and its
-/// attention group's copies (a split of the world by group).
+/// The MPI communicators a worker sums over: a duplicate of the world for the global sums, its
+/// attention group's copies (a split of the world by group), and the groups of holders of a
+/// replicated expert it belongs to (one split each).
 pub struct MpiGroups {
     world: SimpleCommunicator,
     replicas: Option<(Vec<usize>, SimpleCommunicator)>,
+    experts: Vec<(Vec<usize>, SimpleCommunicator)>,
 }
 
 impl MpiGroups {
     /// Every process calls it at the same point (it splits the world collectively): `replicas` are
     /// the ranks whose attention-side parameters are copies of this rank's (empty for pure expert
-    /// workers).
-    pub fn new(replicas: &[usize]) -> Self {
+    /// workers); `expert_groups` are the run's groups of holders of a replicated expert
+    /// (`Layout::expert_replica_groups`, the same list on every process).
+    pub fn new(replicas: &[usize], expert_groups: &[Vec<usize>]) -> Self {
         let world = SimpleCommunicator::world();
         let color = if replicas.len() > 1 { Color::with_value(replicas[0] as i32) } else { Color::undefined() };
         let split = world.split_by_color(color);
         let replicas = split.filter(|_| replicas.len() > 1).map(|c| (replicas.to_vec(), c));
-        Self { world: world.duplicate(), replicas }
+        let me = world.rank() as usize;
+        let experts = expert_groups
+            .iter()
+            .filter_map(|group| {
+                let member = group.contains(&me);
+                let color = if member { Color::with_value(0) } else { Color::undefined() };
+                world.split_by_color(color).filter(|_| member).map(|c| (group.clone(), c))
+            })
+            .collect();
+        Self { world: world.duplicate(), replicas, experts }
     }
 
     /// Sums `data` over `group` (every worker, or this worker's copies) with `MPI_Allreduce`, in
@@ -344,11 +356,15 @@ impl MpiGroups {
         Ok(())
     }
 
-    /// The MPI communicator of `group` (every worker, or this worker's copies).
+    /// The MPI communicator of `group` (every worker, this worker's copies, or the holders of a
+    /// replicated expert).
     fn communicator(&self, group: &[usize]) -> Result<&SimpleCommunicator> {
         match &self.replicas {
             Some((ranks, comm)) if ranks == group => Ok(comm),
             _ if group.len() == self.world.size() as usize => Ok(&self.world),
+            _ if self.experts.iter().any(|(g, _)| g == group) => {
+                Ok(&self.experts.iter().find(|(g, _)| g == group).expect("found").1)
+            }
             _ => Err(TrainError::Worker {
                 worker: self.world.rank() as usize,
                 cause: format!("no MPI communicator for the group {group:?}"),
@@ -367,6 +383,11 @@ impl MpiGroups {
     /// This worker's copies, when it has any (the group of its attention-side all-reduce).
     pub fn replicas(&self) -> Option<&[usize]> {
         self.replicas.as_ref().map(|(r, _)| r.as_slice())
+    }
+
+    /// The groups of holders of a replicated expert this worker belongs to, in the run's order.
+    pub fn expert_groups(&self) -> impl Iterator<Item = &[usize]> {
+        self.experts.iter().map(|(g, _)| g.as_slice())
     }
 
     /// Every worker of the job.

@@ -395,6 +395,11 @@ pub enum Msg {
         layer: usize,
         /// Token indices within the micro-batch.
         tokens: Vec<u32>,
+        /// Under an explicit expert placement (`Layout::set_expert_map`), the lowest and highest
+        /// key (`disagmoe_kernels::order`) of the terms this share adds for each token, `2 n`
+        /// values: where each token's row sits in the order of addition. Empty otherwise (the
+        /// holder's range key places every row).
+        spans: Vec<u32>,
         /// `[n, M]`
         out: Packed,
     },
@@ -484,7 +489,7 @@ impl Msg {
             Msg::Dispatch { tokens, y, weights, ids, .. } => {
                 tokens.len() * 4 + t(y) + weights.as_ref().map(t).unwrap_or(0) + ids.len() * 4
             }
-            Msg::Combine { tokens, out, .. } => tokens.len() * 4 + t(out),
+            Msg::Combine { tokens, spans, out, .. } => tokens.len() * 4 + spans.len() * 4 + t(out),
             Msg::Residual { x, aux, .. } => {
                 t(x) + aux.layers.iter().map(|l| l.routing.counts.len() * 4 + l.prob_sum.len() * 8).sum::<usize>()
             }
@@ -520,7 +525,12 @@ impl Msg {
                 }
                 Ok(())
             }
-            Msg::Combine { tokens, out, .. } => rows("combine", out, tokens.len()),
+            Msg::Combine { tokens, spans, out, .. } => {
+                if !spans.is_empty() && spans.len() != 2 * tokens.len() {
+                    return Err(format!("combine: {} key spans for {} tokens", spans.len(), tokens.len()));
+                }
+                rows("combine", out, tokens.len())
+            }
             Msg::Residual { x, .. } => tensor("residual", x).map(drop),
             Msg::GradCombine { g, .. } | Msg::GradResidual { g, .. } => tensor("gradient", g).map(drop),
             Msg::GradDispatch { gy, gw, .. } => {
@@ -540,7 +550,9 @@ impl Msg {
             Msg::Dispatch { mb, layer, tokens, y, weights, ids } => {
                 Msg::Dispatch { mb, layer, tokens, y: y.pack(d), weights: weights.map(|w| w.pack(c)), ids }
             }
-            Msg::Combine { mb, layer, tokens, out } => Msg::Combine { mb, layer, tokens, out: out.pack(c) },
+            Msg::Combine { mb, layer, tokens, spans, out } => {
+                Msg::Combine { mb, layer, tokens, spans, out: out.pack(c) }
+            }
             Msg::Residual { mb, layer, x, aux } => Msg::Residual { mb, layer, x: x.pack(c), aux },
             Msg::GradCombine { mb, layer, g: t } => Msg::GradCombine { mb, layer, g: t.pack(g) },
             Msg::GradResidual { mb, layer, g: t, aux_coef } => Msg::GradResidual { mb, layer, g: t.pack(g), aux_coef },
@@ -810,7 +822,7 @@ mod tests {
         let t = |rows: usize| Packed::from(HostTensor { shape: vec![rows, 2], data: vec![0.0; rows * 2] });
         let combine = |mb, layer, tokens: Vec<u32>| {
             let out = t(tokens.len());
-            Msg::Combine { mb, layer, tokens, out }
+            Msg::Combine { mb, layer, tokens, spans: Vec::new(), out }
         };
         assert_eq!(combine(1, 2, vec![0, 7]).admit(3, &run), Ok(()));
         assert_eq!(Msg::Shutdown.admit(3, &run), Ok(()));

@@ -326,8 +326,9 @@ impl Endpoint for NcclEndpoint {
     }
 }
 
-/// The NCCL communicators of a worker's all-reduces: every worker (global sums) and, for an
-/// attention worker with data-parallel copies, its copies (the gradient all-reduce). Made in the
+/// The NCCL communicators of a worker's all-reduces: every worker (global sums), for an attention
+/// worker with data-parallel copies its copies (the gradient all-reduce), and the groups of
+/// holders of a replicated expert it belongs to. Made in the
 /// worker's own thread, after [`super::mpi::MpiGroups`] (whose communicators carry the unique ids).
 ///
 /// Values are host slices (the gradients of a worker are read to the host for the optimizer
@@ -338,6 +339,7 @@ pub struct NcclGroups {
     rank: usize,
     everyone: (Vec<usize>, Comm),
     replicas: Option<(Vec<usize>, Comm)>,
+    experts: Vec<(Vec<usize>, Comm)>,
 }
 
 impl NcclGroups {
@@ -373,7 +375,8 @@ impl NcclGroups {
             Some(group) => Some((group.to_vec(), comm(group)?)),
             None => None,
         };
-        Ok(Self { rank, everyone, replicas })
+        let experts = mpi.expert_groups().map(|g| Ok((g.to_vec(), comm(g)?))).collect::<Result<_>>()?;
+        Ok(Self { rank, everyone, replicas, experts })
     }
 
     /// The communicator of `group`.
@@ -381,6 +384,9 @@ impl NcclGroups {
         match &self.replicas {
             Some((ranks, comm)) if ranks == group => Ok(comm),
             _ if self.everyone.0 == group => Ok(&self.everyone.1),
+            _ if self.experts.iter().any(|(g, _)| g == group) => {
+                Ok(&self.experts.iter().find(|(g, _)| g == group).expect("found").1)
+            }
             _ => Err(nccl_error(self.rank, format!("no communicator for the group {group:?}"))),
         }
     }

@@ -57,7 +57,7 @@ pub fn build_part<B: AutodiffBackend, C: FamilyConfig>(
     let experts: Vec<_> = layout
         .ffn_layers(rank)
         .into_iter()
-        .map(|(l, i)| ExpertStage::init(config, l, layout.expert_range(i), i == 0, &init))
+        .map(|(l, i)| ExpertStage::init(config, l, &layout.expert_runs(l, i), i == 0, &init))
         .collect();
     let mut part = WorkerPart { ends, attention, experts };
     if let WeightSource::Checkpoint(dir) = source {
@@ -127,13 +127,21 @@ where
             }
         }
         for (stage, (l, _)) in self.experts.iter().zip(layout.ffn_layers(rank)) {
-            if stage.experts.as_ref().is_some_and(|x| x.fused()) {
-                let mut sink = new_sink();
-                stage.save(&mut sink, l, ffn_name);
-                stacked.push(StackedRows { layer: l, first: stage.first_expert, sink });
-            } else {
-                stage.save(&mut whole, l, ffn_name);
+            let prefix = format!("model.layers.{l}.{ffn_name}.experts");
+            for (x, run) in stage.experts.iter().zip(&stage.runs) {
+                // A replicated expert is counted by its first holder.
+                if counted_once && !counts_run(layout, l, run, rank) {
+                    continue;
+                }
+                if x.fused() {
+                    let mut sink = new_sink();
+                    x.save(&mut sink, &prefix);
+                    stacked.push(StackedRows { layer: l, first: run.start, sink });
+                } else {
+                    x.save(&mut whole, &prefix);
+                }
             }
+            stage.save_shared(&mut whole, l, ffn_name);
         }
         NamedParts { whole, stacked }
     }
@@ -153,14 +161,44 @@ where
         self.save(layout, rank, ffn_name, true, false)
     }
 
-    /// Parameters (values) this worker holds, and those it alone counts for the run.
+    /// Parameters (values) this worker holds, and those it alone counts for the run (the
+    /// attention side on the first copy of a data-parallel group, a replicated expert on its first
+    /// holder).
     pub fn param_counts(&self, layout: &Layout, rank: usize) -> (usize, usize) {
         let all = self.num_params();
-        let counted = if layout.replicas(rank).first() == Some(&rank) || layout.replicas(rank).is_empty() {
-            all
-        } else {
-            self.experts.iter().map(|s| s.num_params()).sum()
-        };
+        let first_copy = layout.replicas(rank).first().is_none_or(|&r| r == rank);
+        let attention = self.ends.as_ref().map_or(0, |e| e.num_params())
+            + self.attention.iter().map(|s| s.num_params()).sum::<usize>();
+        let mut counted = if first_copy { attention } else { 0 };
+        for (stage, (l, _)) in self.experts.iter().zip(layout.ffn_layers(rank)) {
+            counted += stage.shared_experts.as_ref().map_or(0, |m| m.num_params());
+            counted += stage.dense.as_ref().map_or(0, |m| m.num_params());
+            for (x, run) in stage.experts.iter().zip(&stage.runs) {
+                if counts_run(layout, l, run, rank) {
+                    counted += Module::num_params(x);
+                }
+            }
+        }
         (all, counted)
     }
+
+    /// The expert modules this worker counts for the run (a replicated expert on its first
+    /// holder only), for sums over every parameter once.
+    pub fn counted_experts(&self, layout: &Layout, rank: usize) -> Vec<&X> {
+        let mut out = Vec::new();
+        for (stage, (l, _)) in self.experts.iter().zip(layout.ffn_layers(rank)) {
+            out.extend(
+                stage.experts.iter().zip(&stage.runs).filter(|(_, r)| counts_run(layout, l, r, rank)).map(|(x, _)| x),
+            );
+        }
+        out
+    }
+}
+
+/// Whether `rank` counts the experts `run` of `layer` for the run: always, unless the run is a
+/// replicated expert (a run of its own) and `rank` is not its first holder.
+pub fn counts_run(layout: &Layout, layer: usize, run: &std::ops::Range<usize>, rank: usize) -> bool {
+    run.len() != 1
+        || layout.expert_replicas(layer, run.start) <= 1
+        || layout.expert_holders(layer, run.start).first() == Some(&rank)
 }

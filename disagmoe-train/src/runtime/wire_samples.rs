@@ -232,7 +232,8 @@ impl<C: Choices> Sampler<C> {
             1 => {
                 let tokens = self.tokens();
                 let out = self.packed(Some(tokens.len()));
-                Msg::Combine { mb, layer, tokens, out }
+                let spans = if self.below(2) == 0 { Vec::new() } else { self.u32s(2 * tokens.len()) };
+                Msg::Combine { mb, layer, tokens, spans, out }
             }
             2 => Msg::Residual { mb, layer, x: self.packed(None), aux: self.aux() },
             3 => Msg::GradCombine { mb, layer, g: self.packed(None) },

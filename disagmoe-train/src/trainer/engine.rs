@@ -81,6 +81,10 @@ pub struct StepReport {
     pub expert_counts: Vec<Vec<usize>>,
     /// Routed copies dropped for capacity, per MoE layer (same order; zeros when dropless).
     pub dropped: Vec<usize>,
+    /// Per MoE layer (same order), the busiest expert worker's routed copies over the mean of the
+    /// layer's expert workers, each micro-batch's (added over the step's micro-batches: sum of
+    /// the busiest over sum of the means); empty on one device.
+    pub worker_imbalance: Vec<f64>,
     /// Where the time went (distributed runs).
     pub timing: StepTiming,
     /// The run is to stop after this step (a signal reached this process or, in a distributed run,

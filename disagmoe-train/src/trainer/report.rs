@@ -159,6 +159,7 @@ pub(crate) fn step_metrics(
             .enumerate()
             .map(|(i, (c, &l))| ExpertLoad {
                 dropped: report.dropped.get(i).copied().unwrap_or(0),
+                worker_imbalance: report.worker_imbalance.get(i).copied(),
                 ..ExpertLoad::from_counts(l, c)
             })
             .collect(),

@@ -12,13 +12,18 @@
 //!
 //! # Notation
 //! - `T`: tokens of the micro-batch; `M`: model width; `k`: experts per token
-//! - holder `r` of a layer serves the contiguous expert range `E_r` (`Layout::expert_range`); the
-//!   first holder also holds the shared experts and the dense MLP
+//! - holder `r` of a layer holds the experts `E_r`: the contiguous range `Layout::expert_range`, or
+//!   its slots of an explicit placement (`Layout::set_expert_map`: a balanced placement in which
+//!   hot experts have replicas on several holders); the first holder also holds the shared experts
+//!   and the dense MLP
 //!
 //! # M2N
-//! A token goes **once** to each holder that has at least one of its `k` experts ([`m2n_shares`]),
-//! with the gate weights and ids of all `k` choices: the holder sums the weighted outputs of its
-//! own experts (skipping the others' choices). A layer with shared experts sends every token to its
+//! Each routed copy (token, choice) is computed by one holder of its expert: the only one, or for
+//! a replicated expert the replica [`assign_copies`] picks so that the holders' copies of the
+//! micro-batch are as even as they can be. A token goes **once** to each holder that computes at
+//! least one of its `k` copies ([`m2n_shares`]), with the gate weights of all `k` choices and the
+//! ids of its own (the others' are [`NOT_HERE`]): the holder sums the weighted outputs of its
+//! copies. A layer with shared experts sends every token to its
 //! first holder; a dense layer sends every token to its first holder and none to the others.
 //!
 //! # N2M
@@ -39,16 +44,20 @@
 //! same holders are added as a group ([`add_shares`]): the same tree, on rows, so the same bits
 //! as the host's token-by-token sums.
 
-use std::collections::{BTreeMap, HashMap};
-use std::ops::Range;
-
 use disagmoe_kernels::order::{range_key, tree_fold, tree_sum, Term};
+use std::collections::{BTreeMap, HashMap};
 
 use super::layout::Layout;
 use super::msg::{AuxSums, DeviceTensor, HostTensor, LayerCoefficients, Msg, Packed};
 
+mod assign;
 mod plan;
+pub use assign::*;
 pub use plan::*;
+
+/// The expert id of a dispatched copy that its holder does not compute (dropped, or another
+/// holder's): no expert's id.
+pub const NOT_HERE: u32 = u32::MAX;
 
 /// The tokens a holder serves at a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,37 +69,48 @@ pub struct Share {
 }
 
 impl Share {
-    /// The `k` chosen expert ids of each of the share's tokens, token-major.
-    pub fn ids(&self, route_ids: &[usize], k: usize) -> Vec<u32> {
+    /// The `k` chosen expert ids of each of the share's tokens, token-major, as the holder of index
+    /// `index` reads them: the copies another holder computes (another holder's expert, another
+    /// replica of a replicated one) or that were dropped are [`NOT_HERE`].
+    pub fn ids(&self, route_ids: &[usize], owner: &[Option<usize>], index: usize, k: usize) -> Vec<u32> {
         self.tokens
             .iter()
-            .flat_map(|&t| route_ids[t as usize * k..(t as usize + 1) * k].iter().map(|&e| e as u32))
+            .flat_map(|&t| {
+                (t as usize * k..(t as usize + 1) * k).map(|s| {
+                    if owner[s] == Some(index) {
+                        route_ids[s] as u32
+                    } else {
+                        NOT_HERE
+                    }
+                })
+            })
             .collect()
     }
 }
 
-/// M2N of a routed layer: for each holder (with its expert range), the tokens with at least one
-/// chosen expert in its range, each once; the first holder gets every token when it holds shared
+/// M2N of a routed layer: for each holder (ranks `holders`), the tokens with at least one routed
+/// copy it computes (`owner[t k + j]`: the index in `holders` of the holder of copy `j` of token
+/// `t`, `None` when dropped), each once; the first holder gets every token when it holds shared
 /// experts.
 pub fn m2n_shares(
-    route_ids: &[usize],
+    owner: &[Option<usize>],
     k: usize,
     tokens: usize,
-    holders: &[(usize, Range<usize>)],
+    holders: &[usize],
     first_takes_all: bool,
 ) -> Vec<Share> {
-    holders
-        .iter()
-        .enumerate()
-        .map(|(i, (holder, range))| {
-            let all = i == 0 && first_takes_all;
-            let tokens = (0..tokens)
-                .filter(|&t| all || route_ids[t * k..(t + 1) * k].iter().any(|e| range.contains(e)))
-                .map(|t| t as u32)
-                .collect();
-            Share { holder: *holder, tokens }
-        })
-        .collect()
+    let mut lists: Vec<Vec<u32>> = vec![Vec::new(); holders.len()];
+    for t in 0..tokens as u32 {
+        if first_takes_all {
+            lists[0].push(t);
+        }
+        for &h in owner[t as usize * k..(t as usize + 1) * k].iter().flatten() {
+            if lists[h].last() != Some(&t) {
+                lists[h].push(t);
+            }
+        }
+    }
+    holders.iter().zip(lists).map(|(&holder, tokens)| Share { holder, tokens }).collect()
 }
 
 /// M2N of a dense layer: every token to the first holder, none to the others.
@@ -111,14 +131,43 @@ pub struct ResidualIn {
     pub aux: AuxSums,
 }
 
+/// Where a share's rows sit in the canonical order of a token's expert terms: one key for every
+/// row (`disagmoe_kernels::order::range_key` of the holder's expert range), or one per row (the
+/// span of the terms the row adds up, under an explicit placement).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keys {
+    /// Every row's.
+    Holder((u64, u64)),
+    /// Row by row.
+    PerToken(Vec<(u64, u64)>),
+}
+
+impl Keys {
+    /// The key of row `i`.
+    pub fn at(&self, i: usize) -> (u64, u64) {
+        match self {
+            Keys::Holder(k) => *k,
+            Keys::PerToken(k) => k[i],
+        }
+    }
+
+    /// The keys of a share from its message's spans (`2 n` values, lowest and highest key of each
+    /// row), or the holder's key when there are none.
+    pub fn from_spans(spans: &[u32], holder: (u64, u64)) -> Self {
+        if spans.is_empty() {
+            return Keys::Holder(holder);
+        }
+        Keys::PerToken(spans.chunks_exact(2).map(|c| (u64::from(c[0]), u64::from(c[1]))).collect())
+    }
+}
+
 /// One holder's share of the previous layer's expert output (N2M).
 #[derive(Debug)]
 pub struct Partial {
     /// The holder.
     pub holder: usize,
-    /// Its place in the canonical order of a token's expert terms
-    /// (`disagmoe_kernels::order::range_key` of its expert range).
-    pub key: (u64, u64),
+    /// Its rows' places in the canonical order of a token's expert terms.
+    pub key: Keys,
     /// Its tokens.
     pub tokens: Vec<u32>,
     /// `[n, M]` in the order of `tokens`.
@@ -156,7 +205,7 @@ impl LayerInput {
         let mut partials = self.partials;
         partials.sort_by_key(|p| p.holder);
         let shares: Vec<Shares> =
-            partials.iter().map(|p| Shares { key: p.key, tokens: &p.tokens, rows: &p.out }).collect();
+            partials.iter().map(|p| Shares { key: &p.key, tokens: &p.tokens, rows: &p.out }).collect();
         let h = add_shares(Some(x), [t, m], &shares);
         let from = partials.into_iter().map(|Partial { holder, tokens, .. }| Share { holder, tokens }).collect();
         Assembled { h, aux, from }
@@ -166,8 +215,8 @@ impl LayerInput {
 /// One holder's rows of a `[T, M]` sum: `rows` `[n, M]` for the ascending `tokens`.
 #[derive(Debug, Clone, Copy)]
 pub struct HolderRows<'a> {
-    /// The holder's place in the canonical order (`disagmoe_kernels::order::range_key`).
-    pub key: (u64, u64),
+    /// The rows' places in the canonical order (`disagmoe_kernels::order::range_key`).
+    pub key: &'a Keys,
     /// Its tokens, ascending.
     pub tokens: &'a [u32],
     /// `[n, M]`
@@ -186,7 +235,7 @@ pub fn add_token_sums(out: &mut [f32], m: usize, holders: &[HolderRows<'_>]) {
         terms.clear();
         for (h, c) in holders.iter().zip(&mut cursor) {
             if h.tokens.get(*c) == Some(&(t as u32)) {
-                terms.push(Term { key: h.key, row: &h.rows[*c * m..(*c + 1) * m], scale: None });
+                terms.push(Term { key: h.key.at(*c), row: &h.rows[*c * m..(*c + 1) * m], scale: None });
                 *c += 1;
             }
         }
@@ -198,8 +247,8 @@ pub fn add_token_sums(out: &mut [f32], m: usize, holders: &[HolderRows<'_>]) {
 /// One holder's payload rows of a `[T, M]` sum: `rows` `[n, M]` for the ascending `tokens`.
 #[derive(Debug, Clone, Copy)]
 pub struct Shares<'a> {
-    /// The holder's place in the canonical order (`disagmoe_kernels::order::range_key`).
-    pub key: (u64, u64),
+    /// The rows' places in the canonical order (`disagmoe_kernels::order::range_key`).
+    pub key: &'a Keys,
     /// Its tokens, ascending.
     pub tokens: &'a [u32],
     /// `[n, M]`, f32 on the host or on a device.
@@ -237,8 +286,8 @@ pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]
         Some(p) => device_of(&p, &like),
         None => like.rows.zeros([t, m]),
     };
-    // The holders of each token and its row in each, grouped by holders.
-    let mut groups: BTreeMap<Vec<usize>, (Vec<u32>, Vec<Vec<u32>>)> = BTreeMap::new();
+    // The holders of each token and its row in each, grouped by holders (and the rows' keys).
+    let mut groups: BTreeMap<Vec<(usize, (u64, u64))>, (Vec<u32>, Vec<Vec<u32>>)> = BTreeMap::new();
     let mut cursor = vec![0u32; holders.len()];
     let mut present = Vec::with_capacity(holders.len());
     for token in 0..t as u32 {
@@ -249,7 +298,7 @@ pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]
                 *c += 1;
             }
         }
-        let key: Vec<usize> = present.iter().map(|p| p.0).collect();
+        let key: Vec<(usize, (u64, u64))> = present.iter().map(|&(i, c)| (i, holders[i].key.at(c as usize))).collect();
         let group = groups.entry(key).or_insert_with(|| (Vec::new(), vec![Vec::new(); present.len()]));
         group.0.push(token);
         group.1.iter_mut().zip(&present).for_each(|(rows, p)| rows.push(p.1));
@@ -258,11 +307,11 @@ pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]
         let terms: Vec<((u64, u64), DeviceTensor)> = members
             .iter()
             .zip(&rows)
-            .map(|(&i, positions)| {
+            .map(|(&(i, key), positions)| {
                 let all = device_of(holders[i].rows, &like);
                 // Ascending positions as many as the rows are all of them.
                 let mine = if positions.len() == all.shape[0] { all } else { all.rows.select(positions) };
-                (holders[i].key, mine)
+                (key, mine)
             })
             .collect();
         let sum = tree_fold(terms, &mut |a: DeviceTensor, b: DeviceTensor| a.rows.add(&b))
@@ -342,16 +391,41 @@ pub fn empty(cols: usize) -> HostTensor {
     HostTensor { shape: vec![0, cols], data: Vec::new() }
 }
 
-/// Where holder `index` of a layer (of [`Layout::ffn_holders`]) sits in the canonical order of a
-/// token's expert terms: the key of its expert range.
-fn key_of(layout: &Layout, index: usize) -> (u64, u64) {
-    range_key(&layout.expert_range(index))
+/// Where holder `index` of `layer` (of [`Layout::ffn_holders`]) sits in the canonical order of a
+/// token's expert terms: the key of its expert range (of the span of the experts it holds, when
+/// they are not contiguous: such spans overlap, and the tree adds them one after another).
+fn key_of(layout: &Layout, layer: usize, index: usize) -> (u64, u64) {
+    let held = layout.held_experts(layer, index);
+    let (Some(&first), Some(&last)) = (held.first(), held.last()) else {
+        return range_key(&layout.expert_range(index));
+    };
+    // The first holder's share also holds the shared experts (key 0, beside expert 0).
+    let shared = index == 0 && layout.shared_experts.get(layer).copied().unwrap_or(false);
+    range_key(&(if shared { 0 } else { first }..last + 1))
+}
+
+/// The lowest and highest key of the terms each token of a share adds up, `2 n` values (see
+/// `Msg::Combine`): its copies computed there (`ids`, `k` per token, [`NOT_HERE`] for the others')
+/// and the shared experts (key 0) when `shared`. Empty when the layer has no explicit placement
+/// (the holder's range key places every row).
+pub fn share_spans(layout: &Layout, layer: usize, ids: &[u32], k: usize, shared: bool) -> Vec<u32> {
+    if layout.expert_maps.get(layer).is_none_or(Option::is_none) || k == 0 {
+        return Vec::new();
+    }
+    let mut spans = Vec::with_capacity(2 * ids.len() / k);
+    for row in ids.chunks(k) {
+        let keys = row.iter().filter(|&&e| e != NOT_HERE).map(|&e| 2 * e + 1);
+        let (lo, hi) = keys.fold((u32::MAX, 0), |(lo, hi), key| (lo.min(key), hi.max(key)));
+        let lo = if shared { 0 } else { lo.min(hi) };
+        spans.extend([lo, hi]);
+    }
+    spans
 }
 
 /// Where `holder`'s share of `layer` sits in the canonical order of a token's expert terms.
 pub fn holder_key(layout: &Layout, layer: usize, holder: usize) -> (u64, u64) {
     let index = layout.ffn_holders(layer).iter().position(|&h| h == holder).expect("a holder of the layer");
-    key_of(layout, index)
+    key_of(layout, layer, index)
 }
 
 /// The expert rows a holder was dispatched, kept until its task runs.
@@ -388,8 +462,8 @@ impl Inbox {
             Msg::GradCombine { mb, layer, g } => {
                 self.grad_combines.insert((mb, layer), g.unpacked());
             }
-            Msg::Combine { mb, layer, tokens, out } => {
-                let key = holder_key(layout, layer, src);
+            Msg::Combine { mb, layer, tokens, spans, out } => {
+                let key = Keys::from_spans(&spans, holder_key(layout, layer, src));
                 let partial = Partial { holder: src, key, tokens, out: out.unpacked() };
                 self.inputs.entry((mb, layer + 1)).or_default().partials.push(partial);
             }
@@ -439,11 +513,13 @@ mod tests {
     fn each_token_goes_once_to_each_holder_of_one_of_its_experts() {
         // 3 tokens, k = 2, experts 0..4 over two holders (0..2 on rank 5, 2..4 on rank 6).
         let ids = [0, 1, 1, 3, 2, 3];
-        let shares = m2n_shares(&ids, 2, 3, &[(5, 0..2), (6, 2..4)], false);
+        let owner: Vec<Option<usize>> = ids.iter().map(|&e| Some(e / 2)).collect();
+        let shares = m2n_shares(&owner, 2, 3, &[5, 6], false);
         assert_eq!(shares[0], Share { holder: 5, tokens: vec![0, 1] });
         assert_eq!(shares[1], Share { holder: 6, tokens: vec![1, 2] });
-        assert_eq!(shares[1].ids(&ids, 2), vec![1, 3, 2, 3]);
-        let with_shared = m2n_shares(&ids, 2, 3, &[(5, 0..2), (6, 2..4)], true);
+        // Holder 6 reads its own copies' experts; token 1's first copy is holder 5's.
+        assert_eq!(shares[1].ids(&ids, &owner, 1, 2), vec![NOT_HERE, 3, 2, 3]);
+        let with_shared = m2n_shares(&owner, 2, 3, &[5, 6], true);
         assert_eq!(with_shared[0].tokens, vec![0, 1, 2]);
         assert_eq!(
             dense_shares(2, &[5, 6]),
@@ -458,13 +534,13 @@ mod tests {
             LayerInput { residual: Some(ResidualIn { x: x.into(), aux: AuxSums::default() }), partials: Vec::new() };
         input.partials.push(Partial {
             holder: 5,
-            key: range_key(&(0..2)),
+            key: Keys::Holder(range_key(&(0..2))),
             tokens: vec![0, 2],
             out: HostTensor { shape: vec![2, 2], data: vec![1.0, 2.0, 3.0, 4.0] }.into(),
         });
         input.partials.push(Partial {
             holder: 6,
-            key: range_key(&(2..4)),
+            key: Keys::Holder(range_key(&(2..4))),
             tokens: vec![2],
             out: HostTensor { shape: vec![1, 2], data: vec![10.0, 20.0] }.into(),
         });
@@ -487,7 +563,7 @@ mod tests {
         // Holder 3's share arrives first; the sum is the same as in holder order.
         let share = |tokens: Vec<u32>, v: f32| {
             let n = tokens.len();
-            combine(0, 0, tokens, HostTensor { shape: vec![n, 2], data: vec![v; n * 2] }.into())
+            combine(0, 0, tokens, Vec::new(), HostTensor { shape: vec![n, 2], data: vec![v; n * 2] }.into())
         };
         assert!(inbox.keep(&layout, 3, share(vec![1], 10.0)).is_none());
         assert!(inbox.keep(&layout, 2, share(vec![0, 1], 1.0)).is_none());
@@ -512,8 +588,8 @@ mod tests {
         assert_eq!(got, [(2, vec![1.0, 2.0, 3.0, 4.0]), (3, vec![3.0, 4.0]), (0, vec![1.0, 2.0, 3.0, 4.0])]);
         // The holders' input gradients come back in any order and add up token by token.
         let sent = vec![
-            SentDispatch { holder: 2, key: range_key(&(0..2)), tokens: vec![0, 1] },
-            SentDispatch { holder: 3, key: range_key(&(2..4)), tokens: vec![] },
+            SentDispatch { holder: 2, key: Keys::Holder(range_key(&(0..2))), tokens: vec![0, 1] },
+            SentDispatch { holder: 3, key: Keys::Holder(range_key(&(2..4))), tokens: vec![] },
         ];
         let grads = vec![
             DispatchGrad { holder: 3, gy: empty(2).into(), gw: Some(empty(2).into()) },
@@ -566,18 +642,30 @@ mod tests {
                     .iter()
                     .map(|r| if r.shape[0] == 0 { Packed::F32(r.clone()) } else { Packed::Device(mem(r.clone())) })
                     .collect();
-                fn with<'a>(
-                    payloads: &'a [Packed],
-                    tokens: &'a [Vec<u32>],
-                    ranges: &[Range<usize>],
-                ) -> Vec<Shares<'a>> {
+                fn with<'a>(payloads: &'a [Packed], tokens: &'a [Vec<u32>], keys: &'a [Keys]) -> Vec<Shares<'a>> {
                     payloads
                         .iter()
                         .enumerate()
-                        .map(|(h, p)| Shares { key: range_key(&ranges[h]), tokens: &tokens[h], rows: p })
+                        .map(|(h, p)| Shares { key: &keys[h], tokens: &tokens[h], rows: p })
                         .collect()
                 }
-                let shares = |payloads| with(payloads, &tokens, &ranges);
+                // Range keys, and per-token keys (the spans of an explicit placement) where
+                // tokens of one holder sit at different places.
+                let keys: Vec<Keys> = if pattern % 2 == 0 {
+                    ranges.iter().map(|r| Keys::Holder(range_key(r))).collect()
+                } else {
+                    (0..ranges.len())
+                        .map(|h| {
+                            let r = &ranges[h];
+                            let spans = tokens[h].iter().map(|&tok| {
+                                let e = r.start + tok as usize % r.len();
+                                (2 * e as u64 + 1, 2 * (r.end as u64 - 1) + 1)
+                            });
+                            Keys::PerToken(spans.collect())
+                        })
+                        .collect()
+                };
+                let shares = |payloads| with(payloads, &tokens, &keys);
                 let want = add_shares(Some(Packed::F32(residual.clone())), [t, m], &shares(&host)).unpack();
                 let got = add_shares(Some(Packed::Device(mem(residual.clone()))), [t, m], &shares(&device));
                 assert!(matches!(got, Packed::Device(_)), "the sum stays on the device");

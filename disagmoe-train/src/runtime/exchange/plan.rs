@@ -1,7 +1,10 @@
 //! M2N planned and packed ([`DispatchPlan`]), the other exchange messages built, and the mirrored
 //! gradient exchange ([`input_grad_messages`], [`gather_dispatch_grads`]).
 
-use super::{add_shares, dense_shares, empty, key_of, m2n_shares, rows_of, DispatchGrad, Share, Shares};
+use super::{
+    add_shares, assign_copies, dense_shares, empty, key_of, m2n_shares, rows_of, share_spans, DispatchGrad, Keys,
+    Share, Shares,
+};
 use crate::runtime::layout::Layout;
 use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
 
@@ -10,8 +13,8 @@ use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
 pub struct PlannedShare {
     /// The holder's rank.
     pub holder: usize,
-    /// Its place in the canonical order of a token's expert terms.
-    pub key: (u64, u64),
+    /// Its rows' places in the canonical order of a token's expert terms.
+    pub key: Keys,
     /// The tokens it serves, ascending.
     pub tokens: Vec<u32>,
     /// The `k` chosen expert ids of each of its tokens, token-major (empty for a dense layer).
@@ -32,6 +35,8 @@ pub struct DispatchPlan {
     pub k: Option<usize>,
     /// The shares.
     pub shares: Vec<PlannedShare>,
+    /// Routed copies each holder computes, in holder order (empty for a dense layer).
+    pub copies: Vec<usize>,
 }
 
 /// What an attention worker keeps of a dispatch it sent, for the mirrored gradient.
@@ -39,16 +44,17 @@ pub struct DispatchPlan {
 pub struct SentDispatch {
     /// The holder.
     pub holder: usize,
-    /// The holder's place in the canonical order of a token's expert terms.
-    pub key: (u64, u64),
+    /// The holder's rows' places in the canonical order of a token's expert terms.
+    pub key: Keys,
     /// The tokens sent to it, ascending.
     pub tokens: Vec<u32>,
 }
 
 impl DispatchPlan {
     /// A routed layer: `kept_ids` are the `k` experts of each of the `tokens` tokens (a copy dropped
-    /// for capacity is no expert); each token once to each holder of one of its experts, every
-    /// token to the first holder when the layer has shared experts.
+    /// for capacity is no expert); each copy to the holder [`assign_copies`] picks, each token once
+    /// to each holder of one of its copies, every token to the first holder when the layer has
+    /// shared experts.
     pub fn routed(
         mb: usize,
         layer: usize,
@@ -59,19 +65,21 @@ impl DispatchPlan {
         width: usize,
     ) -> Self {
         let holders = layout.ffn_holders(layer);
-        let ranges: Vec<_> = holders.iter().enumerate().map(|(i, &h)| (h, layout.expert_range(i))).collect();
+        let owner = assign_copies(layout, layer, &kept_ids[..tokens * k]);
+        let mut copies = vec![0usize; holders.len()];
+        owner.iter().flatten().for_each(|&h| copies[h] += 1);
         let first_takes_all = layout.shared_experts.get(layer).copied().unwrap_or(false);
-        let shares = m2n_shares(kept_ids, k, tokens, &ranges, first_takes_all)
+        let shares = m2n_shares(&owner, k, tokens, &holders, first_takes_all)
             .into_iter()
             .enumerate()
-            .map(|(i, share)| PlannedShare {
-                holder: share.holder,
-                key: key_of(layout, i),
-                ids: share.ids(kept_ids, k),
-                tokens: share.tokens,
+            .map(|(i, share)| {
+                let ids = share.ids(kept_ids, &owner, i, k);
+                let spans = share_spans(layout, layer, &ids, k, i == 0 && first_takes_all);
+                let key = Keys::from_spans(&spans, key_of(layout, layer, i));
+                PlannedShare { holder: share.holder, key, ids, tokens: share.tokens }
             })
             .collect();
-        Self { mb, layer, width, k: Some(k), shares }
+        Self { mb, layer, width, k: Some(k), shares, copies }
     }
 
     /// A dense layer: every token to the first holder, none to the others.
@@ -81,12 +89,12 @@ impl DispatchPlan {
             .enumerate()
             .map(|(i, Share { holder, tokens })| PlannedShare {
                 holder,
-                key: key_of(layout, i),
+                key: Keys::Holder(key_of(layout, layer, i)),
                 tokens,
                 ids: Vec::new(),
             })
             .collect();
-        Self { mb, layer, width, k: None, shares }
+        Self { mb, layer, width, k: None, shares, copies: Vec::new() }
     }
 
     /// The dispatches, in holder order, and what the attention worker keeps of them for the
@@ -117,9 +125,10 @@ pub fn residual(mb: usize, layer: usize, x: Packed, aux: AuxSums) -> Msg {
     Msg::Residual { mb, layer, x, aux }
 }
 
-/// A holder's share `[n, M]` of `layer`'s output for its `tokens` (N2M).
-pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, out: Packed) -> Msg {
-    Msg::Combine { mb, layer, tokens, out }
+/// A holder's share `[n, M]` of `layer`'s output for its `tokens` (N2M), with the key spans of
+/// its rows under an explicit placement ([`share_spans`]; empty otherwise).
+pub fn combine(mb: usize, layer: usize, tokens: Vec<u32>, spans: Vec<u32>, out: Packed) -> Msg {
+    Msg::Combine { mb, layer, tokens, spans, out }
 }
 
 /// A holder's gradients of its dispatch of `layer`: of the expert inputs `[n, M]` and (routed) of
@@ -172,7 +181,7 @@ pub fn gather_dispatch_grads<'a>(
         .iter()
         .map(|d| {
             let s = sent_to(d.holder);
-            Shares { key: s.key, tokens: &s.tokens, rows: &d.gy }
+            Shares { key: &s.key, tokens: &s.tokens, rows: &d.gy }
         })
         .collect();
     let g_normed = add_shares(None, [t, m], &shares);
@@ -202,8 +211,11 @@ mod tests {
             plan.shares.iter().map(|s| (s.holder, s.tokens.clone())).collect::<Vec<_>>(),
             [(2, vec![0, 1]), (3, vec![1, 2])]
         );
-        assert_eq!(plan.shares[1].ids, vec![1, 3, 2, 3]);
-        assert_eq!((plan.shares[0].key, plan.shares[1].key), (range_key(&(0..2)), range_key(&(2..4))));
+        assert_eq!(plan.shares[1].ids, vec![super::super::NOT_HERE, 3, 2, 3]);
+        assert_eq!(
+            (&plan.shares[0].key, &plan.shares[1].key),
+            (&Keys::Holder(range_key(&(0..2))), &Keys::Holder(range_key(&(2..4))))
+        );
         let mut asked = Vec::new();
         let (msgs, _) = plan.into_messages(|tokens| {
             asked.push(tokens.to_vec());

@@ -164,8 +164,8 @@ mod tests {
         let e = Envelope::from_bytes(&huge).expect_err("a 2^50-byte string in 17 bytes");
         assert!(e.contains("imit"), "{e}");
         for (what, msg) in [
-            ("values", Msg::Combine { mb: 0, layer: 0, tokens: vec![0], out: t(vec![1, 3], 2) }),
-            ("rows", Msg::Combine { mb: 0, layer: 0, tokens: vec![0, 1], out: t(vec![1, 3], 3) }),
+            ("values", Msg::Combine { mb: 0, layer: 0, tokens: vec![0], spans: Vec::new(), out: t(vec![1, 3], 2) }),
+            ("rows", Msg::Combine { mb: 0, layer: 0, tokens: vec![0, 1], spans: Vec::new(), out: t(vec![1, 3], 3) }),
             ("overflow", Msg::Residual { mb: 0, layer: 0, x: t(vec![usize::MAX, 2], 0), aux: AuxSums::default() }),
             ("odd bf16", Msg::GradCombine { mb: 0, layer: 0, g: Packed::Bf16 { shape: vec![1], bits: vec![0; 3] } }),
             (

@@ -117,3 +117,17 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Restore<'_> {
         }
     }
 }
+
+/// Moves the gradients of a module's parameters from one set to another (those it has).
+pub(super) struct MoveGrads<'a> {
+    pub(super) from: &'a mut GradientsParams,
+    pub(super) to: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for MoveGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.from.remove::<B::InnerBackend, D>(param.id) {
+            self.to.register::<B::InnerBackend, D>(param.id, g);
+        }
+    }
+}

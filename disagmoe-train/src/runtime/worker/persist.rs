@@ -68,7 +68,15 @@ where
         let rank = self.rank();
         self.comm.working_on("writing the final model".into());
         let part = self.part();
-        let mut own = sum_of_squares(&part.experts);
+        let mut own = if self.layout.has_replicas() {
+            // A replicated expert once, on its first holder.
+            let counted: Vec<X> = part.counted_experts(&self.layout, rank).into_iter().cloned().collect();
+            let shared: Vec<_> = part.experts.iter().map(|s| (s.shared_experts.clone(), s.dense.clone())).collect();
+            let (s, d): (Vec<_>, Vec<_>) = shared.into_iter().unzip();
+            sum_of_squares(&counted) + sum_of_squares(&s) + sum_of_squares(&d)
+        } else {
+            sum_of_squares(&part.experts)
+        };
         if self.layout.replicas(rank).first() == Some(&rank) {
             own += sum_of_squares(&part.ends) + sum_of_squares(&part.attention);
         }

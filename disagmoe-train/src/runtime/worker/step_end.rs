@@ -13,7 +13,7 @@ use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::moe::{Experts, Router};
 use disagmoe_models::TrainModule;
 
-use super::autodiff::{Flatten, Restore, ZeroFill};
+use super::autodiff::{Flatten, MoveGrads, Restore, ZeroFill};
 use super::comm::StepMeters;
 use super::sharded::ShardGrads;
 use super::{Worker, WorkerPart};
@@ -48,6 +48,9 @@ pub(super) struct StepStats {
     pub(super) counts: HashMap<usize, Vec<usize>>,
     /// Routed copies this worker dropped for capacity, by layer.
     pub(super) dropped: HashMap<usize, usize>,
+    /// By layer, the busiest expert worker's routed copies and the workers' mean, each added over
+    /// the micro-batches this worker dispatched.
+    pub(super) worker_loads: HashMap<usize, (f64, f64)>,
     pub(super) losses: StepLosses,
 }
 
@@ -74,7 +77,8 @@ struct GlobalSums {
     stop: f64,
     /// Routed copies per expert of every MoE layer (counted by the first copy of its attention
     /// group), layer-major, then the copies each MoE layer dropped for capacity (counted where
-    /// they were routed).
+    /// they were routed), then per MoE layer the busiest expert worker's copies and the workers'
+    /// mean, added over micro-batches (counted where they were dispatched).
     expert_counts: Vec<f64>,
 }
 
@@ -214,6 +218,58 @@ where
         Ok(None)
     }
 
+    /// The holders of each replicated expert of this worker sum their gradients of it (every
+    /// holder keeps the sum, so their AdamW steps stay identical): one all-reduce per replicated
+    /// expert over its holders, in (layer, expert) order on every holder. A gradient that only some
+    /// replicas have (an expert of its own per replica, which saw tokens on one) exists on all of
+    /// them afterwards; one that none has stays absent.
+    fn reduce_expert_replicas(&mut self, grads: &mut GradientsParams) -> Result<()> {
+        if !self.layout.has_replicas() {
+            return Ok(());
+        }
+        let rank = self.rank();
+        let mut replicated = Vec::new();
+        for (s, (l, _)) in self.layout.ffn_layers(rank).into_iter().enumerate() {
+            for (r, run) in self.part().experts[s].runs.iter().enumerate() {
+                if run.len() == 1 && self.layout.expert_replicas(l, run.start) > 1 {
+                    replicated.push((s, r, self.layout.expert_holders(l, run.start)));
+                }
+            }
+        }
+        for (s, r, group) in replicated {
+            let mut flat = Flatten { grads, out: Vec::new() };
+            self.part().experts[s].experts[r].visit(&mut flat);
+            let mut data = flat.out;
+            self.all_reduce(&group, &mut data)?;
+            self.part().experts[s].experts[r].visit(&mut Restore { grads, data: &data, pos: 0 });
+        }
+        Ok(())
+    }
+
+    /// The gradient norm of this worker's expert stages, a replicated expert counted by its first
+    /// holder only.
+    fn expert_grad_norm(&self, grads: &mut GradientsParams) -> crate::optim::GradNorms {
+        let part = self.part();
+        if !self.layout.has_replicas() {
+            return grad_norm::<B, _>(&part.experts, grads);
+        }
+        // The gradients of the replicas counted elsewhere are set aside for the norm.
+        let rank = self.rank();
+        let mut aside = GradientsParams::new();
+        for (stage, (l, _)) in part.experts.iter().zip(self.layout.ffn_layers(rank)) {
+            for (x, run) in stage.experts.iter().zip(&stage.runs) {
+                if !crate::runtime::part::counts_run(&self.layout, l, run, rank) {
+                    x.visit(&mut MoveGrads { from: &mut *grads, to: &mut aside });
+                }
+            }
+        }
+        let norm = grad_norm::<B, _>(&part.experts, grads);
+        for stage in &part.experts {
+            stage.visit(&mut MoveGrads { from: &mut aside, to: &mut *grads });
+        }
+        norm
+    }
+
     /// The distributed optimizer's update (after `opt.step`, whose step it shares): this copy's
     /// shard of the shared weights, then every copy's shard gathered into the part.
     fn update_shard(&mut self, g: &mut ShardGrads, lr: f64, grad_scale: f64) -> Result<()> {
@@ -245,6 +301,8 @@ where
         }
         // Each (micro-batch, layer) is routed by one attention worker: it counts the copies dropped.
         expert_counts.extend(sparse.iter().map(|l| self.stats.dropped.get(l).copied().unwrap_or(0) as f64));
+        let loads = |l: &usize| self.stats.worker_loads.get(l).copied().unwrap_or_default();
+        expert_counts.extend(sparse.iter().flat_map(|l| [loads(l).0, loads(l).1]));
         let d = self.meters() - start;
         let wire_s = d.wait_wire_us as f64 * 1e-6;
         GlobalSums {
@@ -324,13 +382,17 @@ where
         let mut shard = if update { self.reduce_copies(&mut grads, &replicas, &routed)? } else { None };
         // A fused expert tensor is stepped whenever its layer saw tokens, on every holder.
         let part = self.part.as_ref().expect("part");
-        for stage in &part.experts {
-            if let Some(x) = stage.experts.as_ref().filter(|x| x.fused()) {
-                x.visit(&mut ZeroFill { grads: &mut grads });
-            }
+        for x in part.experts.iter().flat_map(|s| &s.experts).filter(|x| x.fused()) {
+            x.visit(&mut ZeroFill { grads: &mut grads });
         }
-        // 2. One global sum: squared gradient norm (each parameter once), losses, timings.
-        let mut norms = vec![grad_norm::<B, _>(&part.experts, &grads)];
+        // The holders of a replicated expert sum their gradients of it.
+        if update {
+            self.reduce_expert_replicas(&mut grads)?;
+        }
+        // 2. One global sum: squared gradient norm (each parameter once: a replicated expert's
+        //    gradient is counted by its first holder), losses, timings.
+        let part = self.part.as_ref().expect("part");
+        let mut norms = vec![self.expert_grad_norm(&mut grads)];
         if replicas.first() == Some(&rank) && shard.is_none() {
             norms.push(grad_norm::<B, _>(&part.ends, &grads));
             norms.push(grad_norm::<B, _>(&part.attention, &grads));
@@ -354,7 +416,8 @@ where
         let mbs = self.layout.micro_batches as f64;
         // The gradients are `loss_scale` times too large (f16's loss scaling).
         let norm = g.grad_sq.sqrt() / self.loss_scale;
-        let (counts, dropped) = g.expert_counts.split_at(sparse.len() * e);
+        let (counts, rest) = g.expert_counts.split_at(sparse.len() * e);
+        let (dropped, loads) = rest.split_at(sparse.len());
         let report = StepReport {
             loss: g.losses.total / mbs,
             lm_loss: g.losses.lm / mbs,
@@ -364,6 +427,7 @@ where
             skipped: !(g.losses.total.is_finite() && norm.is_finite()),
             expert_counts: counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
             dropped: dropped.iter().map(|&x| x.round() as usize).collect(),
+            worker_imbalance: loads.chunks(2).map(|c| if c[1] > 0.0 { c[0] / c[1] } else { 0.0 }).collect(),
             timing: StepTiming {
                 exposed_comm_s: g.waits_s,
                 in_flight_wait_s: g.wire_s,

@@ -199,6 +199,11 @@ where
             }
             None => DispatchPlan::dense(mb, layer, &self.layout, t, m),
         };
+        if let (Some(&max), n) = (plan.copies.iter().max(), plan.copies.len()) {
+            let sums = self.stats.worker_loads.entry(layer).or_default();
+            sums.0 += max as f64;
+            sums.1 += plan.copies.iter().sum::<usize>() as f64 / n as f64;
+        }
         let (msgs, sent) = plan.into_messages(|tokens| match &out.routed {
             Some(routed) => {
                 let idx = index::<B::InnerBackend>(tokens, &self.device);
@@ -256,12 +261,16 @@ where
         let m = y.shape().last().copied().unwrap_or(0);
         if rows == 0 {
             self.ffn_saved.insert((mb, layer), FfnSaved { dst: src, rows, graph: None, input: None });
-            return self.comm.send(dst, exchange::combine(mb, layer, tokens, empty(m).into()));
+            return self.comm.send(dst, exchange::combine(mb, layer, tokens, Vec::new(), empty(m).into()));
         }
+        // Where each row sits in the order of addition, under an explicit placement.
+        let k = if rows == 0 { 0 } else { ids.len() / rows };
+        let shared = self.part().experts[self.ffn_index[&layer]].needs_all_tokens();
+        let spans = exchange::share_spans(&self.layout, layer, &ids, k, shared);
         let input = FfnInput { y, w, ids: ids.iter().map(|&e| e as usize).collect() };
         let recompute = self.settings.recompute.experts();
         let graph = self.expert(layer, &input, !recompute);
-        self.comm.send(dst, exchange::combine(mb, layer, tokens, self.emit(graph.out.clone().inner())))?;
+        self.comm.send(dst, exchange::combine(mb, layer, tokens, spans, self.emit(graph.out.clone().inner())))?;
         let saved = if recompute {
             FfnSaved { dst: src, rows, graph: None, input: Some(input) }
         } else {
