@@ -81,8 +81,15 @@ impl ExpertLoad {
     /// A load for the command line: `uniform`, `zipf:S`, or the path of a run's `metrics.jsonl`.
     pub fn from_arg(spec: &str) -> Result<Self> {
         let path = std::path::Path::new(spec);
-        if spec == "uniform" || spec.starts_with("zipf:") || !path.exists() {
+        if spec == "uniform" || spec.starts_with("zipf:") {
             return spec.parse();
+        }
+        if !path.exists() {
+            return Err(CoreError::InvalidField {
+                field: "expert_load".into(),
+                value: format!("{spec} (no such file)"),
+                allowed: Self::SPELLINGS.into(),
+            });
         }
         let text = std::fs::read_to_string(path)
             .map_err(|source| crate::error::CoreError::Io { path: spec.to_string(), source })?;
@@ -174,6 +181,41 @@ struct MetricsLayer {
     tokens_per_expert: Vec<usize>,
 }
 
+/// Routing drawn from `shares`: for each of `tokens` tokens, `k` distinct experts, each drawn by
+/// the shares of the experts not chosen yet (SplitMix64 seeded by `seed`), token-major. The shares
+/// of the copies are flatter than `shares` where an expert's share exceeds `1 / k` (a token
+/// chooses an expert at most once). For tests and benchmarks of placements and assignments.
+pub fn sample_routing(shares: &[f64], k: usize, tokens: usize, seed: u64) -> Vec<usize> {
+    let e = shares.len();
+    let k = k.min(e);
+    let mut state = seed;
+    let mut uniform = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut chosen = vec![false; e];
+    for _ in 0..tokens {
+        chosen.iter_mut().for_each(|c| *c = false);
+        for _ in 0..k {
+            let left: f64 = (0..e).filter(|&x| !chosen[x]).map(|x| shares[x]).sum();
+            let mut u = uniform() * left;
+            let pick = (0..e).filter(|&x| !chosen[x]).find(|&x| {
+                u -= shares[x];
+                u <= 0.0
+            });
+            // Rounding can leave `u` a hair above zero after the last expert: the last one left.
+            let x = pick.or_else(|| (0..e).rev().find(|&x| !chosen[x])).expect("k <= E experts to choose from");
+            chosen[x] = true;
+            ids.push(x);
+        }
+    }
+    ids
+}
+
 /// A fixed permutation of `0..n` (Fisher-Yates over SplitMix64 seeded by `seed`).
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed ^ 0x5EED_0F_E8E2_7A11;
@@ -255,8 +297,7 @@ impl ExpertMap {
     /// per worker (`E (f - 1)`).
     pub fn balanced(shares: &[f64], workers: usize, redundant: usize) -> Result<Self> {
         let (e, n) = (shares.len(), workers.max(1));
-        let slots_total = e + redundant;
-        if redundant > e * (n - 1) {
+        if redundant > e.saturating_mul(n - 1) {
             return Err(CoreError::InvalidField {
                 field: "redundant_experts".into(),
                 value: redundant.to_string(),
@@ -267,6 +308,7 @@ impl ExpertMap {
                 ),
             });
         }
+        let slots_total = e + redundant;
         // 1. Replicate: each redundant slot to the expert with the most load per replica.
         let mut replicas = vec![1usize; e];
         for _ in 0..redundant {

@@ -6,7 +6,8 @@
 //!   into `p` groups. Attention group `g` holds layers `g, g+p, ...` (attention, norms, router) and
 //!   group 0 also the embedding, final norm and head; its `M/p` workers are data parallel (micro-batch
 //!   `m` goes to worker `m mod M/p` of each group). Expert group `g` holds the experts of the same
-//!   layers, split into contiguous ranges over its `N/p` workers (expert parallel); the first worker of
+//!   layers, split into contiguous ranges over its `N/p` workers (expert parallel), or placed by an
+//!   explicit table with replicas of hot experts ([`Layout::set_expert_map`]); the first worker of
 //!   a group also holds shared experts and dense MLPs.
 //! - `ep` (the colocated baseline): each of `W` workers holds every attention layer and the ends (data
 //!   parallel) and `1/W` of every layer's experts; micro-batch `m` belongs to worker `m mod W`;

@@ -8,7 +8,7 @@
 //! [`allocator::search::StepTimeOracle`]), builds schedules ([`schedule`]: AF-Pipe and the
 //! Megatron 1F1B / Tutel / Comet / DualPipe baselines) and runs them in a discrete-event
 //! [`simulator`] whose timelines [`report`] draws. [`layout`] is the placement of a distributed run
-//! (who holds which layer, expert range and micro-batch), the one rule the schedule builders and
+//! (who holds which layer, which experts and micro-batch), the one rule the schedule builders and
 //! the runtime of `disagmoe-train` share. [`plan`] holds the two entry points behind
 //! `disagmoe plan` and `disagmoe simulate`; [`reproduce`] writes `docs/paper-reproduction.md`.
 //!

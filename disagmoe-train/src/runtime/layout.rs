@@ -1,4 +1,4 @@
-//! The placement of a distributed run ([`Layout`]: who holds which layer, expert range and
+//! The placement of a distributed run ([`Layout`]: who holds which layer, which experts and
 //! micro-batch) is `disagmoe-core`'s ([`disagmoe_core::layout`]), defined once for the runtime and
 //! the schedule builders; this module re-exports it and names its errors as options of the run.
 

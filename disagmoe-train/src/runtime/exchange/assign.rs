@@ -237,29 +237,7 @@ mod tests {
         use disagmoe_core::experts::ExpertLoad;
         let (e, k, tokens, holders) = (16usize, 4usize, 1024usize, 4usize);
         let shares = ExpertLoad::Zipf(1.2).shares(0, e).unwrap();
-        // Each token's k distinct experts drawn by the shares (a fixed SplitMix64 stream).
-        let mut state = 7u64;
-        let mut uniform = || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-        };
-        let mut ids = Vec::with_capacity(tokens * k);
-        for _ in 0..tokens {
-            let mut chosen: Vec<usize> = Vec::new();
-            while chosen.len() < k {
-                let left: f64 = (0..e).filter(|x| !chosen.contains(x)).map(|x| shares[x]).sum();
-                let mut u = uniform() * left;
-                let x = (0..e).filter(|x| !chosen.contains(x)).find(|&x| {
-                    u -= shares[x];
-                    u <= 0.0
-                });
-                chosen.push(x.unwrap_or_else(|| (0..e).rev().find(|x| !chosen.contains(x)).unwrap()));
-            }
-            ids.extend(chosen);
-        }
+        let ids = disagmoe_core::experts::sample_routing(&shares, k, tokens, 7);
         let imbalance = |layout: &Layout| {
             let mut copies = vec![0usize; holders];
             assign_copies(layout, 0, &ids).into_iter().flatten().for_each(|h| copies[h] += 1);

@@ -40,9 +40,12 @@
 //! A holder adds its experts' terms, and the attention worker the holders' shares (forward and
 //! backward, [`add_token_sums`]), along the tree of `disagmoe_kernels::order`, the order in which
 //! one device's combine and permute backward add a token's terms: with holders on aligned
-//! power-of-two expert ranges the sums have one device's bits. On a device the tokens held by the
-//! same holders are added as a group ([`add_shares`]): the same tree, on rows, so the same bits
-//! as the host's token-by-token sums.
+//! power-of-two expert ranges the sums have one device's bits. Under an explicit placement a
+//! share's rows each carry the span of the keys they add ([`Keys::PerToken`], from
+//! [`share_spans`]), so each token's shares sit where one device's tree has their terms. On a
+//! device the tokens held by the same holders, added along the same shape of tree, are added as a
+//! group ([`add_shares`]): the same tree, on rows, so the same bits as the host's token-by-token
+//! sums.
 
 use disagmoe_kernels::order::{range_key, tree_fold, tree_sum, Term};
 use std::collections::{BTreeMap, HashMap};
@@ -258,9 +261,9 @@ pub struct Shares<'a> {
 /// `out` (zeros when `None`) plus, for each token, the sum of the holders' rows of it in the
 /// canonical order ([`add_token_sums`]), `[T, M]` = `shape`. On the host when every payload is
 /// there; on the device when one is (host rows joining it are uploaded): the tokens that the same
-/// holders have form a group, whose rows are taken from each holder and added along the same tree
-/// ([`tree_fold`]), and the group's sums added onto its rows of `out`, so every value gets the
-/// same additions as on the host.
+/// holders have, added along the same shape of tree, form a group, whose rows are taken from each
+/// holder and added along that tree ([`tree_fold`]), and the group's sums added onto its rows of
+/// `out`, so every value gets the same additions as on the host.
 pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]) -> Packed {
     let on_device = |p: &Packed| match p {
         Packed::Device(d) => Some(d.clone()),
@@ -286,8 +289,16 @@ pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]
         Some(p) => device_of(&p, &like),
         None => like.rows.zeros([t, m]),
     };
-    // The holders of each token and its row in each, grouped by holders (and the rows' keys).
-    let mut groups: BTreeMap<Vec<(usize, (u64, u64))>, (Vec<u32>, Vec<Vec<u32>>)> = BTreeMap::new();
+    // The holders of each token and its row in each, grouped by the holders and the shape of the
+    // tree that adds their rows (one shape per holder set when every row of a holder has its key;
+    // per-token keys can give a holder set several): a group's members add alike, so the group
+    // folds with its first token's keys.
+    struct Group {
+        keys: Vec<(u64, u64)>,
+        tokens: Vec<u32>,
+        rows: Vec<Vec<u32>>,
+    }
+    let mut groups: BTreeMap<(Vec<usize>, Vec<u32>), Group> = BTreeMap::new();
     let mut cursor = vec![0u32; holders.len()];
     let mut present = Vec::with_capacity(holders.len());
     for token in 0..t as u32 {
@@ -298,16 +309,29 @@ pub fn add_shares(out: Option<Packed>, shape: [usize; 2], holders: &[Shares<'_>]
                 *c += 1;
             }
         }
-        let key: Vec<(usize, (u64, u64))> = present.iter().map(|&(i, c)| (i, holders[i].key.at(c as usize))).collect();
-        let group = groups.entry(key).or_insert_with(|| (Vec::new(), vec![Vec::new(); present.len()]));
-        group.0.push(token);
-        group.1.iter_mut().zip(&present).for_each(|(rows, p)| rows.push(p.1));
+        let keys: Vec<(u64, u64)> = present.iter().map(|&(i, c)| holders[i].key.at(c as usize)).collect();
+        let leaves = present.iter().zip(&keys).map(|(&(i, _), &k)| (k, vec![i as u32])).collect();
+        let shape = tree_fold(leaves, &mut |mut a: Vec<u32>, b: Vec<u32>| {
+            a.extend(b);
+            a.push(u32::MAX);
+            a
+        })
+        .unwrap_or_default();
+        let members: Vec<usize> = present.iter().map(|p| p.0).collect();
+        let group = groups.entry((members, shape)).or_insert_with(|| Group {
+            keys,
+            tokens: Vec::new(),
+            rows: vec![Vec::new(); present.len()],
+        });
+        group.tokens.push(token);
+        group.rows.iter_mut().zip(&present).for_each(|(rows, p)| rows.push(p.1));
     }
-    for (members, (tokens, rows)) in groups {
+    for ((members, _), Group { keys, tokens, rows }) in groups {
         let terms: Vec<((u64, u64), DeviceTensor)> = members
             .iter()
             .zip(&rows)
-            .map(|(&(i, key), positions)| {
+            .zip(keys)
+            .map(|((&i, positions), key)| {
                 let all = device_of(holders[i].rows, &like);
                 // Ascending positions as many as the rows are all of them.
                 let mine = if positions.len() == all.shape[0] { all } else { all.rows.select(positions) };

@@ -20,6 +20,29 @@ use crate::runtime::shards::{write_index, write_shards};
 use crate::runtime::trace::TraceEvent;
 use crate::trainer::StateBytes;
 
+/// A 32-bit digest (FNV-1a) of a layout's explicit expert placements (0 without any).
+fn placement_digest(layout: &crate::runtime::layout::Layout) -> u32 {
+    let mut h = 0x811C_9DC5u32;
+    let mut eat = |x: usize| {
+        for b in (x as u64).to_le_bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+    };
+    for (l, map) in layout.expert_maps.iter().enumerate() {
+        let Some(map) = map else { continue };
+        eat(l);
+        for slots in &map.slots {
+            eat(usize::MAX);
+            slots.iter().for_each(|&x| eat(x));
+        }
+    }
+    if layout.expert_maps.iter().all(Option::is_none) {
+        0
+    } else {
+        h
+    }
+}
+
 /// The `i`-th report of every worker's [`Msg::Shards`] (the model's files, then each moment's).
 fn nth_reports(gathered: &[Msg], i: usize) -> Vec<ShardReport> {
     gathered.iter().filter_map(|m| if let Msg::Shards(r) = m { r.get(i).cloned() } else { None }).collect()
@@ -41,11 +64,23 @@ where
         let workers = self.layout.workers;
         // Then how many workers hold the tensor of the test-only fault `inject_nonfinite`.
         let poisoned = self.settings.poison_at.as_ref().map(|(_, tensor)| tensor.clone());
-        let mut v = vec![0f64; workers + 2];
+        let mut v = vec![0f64; 2 * workers + 2];
         v[rank] = own as f64;
         v[workers] = counted as f64;
         v[workers + 1] = poisoned.as_ref().is_some_and(|t| self.names.values().any(|n| n == t)) as u8 as f64;
+        // And the expert placement each worker computed (every process computes its own).
+        v[workers + 2 + rank] = placement_digest(&self.layout) as f64;
         self.all_reduce(&self.everyone(), &mut v)?;
+        let digests = &v[workers + 2..];
+        if digests.iter().any(|&d| d != digests[0]) {
+            let differ: Vec<usize> = (0..workers).filter(|&w| digests[w] != digests[0]).collect();
+            return Err(TrainError::option(
+                "expert_load",
+                format!(
+                    "workers {differ:?} placed the experts otherwise than worker 0: every process must read the same load (a metrics.jsonl that differs between nodes, or one still being written?)"
+                ),
+            ));
+        }
         if let Some(tensor) = poisoned.filter(|_| v[workers + 1] == 0.0) {
             return Err(TrainError::option(
                 "inject_nonfinite.tensor",

@@ -264,7 +264,7 @@ where
             return self.comm.send(dst, exchange::combine(mb, layer, tokens, Vec::new(), empty(m).into()));
         }
         // Where each row sits in the order of addition, under an explicit placement.
-        let k = if rows == 0 { 0 } else { ids.len() / rows };
+        let k = ids.len() / rows;
         let shared = self.part().experts[self.ffn_index[&layer]].needs_all_tokens();
         let spans = exchange::share_spans(&self.layout, layer, &ids, k, shared);
         let input = FfnInput { y, w, ids: ids.iter().map(|&e| e as usize).collect() };
