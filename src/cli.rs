@@ -44,9 +44,11 @@ pub struct TrainArgs {
     pub model_preset: Option<String>,
     /// Training data: a UTF-8 text file (tokenized at start-up), a directory written by `disagmoe
     /// tokenize`, or a Megatron `.bin`/`.idx` pair (either file or their common prefix); token
-    /// data is read in place, window by window, never loaded whole. Default: the bundled public-domain corpus.
-    #[arg(long, value_name = "FILE|DIR")]
-    pub data: Option<PathBuf>,
+    /// data is read in place, window by window, never loaded whole. Or a weighted blend of them in
+    /// Megatron's syntax: `--data 0.7 tokens/web 0.2 tokens/code 0.1 tokens/math` (weights relative,
+    /// dealt exactly per block of 1000 windows). Default: the bundled public-domain corpus.
+    #[arg(long, value_name = "FILE|DIR|BLEND", num_args = 1.., allow_negative_numbers = true)]
+    pub data: Option<Vec<PathBuf>>,
     /// Hugging Face tokenizer.json. Default: the checkpoint's own, else byte-level.
     #[arg(long, value_name = "tokenizer.json")]
     pub tokenizer: Option<PathBuf>,
@@ -323,7 +325,17 @@ impl TrainArgs {
         if self.force_balanced_routing {
             cfg.model.force_balanced_routing = true;
         }
-        set!(data => data.path, tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
+        if let Some(values) = &self.data {
+            let words: Vec<String> = values.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+            if disagmoe_train::data::blend::is_blend(&words) {
+                cfg.data.blend = disagmoe_train::data::blend::parse_blend(&words)?;
+                cfg.data.path = None;
+            } else {
+                cfg.data.path = values.first().cloned();
+                cfg.data.blend.clear();
+            }
+        }
+        set!(tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
         set!(eval_fraction => data.eval_fraction, eval_every => data.eval_every, eval_batches => data.eval_batches);
         set!(
             lr => optimizer.lr, min_lr => optimizer.min_lr, warmup_steps => optimizer.warmup_steps,

@@ -117,6 +117,18 @@ fn tokenize_reads_text_jsonl_and_parquet_into_shards_that_decode_to_the_document
     let report = json(&tokenize(&[&input], &one, &["--shard-tokens", "40"]));
     assert_eq!((report["files"].as_u64(), report["documents"].as_u64()), (Some(3), Some(5)), "{report}");
     assert!(report["shards"].as_u64().unwrap() >= 3, "{report}");
+    // Per input: the one directory gave everything.
+    let per = &report["per_input"];
+    assert_eq!((per[0]["files"].as_u64(), per[0]["documents"].as_u64()), (Some(3), Some(5)), "{report}");
+    assert_eq!(per[0]["tokens"], report["tokens"]);
+    // Inputs given one by one are reported one by one (the JSONL file has two non-empty documents).
+    let four = tmp.path().join("four");
+    let inputs = [input.join("a"), input.join("b.jsonl"), input.join("c.parquet")];
+    let report = json(&tokenize(&inputs.iter().map(PathBuf::as_path).collect::<Vec<_>>(), &four, &[]));
+    let docs: Vec<u64> = (0..3).map(|i| report["per_input"][i]["documents"].as_u64().unwrap()).collect();
+    assert_eq!(docs, [1, 2, 2], "{report}");
+    let tokens: u64 = (0..3).map(|i| report["per_input"][i]["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(Some(tokens), report["tokens"].as_u64());
     let docs = documents(&one);
     assert_eq!(docs.len(), want.len());
     for (got, text) in docs.iter().zip(&want) {
@@ -270,4 +282,96 @@ fn ids_beyond_the_vocabulary_in_megatron_data_are_named_when_read() {
         .unwrap();
     let err = error(&out);
     assert!(err.contains("big.bin") && err.contains("token 1507 is id 60000") && err.contains("0..256"), "{err}");
+}
+
+/// The steps of `dir/metrics.jsonl`.
+fn metric_records(dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Three sources of different text, each tokenized apart; trained on as a blend `0.6 / 0.3 /
+/// 0.1`: each step's tokens come from the sources the blend's order says, each source is
+/// evaluated on its own held-out windows (the reported loss is their weighted mean), a resume
+/// from a checkpoint in the middle reads the windows the straight run read (same losses, bit for
+/// bit), and bad blends are refused in one line.
+#[test]
+fn a_blend_trains_on_its_sources_by_weight_evaluates_each_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = std::fs::read_to_string(root().join("disagmoe-train/data/kjv-genesis-leviticus.txt")).unwrap();
+    let chunks: Vec<&str> = corpus.lines().filter(|p| !p.trim().is_empty()).collect();
+    let mut dirs = Vec::new();
+    for (d, name) in ["web", "code", "math"].iter().enumerate() {
+        // Each source: its own documents (every third line of the corpus, from a different one).
+        let input = tmp.path().join(format!("{name}.jsonl"));
+        let lines: Vec<String> = (chunks.iter().skip(d).step_by(3).take(150))
+            .map(|p| serde_json::json!({ "text": format!("{name}: {p}") }).to_string())
+            .collect();
+        std::fs::write(&input, lines.join("\n")).unwrap();
+        let out = tmp.path().join(name);
+        let report = json(&tokenize(&[&input], &out, &[]));
+        let per = &report["per_input"][0];
+        assert_eq!((per["documents"].as_u64(), per["tokens"].as_u64()), (Some(150), report["tokens"].as_u64()));
+        dirs.push(out);
+    }
+    let blend: Vec<String> =
+        ["0.6", "0.3", "0.1"].iter().zip(&dirs).flat_map(|(w, d)| [w.to_string(), d.display().to_string()]).collect();
+    let common = ["--steps", "8", "--batch", "4", "--seq", "32", "--quiet", "--eval-every", "4"];
+    let train = |out: &Path, extra: &[&str]| {
+        let mut c = bin();
+        c.arg("train").args(common).arg("--out").arg(out).args(extra).arg("--data").args(&blend);
+        json(&c.output().unwrap())
+    };
+    let straight = tmp.path().join("straight");
+    let summary = train(&straight, &[]);
+    let records = metric_records(&straight);
+    assert_eq!(records.len(), 8);
+    let labels: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    let mut total = [0u64; 3];
+    for r in &records {
+        let per = r["tokens_per_source"].as_object().unwrap();
+        let counts: Vec<u64> = labels.iter().map(|l| per.get(l).map_or(0, |v| v.as_u64().unwrap())).collect();
+        assert_eq!(counts.iter().sum::<u64>(), 4 * 32, "{r}");
+        for (t, c) in total.iter_mut().zip(&counts) {
+            *t += c;
+        }
+        let evaluated = r.get("eval_loss").is_some();
+        assert_eq!(evaluated, r["step"] == 4 || r["step"] == 8, "{r}");
+        if evaluated {
+            let per = r["eval_loss_per_source"].as_object().unwrap();
+            let losses: Vec<f64> = labels.iter().map(|l| per[l].as_f64().unwrap()).collect();
+            let mean = 0.6 * losses[0] + 0.3 * losses[1] + 0.1 * losses[2];
+            assert!((r["eval_loss"].as_f64().unwrap() - mean).abs() < 1e-9, "{r}");
+        }
+    }
+    // 32 windows dealt by the blend's order: 19 / 10 / 3 (the first 32 of a block of 600/300/100).
+    assert_eq!(total.map(|t| t / 32), [19, 10, 3]);
+    // Stop after 6 with checkpoints every 3; lose the checkpoint of step 6; resume from step 3.
+    let ck = tmp.path().join("ck");
+    let out = tmp.path().join("out");
+    let ck_args = ["--checkpoint-every", "3", "--checkpoint-dir", ck.to_str().unwrap()];
+    let first = train(&out, &[&["--stop-after", "6"][..], &ck_args].concat());
+    assert_eq!(first["steps"], 6);
+    std::fs::remove_dir_all(ck.join("step-00000006")).unwrap();
+    let resumed = train(&out, &["--resume", ck.to_str().unwrap()]);
+    assert_eq!(resumed["resumed_from_step"], 3);
+    assert_eq!(resumed["losses"], summary["losses"], "the windows of an uninterrupted run");
+    assert_eq!(resumed["eval_loss"], summary["eval_loss"]);
+    let again = metric_records(&out);
+    assert_eq!(
+        again.iter().map(|r| r["tokens_per_source"].clone()).collect::<Vec<_>>(),
+        records.iter().map(|r| r["tokens_per_source"].clone()).collect::<Vec<_>>()
+    );
+    // Bad blends: one line each, naming the problem.
+    let web = dirs[0].to_str().unwrap();
+    for (data, want) in [
+        (vec!["0.5", web, "-0.5", web], "must be finite and at least 0"),
+        (vec!["0", web, "0", web], "sum to 0"),
+        (vec!["0.5", web, "0.5", "/no/such/source"], "/no/such/source does not exist"),
+        (vec!["0.5", web, "0.5"], "not pairs"),
+    ] {
+        let out = bin().args(["train", "--steps", "1", "--quiet", "--data"]).args(&data).output().unwrap();
+        let err = error(&out);
+        assert!(err.contains(want) && err.trim().lines().count() == 1, "{data:?}: {err}");
+    }
 }

@@ -167,11 +167,7 @@ impl RunSettings {
             seed: cfg.seed,
             seq: cfg.data.seq,
             batch: cfg.data.batch,
-            data: cfg
-                .data
-                .path
-                .as_ref()
-                .map_or_else(|| crate::data::BUNDLED_CORPUS_NAME.into(), |p| p.display().to_string()),
+            data: cfg.data.describe(),
             tokenizer: cfg.data.tokenizer.as_ref().map_or_else(|| "default".into(), |p| p.display().to_string()),
             eval_fraction: cfg.data.eval_fraction,
             steps: cfg.steps,

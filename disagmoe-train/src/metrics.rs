@@ -103,6 +103,13 @@ pub struct StepMetrics {
     /// `exp(eval_loss)`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_perplexity: Option<f64>,
+    /// A blend's tokens of this step from each source (by the path as given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_source: Option<std::collections::BTreeMap<String, u64>>,
+    /// A blend's held-out loss of each source, at the steps that evaluated (`eval_loss` is their
+    /// mean weighted as the blend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss_per_source: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 /// Bytes of the token exchange by message kind, as packed in the run's exchange precision

@@ -12,7 +12,8 @@
 //! Tags: `loss`, `loss/lm`, `loss/aux` and `loss/z` (when on), `lr`, `grad_norm`, `loss_scale`
 //! (f16), `throughput/tokens_per_s`, `time/step_s`, `time/compute_s`, `comm/exposed_s`,
 //! `comm/in_flight_wait_s`, `comm/bytes_sent`, `eval/loss` and `eval/perplexity` (at the steps that
-//! evaluate), and per MoE layer `expert_load/layer_<l>`: a histogram over expert indices whose
+//! evaluate; under a blend also `eval/loss/<source>` for each source and `data/tokens/<source>`,
+//! the step's tokens from it, the source named by its path), and per MoE layer `expert_load/layer_<l>`: a histogram over expert indices whose
 //! bucket `e` (edges `e - 1/2 .. e + 1/2`) holds the routed copies expert `e` received that step.
 
 use std::io::BufWriter;
@@ -117,6 +118,13 @@ impl TensorBoard {
                 self.scalar(s, tag, v)?;
             }
         }
+        // A blend: each source's held-out loss and tokens, named by its path.
+        for (label, &loss) in m.eval_loss_per_source.iter().flatten() {
+            self.scalar(s, &format!("eval/loss/{}", source_tag(label)), loss)?;
+        }
+        for (label, &tokens) in m.tokens_per_source.iter().flatten() {
+            self.scalar(s, &format!("data/tokens/{}", source_tag(label)), tokens as f64)?;
+        }
         for load in &m.expert_load {
             let counts: Vec<f64> = load.tokens_per_expert.iter().map(|&c| c as f64).collect();
             let num: f64 = counts.iter().sum();
@@ -185,4 +193,10 @@ pub fn read_dir(dir: &Path) -> Result<Vec<(i64, String, Value)>> {
         }
     }
     Ok(out)
+}
+
+/// A blend source's path as part of a tag: characters other than letters, digits, `_`, `-`, `.`
+/// and `/` become `_`.
+fn source_tag(label: &str) -> String {
+    label.chars().map(|c| if c.is_ascii_alphanumeric() || "_-./".contains(c) { c } else { '_' }).collect()
 }

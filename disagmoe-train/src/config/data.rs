@@ -4,7 +4,22 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::blend::{check_blend, describe_blend, parse_blend, BlendSource};
 use crate::error::{Result, TrainError};
+
+/// `blend` in TOML: Megatron's syntax in a string, or a list of `{ weight, path }` tables.
+fn blend_from_toml<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<BlendSource>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Blend {
+        Text(String),
+        Tables(Vec<BlendSource>),
+    }
+    match Blend::deserialize(d)? {
+        Blend::Text(text) => parse_blend(&[text]).map_err(serde::de::Error::custom),
+        Blend::Tables(t) => Ok(t),
+    }
+}
 
 /// What a step reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -13,6 +28,11 @@ pub struct DataOptions {
     /// Training data: a UTF-8 text file, a `disagmoe tokenize` directory or a Megatron `.bin`/`.idx`
     /// pair. Default: the bundled public-domain corpus (flag `--data`, flat key `data`).
     pub path: Option<PathBuf>,
+    /// A weighted mixture of datasets instead of `path` (Megatron's blend, [`crate::data::blend`]):
+    /// in TOML `blend = "0.7 tokens/web 0.3 tokens/code"` or a list of `{ weight, path }` tables;
+    /// on the command line `--data 0.7 tokens/web 0.3 tokens/code`. Empty: not a blend.
+    #[serde(deserialize_with = "blend_from_toml", skip_serializing_if = "Vec::is_empty")]
+    pub blend: Vec<BlendSource>,
     /// A Hugging Face `tokenizer.json`. Default: the checkpoint's own if it has one, else bytes.
     pub tokenizer: Option<PathBuf>,
     /// Sequences per step.
@@ -34,6 +54,7 @@ impl Default for DataOptions {
     fn default() -> Self {
         Self {
             path: None,
+            blend: Vec::new(),
             tokenizer: None,
             batch: 8,
             seq: 128,
@@ -47,6 +68,15 @@ impl Default for DataOptions {
 impl DataOptions {
     /// Checks the section; the error names the option and the allowed values.
     pub fn validate(&self) -> Result<()> {
+        if !self.blend.is_empty() {
+            check_blend(&self.blend)?;
+            if let Some(path) = &self.path {
+                return Err(TrainError::option(
+                    "data",
+                    format!("give one dataset (path {}) or a blend, not both", path.display()),
+                ));
+            }
+        }
         if self.batch == 0 {
             return Err(TrainError::option("batch", "must be at least 1"));
         }
@@ -74,6 +104,29 @@ impl DataOptions {
         Ok(())
     }
 
+    /// Reads `path` as a blend when it is one (`data = "0.7 tokens/web 0.3 tokens/code"`, or the
+    /// values of `--data`: see [`crate::data::blend::is_blend`]).
+    pub fn blend_from_path(&mut self) -> Result<()> {
+        let Some(text) = self.path.as_ref().and_then(|p| p.to_str()) else { return Ok(()) };
+        if crate::data::blend::is_blend(&[text]) {
+            if !self.blend.is_empty() {
+                return Err(TrainError::option("data", "give one blend (data or blend), not both"));
+            }
+            self.blend = parse_blend(&[text])?;
+            self.path = None;
+        }
+        Ok(())
+    }
+
+    /// The data in words: the blend in Megatron's syntax, the path, or the bundled corpus.
+    pub fn describe(&self) -> String {
+        match &self.path {
+            _ if !self.blend.is_empty() => describe_blend(&self.blend),
+            Some(p) => p.display().to_string(),
+            None => crate::data::BUNDLED_CORPUS_NAME.into(),
+        }
+    }
+
     /// Tokens in one step's batch.
     pub fn tokens_per_step(&self) -> usize {
         self.batch * self.seq
@@ -94,5 +147,32 @@ mod tests {
         let d = DataOptions { batch: 1 << 20, seq: 1 << 20, ..DataOptions::default() };
         assert!(d.validate().is_ok());
         assert_eq!(d.tokens_per_step(), 1 << 40);
+    }
+
+    #[test]
+    fn a_blend_is_read_from_toml_in_either_form_and_from_the_flat_key() {
+        use crate::config::RunConfig;
+        let want = vec![
+            BlendSource { weight: 0.7, path: "tokens/web".into() },
+            BlendSource { weight: 0.3, path: "tokens/code".into() },
+        ];
+        for text in [
+            "[data]\nblend = \"0.7 tokens/web 0.3 tokens/code\"\n",
+            "[data]\nblend = [{ weight = 0.7, path = \"tokens/web\" }, { weight = 0.3, path = \"tokens/code\" }]\n",
+            "data = \"0.7 tokens/web 0.3 tokens/code\"\n",
+            "blend = \"0.7 tokens/web   0.3 tokens/code\"\n",
+        ] {
+            let cfg = RunConfig::from_toml_str(text).unwrap();
+            assert_eq!((cfg.data.blend.clone(), cfg.data.path.clone()), (want.clone(), None), "{text}");
+            cfg.data.validate().unwrap();
+            assert_eq!(cfg.data.describe(), "0.7 tokens/web 0.3 tokens/code");
+        }
+        let e = RunConfig::from_toml_str("[data]\nblend = \"-1 a 2 b\"\n").unwrap_err();
+        assert!(e.contains("at least 0"), "{e}");
+        let cfg = RunConfig::from_toml_str("[data]\npath = \"c.txt\"\nblend = \"1 a\"\n").unwrap();
+        let e = cfg.data.validate().unwrap_err().to_string();
+        assert!(e.contains("not both"), "{e}");
+        let cfg = RunConfig::from_toml_str("[data]\nblend = [{ weight = 0.0, path = \"a\" }]\n").unwrap();
+        assert!(cfg.data.validate().unwrap_err().to_string().contains("sum to 0"));
     }
 }

@@ -128,6 +128,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
         "data",
         &[
             ("data", "path"),
+            ("blend", "blend"),
             ("tokenizer", "tokenizer"),
             ("batch", "batch"),
             ("seq", "seq"),
@@ -256,7 +257,9 @@ impl RunConfig {
     pub fn from_toml_str(text: &str) -> std::result::Result<Self, String> {
         let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
         let nested = nest_flat_keys(table)?;
-        toml::Value::Table(nested).try_into().map_err(|e: toml::de::Error| e.to_string())
+        let mut cfg: Self = toml::Value::Table(nested).try_into().map_err(|e: toml::de::Error| e.to_string())?;
+        cfg.data.blend_from_path().map_err(|e| e.to_string())?;
+        Ok(cfg)
     }
 
     /// Reads a TOML run config; unknown keys are errors.

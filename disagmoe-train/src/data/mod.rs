@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub mod blend;
 pub mod corpus;
 pub mod indexed;
 pub mod order;
@@ -193,13 +194,19 @@ pub struct Batch(BatchRows);
 #[derive(Clone)]
 enum BatchRows {
     Rows(Arc<Vec<Vec<i64>>>),
-    Windows { windows: Arc<Windows>, ids: Arc<Vec<usize>> },
+    /// Training windows of one corpus (or of several: a blend), by their index in its split.
+    Windows(Arc<Vec<(Arc<Windows>, usize)>>),
 }
 
 impl Batch {
     /// A batch of the given rows.
     pub fn from_rows(rows: Vec<Vec<i64>>) -> Self {
         Self(BatchRows::Rows(Arc::new(rows)))
+    }
+
+    /// A batch of training windows, each of its corpus.
+    pub fn of_windows(windows: Vec<(Arc<Windows>, usize)>) -> Self {
+        Self(BatchRows::Windows(Arc::new(windows)))
     }
 
     /// No rows (a process whose workers read none).
@@ -211,7 +218,7 @@ impl Batch {
     pub fn len(&self) -> usize {
         match &self.0 {
             BatchRows::Rows(r) => r.len(),
-            BatchRows::Windows { ids, .. } => ids.len(),
+            BatchRows::Windows(ids) => ids.len(),
         }
     }
 
@@ -224,9 +231,7 @@ impl Batch {
     pub fn rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
         match &self.0 {
             BatchRows::Rows(r) => Ok(r[range].to_vec()),
-            BatchRows::Windows { windows, ids } => {
-                ids[range].iter().map(|&w| windows.read(&windows.train, w)).collect()
-            }
+            BatchRows::Windows(ids) => ids[range].iter().map(|(windows, w)| windows.read(&windows.train, *w)).collect(),
         }
     }
 }
@@ -436,18 +441,19 @@ impl PackedDataset {
     /// The next `batch` windows, moving to the next epoch when one runs out; their rows are read
     /// where they are needed ([`Batch::rows`]).
     pub fn next_windows(&mut self, batch: usize) -> Batch {
-        let ids = (0..batch)
-            .map(|_| {
-                if self.position.cursor >= self.order.len() {
-                    self.position = DataPosition { epoch: self.position.epoch + 1, cursor: 0 };
-                    self.shuffle();
-                }
-                let w = self.order.at(self.position.cursor);
-                self.position.cursor += 1;
-                w
-            })
-            .collect();
-        Batch(BatchRows::Windows { windows: self.windows.clone(), ids: Arc::new(ids) })
+        Batch::of_windows((0..batch).map(|_| self.next_window()).collect())
+    }
+
+    /// The next window (its corpus and its index there), moving to the next epoch when one runs
+    /// out.
+    pub fn next_window(&mut self) -> (Arc<Windows>, usize) {
+        if self.position.cursor >= self.order.len() {
+            self.position = DataPosition { epoch: self.position.epoch + 1, cursor: 0 };
+            self.shuffle();
+        }
+        let w = self.order.at(self.position.cursor);
+        self.position.cursor += 1;
+        (self.windows.clone(), w)
     }
 
     /// The next `batch` windows as rows of token ids (see [`PackedDataset::next_windows`]).

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use rayon::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::corpus::{Manifest, ShardEntry, MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION};
 use super::indexed::{IndexedWriter, TokenDtype};
@@ -85,8 +85,24 @@ pub struct TokenizeReport {
     pub seconds: f64,
     /// Tokens per second.
     pub tokens_per_s: f64,
+    /// What each `--input` gave, in the order given (the sources of a blend are often tokenized
+    /// apart; this says what one tokenize made of each input).
+    pub per_input: Vec<InputReport>,
     /// Input megabytes per second.
     pub mb_per_s: f64,
+}
+
+/// What one `--input` (a file or a directory) gave.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputReport {
+    /// The input as given.
+    pub input: PathBuf,
+    /// Its files read.
+    pub files: usize,
+    /// Its non-empty documents written.
+    pub documents: u64,
+    /// Its tokens written (end-of-document ids included).
+    pub tokens: u64,
 }
 
 /// A document's text.
@@ -142,6 +158,11 @@ fn eos_id(tokenizer: &dyn Tokenizer, path: Option<&Path>, eos: Option<&str>) -> 
 
 /// The input files, in order: files as given, directories' files recursively in path order.
 pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    Ok(input_files_by_input(inputs)?.into_iter().map(|(f, _)| f).collect())
+}
+
+/// [`input_files`], each with the index of the input it came from.
+fn input_files_by_input(inputs: &[PathBuf]) -> Result<Vec<(PathBuf, usize)>> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         let io = |source| TrainError::Io { action: "cannot list", path: dir.into(), source };
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -163,11 +184,13 @@ pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
         Ok(())
     }
     let mut files = Vec::new();
-    for input in inputs {
+    for (i, input) in inputs.iter().enumerate() {
         if input.is_dir() {
-            walk(input, &mut files)?;
+            let mut found = Vec::new();
+            walk(input, &mut found)?;
+            files.extend(found.into_iter().map(|f| (f, i)));
         } else if input.is_file() {
-            files.push(input.clone());
+            files.push((input.clone(), i));
         } else {
             return Err(TrainError::Corpus { path: input.clone(), message: "does not exist".into() });
         }
@@ -416,8 +439,8 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     }
     let (tokenizer, sha) = load_tokenizer(opts.tokenizer.as_deref())?;
     let eos = eos_id(tokenizer.as_ref(), opts.tokenizer.as_deref(), opts.eos.as_deref())?;
-    let files = input_files(&opts.inputs)?;
-    let input_bytes: u64 = files.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
+    let files = input_files_by_input(&opts.inputs)?;
+    let input_bytes: u64 = files.iter().map(|(f, _)| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
     let partial = PathBuf::from(format!("{}.partial", opts.out.display()));
     if partial.exists() {
         return Err(TrainError::option(
@@ -438,7 +461,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&partial);
     }
-    let manifest = written?;
+    let (manifest, per_input) = written?;
     std::fs::rename(&partial, &opts.out).map_err(|source| TrainError::Io {
         action: "cannot rename the finished shards to",
         path: opts.out.clone(),
@@ -457,6 +480,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         seconds,
         tokens_per_s: manifest.tokens as f64 / seconds.max(1e-9),
         mb_per_s: input_bytes as f64 / 1e6 / seconds.max(1e-9),
+        per_input,
     })
 }
 
@@ -466,10 +490,10 @@ fn write_shards(
     tokenizer: &dyn Tokenizer,
     sha: Option<String>,
     eos: u32,
-    files: &[PathBuf],
+    files: &[(PathBuf, usize)],
     input_bytes: u64,
     dir: &Path,
-) -> Result<Manifest> {
+) -> Result<(Manifest, Vec<InputReport>)> {
     let dtype = TokenDtype::for_vocab(tokenizer.vocab_size());
     let mut writer = ShardWriter {
         dir: dir.to_path_buf(),
@@ -481,22 +505,31 @@ fn write_shards(
         max_id: 0,
     };
     let bar = progress_bar(opts.progress, input_bytes);
-    let mut batch: Vec<Doc> = Vec::new();
+    let mut per_input: Vec<InputReport> =
+        opts.inputs.iter().map(|i| InputReport { input: i.clone(), ..InputReport::default() }).collect();
+    for &(_, i) in files {
+        per_input[i].files += 1;
+    }
+    // Documents to tokenize, each with the input it came from.
+    let mut batch: Vec<(Doc, usize)> = Vec::new();
     let mut batch_bytes = 0usize;
-    let flush = |batch: &mut Vec<Doc>, writer: &mut ShardWriter| -> Result<()> {
-        let ids: Vec<Result<Vec<u32>>> = batch.par_iter().map(|d| tokenizer.encode(&d.text)).collect();
-        for ids in ids {
-            writer.push(ids?)?;
+    let flush = |batch: &mut Vec<(Doc, usize)>, writer: &mut ShardWriter, per_input: &mut Vec<InputReport>| {
+        let ids: Vec<Result<Vec<u32>>> = batch.par_iter().map(|(d, _)| tokenizer.encode(&d.text)).collect();
+        for (ids, (_, i)) in ids.into_iter().zip(batch.iter()) {
+            let ids = ids?;
+            (per_input[*i].documents, per_input[*i].tokens) =
+                (per_input[*i].documents + 1, per_input[*i].tokens + ids.len() as u64 + 1);
+            writer.push(ids)?;
         }
         batch.clear();
-        Ok(())
+        Ok::<(), TrainError>(())
     };
-    for file in files {
+    for (file, input) in files {
         read_documents(file, &opts.text_field, &mut |doc| {
             batch_bytes += doc.text.len();
-            batch.push(doc);
+            batch.push((doc, *input));
             if batch_bytes >= BATCH_BYTES {
-                flush(&mut batch, &mut writer)?;
+                flush(&mut batch, &mut writer, &mut per_input)?;
                 bar.set_message(format!("{} documents", writer.shards.iter().map(|s| s.documents).sum::<u64>()));
                 batch_bytes = 0;
             }
@@ -504,7 +537,7 @@ fn write_shards(
         })?;
         bar.inc(std::fs::metadata(file).map_or(0, |m| m.len()));
     }
-    flush(&mut batch, &mut writer)?;
+    flush(&mut batch, &mut writer, &mut per_input)?;
     writer.close()?;
     bar.finish_and_clear();
     let (tokens, documents) = writer.shards.iter().fold((0, 0), |(t, d), s| (t + s.tokens, d + s.documents));
@@ -527,7 +560,7 @@ fn write_shards(
     let path = dir.join(MANIFEST_FILE);
     let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises") + "\n";
     std::fs::write(&path, text).map_err(|source| TrainError::Io { action: "cannot write", path, source })?;
-    Ok(manifest)
+    Ok((manifest, per_input))
 }
 
 fn progress_bar(enabled: bool, bytes: u64) -> indicatif::ProgressBar {

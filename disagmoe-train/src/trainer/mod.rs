@@ -16,7 +16,8 @@ use self::report::{step_metrics, Progress};
 pub use self::report::{throughput, TrainSummary};
 use crate::checkpoint::{latest_checkpoint, read_state, verify_checkpoint, RunSettings, TrainState};
 use crate::config::RunConfig;
-use crate::data::{Batch, PackedDataset};
+use crate::data::blend::RunData;
+use crate::data::Batch;
 use crate::error::{Result, TrainError};
 use crate::loss_scale::LossScaleState;
 use crate::metrics::{JsonlWriter, StepMetrics};
@@ -107,28 +108,28 @@ pub fn run(
     let info = engine.info();
     // Every process of a run evaluates together (its workers take part in each pass), so with
     // evaluation on each one reads the corpus to know the held-out windows.
-    let mut data = if info.needs_data || cfg.data.eval_every > 0 {
-        Some(PackedDataset::for_run(cfg, info.vocab_size)?)
-    } else {
-        None
-    };
+    let mut data =
+        if info.needs_data || cfg.data.eval_every > 0 { Some(RunData::for_run(cfg, info.vocab_size)?) } else { None };
     if let (Some(d), Some(s)) = (&mut data, &resumed) {
         d.seek(s.data);
     }
     if let (Some(d), true) = (&data, cfg.data.eval_every > 0) {
-        if d.eval_windows() < cfg.data.batch {
-            return Err(TrainError::Corpus {
-                path: d.source().into(),
-                message: format!(
-                    "holds out {} windows of {} tokens at eval_fraction {} ({} for training), fewer than one batch \
-                     ({}) to evaluate: raise --eval-fraction or use more text",
-                    d.eval_windows(),
-                    cfg.data.seq,
-                    cfg.data.eval_fraction,
-                    d.windows(),
-                    cfg.data.batch
-                ),
-            });
+        for source in d.sources() {
+            let d = &source.data;
+            if d.eval_windows() < cfg.data.batch {
+                return Err(TrainError::Corpus {
+                    path: source.label.clone().into(),
+                    message: format!(
+                        "holds out {} windows of {} tokens at eval_fraction {} ({} for training), fewer than one batch \
+                         ({}) to evaluate: raise --eval-fraction or use more text",
+                        d.eval_windows(),
+                        cfg.data.seq,
+                        cfg.data.eval_fraction,
+                        d.windows(),
+                        cfg.data.batch
+                    ),
+                });
+            }
         }
     }
     let mut metrics = match (&cfg.out, info.primary) {
@@ -152,7 +153,7 @@ pub fn run(
             backend = crate::BACKEND_NAME,
             params = info.params,
             placement = info.placement,
-            corpus = d.source(),
+            corpus = d.describe(),
             corpus_tokens = d.num_tokens(),
             windows = d.windows(),
             "training"
@@ -173,9 +174,9 @@ pub fn run(
     let mut eval_loss = None;
     for step in first_step..=last_step {
         let t0 = Instant::now();
-        let batch = match data.as_mut().filter(|_| info.needs_data) {
+        let (batch, per_source) = match data.as_mut().filter(|_| info.needs_data) {
             Some(d) => d.next_windows(cfg.data.batch),
-            None => Batch::empty(),
+            None => (Batch::empty(), Vec::new()),
         };
         let lr = lr_schedule.at(step);
         let loss_scale = scaler.scale();
@@ -183,10 +184,16 @@ pub fn run(
         scaler.update(report.skipped);
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
         record.loss_scale = scaler.state().map(|_| loss_scale);
+        if let Some(d) = data.as_ref().filter(|d| d.is_blend() && !per_source.is_empty()) {
+            let labels = d.sources().iter().map(|s| s.label.clone());
+            record.tokens_per_source =
+                Some(labels.zip(&per_source).map(|(l, &n)| (l, (n * cfg.data.seq) as u64)).collect());
+        }
         let eval_due = cfg.data.eval_every > 0 && (step % cfg.data.eval_every == 0 || step == last_step);
         if let (true, Some(d)) = (eval_due, &data) {
-            let loss = evaluate(engine, d, cfg, info.needs_data)?;
+            let (loss, per_source) = evaluate(engine, d, cfg, info.needs_data)?;
             record.eval_loss = Some(loss);
+            record.eval_loss_per_source = d.is_blend().then_some(per_source);
             record.eval_perplexity = Some(loss.exp());
             eval_loss = Some(loss);
         }
@@ -280,16 +287,29 @@ pub fn run(
 }
 
 /// The mean held-out loss, over the same windows every time: the first `eval_batches` full
-/// batches of held-out windows (at least one: checked at start), as training reads batches.
+/// batches of held-out windows (at least one: checked at start), as training reads batches; for a
+/// blend, that of each source, and their mean weighted as the blend (the blend's expected loss).
 /// Every process calls it together; one without embedding workers passes no rows.
-fn evaluate(engine: &mut dyn StepEngine, data: &PackedDataset, cfg: &RunConfig, with_rows: bool) -> Result<f64> {
-    let batches = cfg.data.eval_batches.min(data.eval_windows() / cfg.data.batch);
-    let rows = data.eval_rows(batches * cfg.data.batch)?;
-    let mut sum = 0.0;
-    for chunk in rows.chunks(cfg.data.batch) {
-        sum += engine.evaluate(if with_rows { chunk } else { &[] })?;
+fn evaluate(
+    engine: &mut dyn StepEngine,
+    data: &RunData,
+    cfg: &RunConfig,
+    with_rows: bool,
+) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
+    let (mut mean, mut per_source) = (0.0, std::collections::BTreeMap::new());
+    for source in data.sources() {
+        let d = &source.data;
+        let batches = cfg.data.eval_batches.min(d.eval_windows() / cfg.data.batch);
+        let rows = d.eval_rows(batches * cfg.data.batch)?;
+        let mut sum = 0.0;
+        for chunk in rows.chunks(cfg.data.batch) {
+            sum += engine.evaluate(if with_rows { chunk } else { &[] })?;
+        }
+        let loss = sum / batches as f64;
+        mean += source.weight * loss;
+        per_source.insert(source.label.clone(), loss);
     }
-    Ok(sum / batches as f64)
+    Ok((mean, per_source))
 }
 
 /// Puts the run's `tokenizer.json` (`--tokenizer`, else the starting checkpoint's) next to the
@@ -313,7 +333,7 @@ fn save(
     engine: &mut dyn StepEngine,
     dir: &Path,
     step: usize,
-    data: Option<&PackedDataset>,
+    data: Option<&RunData>,
     seen: &History,
     loss_scale: Option<LossScaleState>,
 ) -> Result<PathBuf> {

@@ -165,6 +165,8 @@ pub(crate) fn step_metrics(
             .collect(),
         eval_loss: None,
         eval_perplexity: None,
+        tokens_per_source: None,
+        eval_loss_per_source: None,
     }
 }
 
@@ -218,7 +220,18 @@ impl Progress {
             );
         } else if self.enabled && self.interactive {
             if let Some(l) = m.eval_loss {
-                self.bar.println(format!("step {:>5}: eval loss {l:.4} (perplexity {:.2})", m.step, l.exp()));
+                let per_source: Vec<String> =
+                    m.eval_loss_per_source.iter().flatten().map(|(s, l)| format!("{s} {l:.4}")).collect();
+                let per_source = if per_source.is_empty() {
+                    String::new()
+                } else {
+                    format!("; per source: {}", per_source.join(", "))
+                };
+                self.bar.println(format!(
+                    "step {:>5}: eval loss {l:.4} (perplexity {:.2}){per_source}",
+                    m.step,
+                    l.exp()
+                ));
             }
         }
     }
