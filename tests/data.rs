@@ -364,11 +364,16 @@ fn a_blend_trains_on_its_sources_by_weight_evaluates_each_and_resumes_exactly() 
     );
     // Bad blends: one line each, naming the problem.
     let web = dirs[0].to_str().unwrap();
+    let hf = tmp.path().join("web-hf");
+    let tokenizer = root().join("fixtures/tokenizer/tokenizer.json");
+    json(&tokenize(&[&tmp.path().join("web.jsonl")], &hf, &["--tokenizer", tokenizer.to_str().unwrap(), "--eos", "3"]));
     for (data, want) in [
         (vec!["0.5", web, "-0.5", web], "must be finite and at least 0"),
         (vec!["0", web, "0", web], "sum to 0"),
         (vec!["0.5", web, "0.5", "/no/such/source"], "/no/such/source does not exist"),
         (vec!["0.5", web, "0.5"], "not pairs"),
+        (vec!["0.5", web, "0.5", web], "given twice"),
+        (vec!["0.5", web, "0.5", hf.to_str().unwrap()], "a blend's sources must share one"),
     ] {
         let out = bin().args(["train", "--steps", "1", "--quiet", "--data"]).args(&data).output().unwrap();
         let err = error(&out);

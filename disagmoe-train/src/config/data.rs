@@ -7,18 +7,32 @@ use serde::{Deserialize, Serialize};
 use crate::data::blend::{check_blend, describe_blend, parse_blend, BlendSource};
 use crate::error::{Result, TrainError};
 
-/// `blend` in TOML: Megatron's syntax in a string, or a list of `{ weight, path }` tables.
+/// `blend` in TOML: Megatron's syntax in a string, or a list of `{ weight, path }` tables (each
+/// table's own error when one is malformed; an empty list refused).
 fn blend_from_toml<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<BlendSource>, D::Error> {
+    use serde::de::Error;
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Blend {
         Text(String),
-        Tables(Vec<BlendSource>),
+        Tables(Vec<toml::Table>),
     }
-    match Blend::deserialize(d)? {
-        Blend::Text(text) => parse_blend(&[text]).map_err(serde::de::Error::custom),
-        Blend::Tables(t) => Ok(t),
-    }
+    let tables = match Blend::deserialize(d)
+        .map_err(|_| D::Error::custom("blend is a string (`0.7 a 0.3 b`) or a list of { weight, path } tables"))?
+    {
+        Blend::Text(text) => return parse_blend(&[text]).map_err(D::Error::custom),
+        Blend::Tables(t) if t.is_empty() => {
+            return Err(D::Error::custom("blend is an empty list: give at least one { weight, path }, or leave it out"))
+        }
+        Blend::Tables(t) => t,
+    };
+    let sources = (tables.into_iter().enumerate())
+        .map(|(i, t)| {
+            toml::Value::Table(t).try_into().map_err(|e: toml::de::Error| D::Error::custom(format!("blend[{i}]: {e}")))
+        })
+        .collect::<std::result::Result<Vec<BlendSource>, _>>()?;
+    check_blend(&sources).map_err(D::Error::custom)?;
+    Ok(sources)
 }
 
 /// What a step reads.
@@ -172,7 +186,11 @@ mod tests {
         let cfg = RunConfig::from_toml_str("[data]\npath = \"c.txt\"\nblend = \"1 a\"\n").unwrap();
         let e = cfg.data.validate().unwrap_err().to_string();
         assert!(e.contains("not both"), "{e}");
-        let cfg = RunConfig::from_toml_str("[data]\nblend = [{ weight = 0.0, path = \"a\" }]\n").unwrap();
-        assert!(cfg.data.validate().unwrap_err().to_string().contains("sum to 0"));
+        let e = RunConfig::from_toml_str("[data]\nblend = [{ weight = 0.0, path = \"a\" }]\n").unwrap_err();
+        assert!(e.contains("sum to 0"), "{e}");
+        let e = RunConfig::from_toml_str("[data]\nblend = [{ weight = 1.0, pth = \"a\" }]\n").unwrap_err();
+        assert!(e.contains("blend[0]") && e.contains("pth"), "{e}");
+        let e = RunConfig::from_toml_str("[data]\nblend = []\n").unwrap_err();
+        assert!(e.contains("empty list"), "{e}");
     }
 }

@@ -2,10 +2,11 @@
 //! tokens/math`.
 //!
 //! The windows of a run are dealt in blocks of [`BLEND_BLOCK`]: each block holds exactly `q_d`
-//! windows of source `d`, the largest-remainder rounding of `w_d x BLEND_BLOCK`, in an order that
-//! keeps every prefix as close to the weights as it can (the source most behind its share goes
-//! next; Megatron's blending index, made exact per block). So over any run of whole blocks each
-//! source's share is its rounded weight, less than `1 / BLEND_BLOCK` from the weight.
+//! windows of source `d`, the largest-remainder rounding of `w_d x BLEND_BLOCK`; inside a block the
+//! source furthest behind its quota's share goes next (Megatron's blending index, made exact per
+//! block), so a block's prefixes stay within about a window of its quotas. Over any run of whole
+//! blocks each source's share is its rounded weight, less than `1 / BLEND_BLOCK` from the weight. A
+//! source whose weight is too small for a window per block is refused, not silently dropped.
 //!
 //! Each source is a [`PackedDataset`] of its own (its own held-out split and its own seeded epochs,
 //! seed mixed with the source's index); it hands out its windows in its own order, cycling epochs
@@ -35,10 +36,13 @@ pub struct BlendSource {
     pub path: PathBuf,
 }
 
-/// Parses Megatron's blend syntax: `W1 PATH1 W2 PATH2 ...` (words separated by white space, or
-/// given as separate command-line values).
-pub fn parse_blend<S: AsRef<str>>(words: &[S]) -> Result<Vec<BlendSource>> {
-    let words: Vec<&str> = words.iter().flat_map(|w| w.as_ref().split_whitespace()).collect();
+/// Parses Megatron's blend syntax, `W1 PATH1 W2 PATH2 ...`: one string of words separated by
+/// white space, or several command-line values, one word each (a path may then hold spaces).
+pub fn parse_blend<S: AsRef<str>>(values: &[S]) -> Result<Vec<BlendSource>> {
+    let words: Vec<&str> = match values {
+        [one] => one.as_ref().split_whitespace().collect(),
+        many => many.iter().map(AsRef::as_ref).collect(),
+    };
     let bad = |what: String| {
         TrainError::option(
             "data",
@@ -89,18 +93,47 @@ pub fn check_blend(sources: &[BlendSource]) -> Result<()> {
         ));
     }
     let sum: f64 = sources.iter().map(|s| s.weight).sum();
-    if sum <= 0.0 || !sum.is_finite() {
+    if !sum.is_finite() {
+        return Err(TrainError::option(
+            "data",
+            format!("the blend's weights sum to {sum}: give them in a smaller scale (they are relative)"),
+        ));
+    }
+    if sum <= 0.0 {
         return Err(TrainError::option(
             "data",
             format!("the blend's weights sum to {sum}: at least one source needs a weight above 0"),
         ));
     }
+    for (i, s) in sources.iter().enumerate() {
+        if sources[..i].iter().any(|t| t.path == s.path) {
+            return Err(TrainError::option(
+                "data",
+                format!("{} is given twice in the blend: give it once with the sum of its weights", s.path.display()),
+            ));
+        }
+    }
+    let index = BlendIndex::new(&sources.iter().map(|s| s.weight).collect::<Vec<_>>());
+    if let Some((s, _)) = sources.iter().zip(&index.quotas).find(|(s, &q)| s.weight > 0.0 && q == 0) {
+        return Err(TrainError::option(
+            "data",
+            format!(
+                "{} has weight {} of {sum} in all, too small for a window in each block of {BLEND_BLOCK}: \
+                 raise it to at least {} of the total, or give it weight 0 (evaluated, never trained on)",
+                s.path.display(),
+                s.weight,
+                1.0 / BLEND_BLOCK as f64
+            ),
+        ));
+    }
     Ok(())
 }
 
-/// The blend in Megatron's syntax (the run settings' `data`).
+/// The blend in Megatron's syntax, weights normalised to sum to 1 (the run settings' `data`, so
+/// that `7 a 3 b` and `0.7 a 0.3 b` are the same blend).
 pub fn describe_blend(sources: &[BlendSource]) -> String {
-    sources.iter().map(|s| format!("{} {}", s.weight, s.path.display())).collect::<Vec<_>>().join(" ")
+    let sum: f64 = sources.iter().map(|s| s.weight).sum();
+    sources.iter().map(|s| format!("{} {}", s.weight / sum, s.path.display())).collect::<Vec<_>>().join(" ")
 }
 
 /// The order windows are dealt in: per block, each source's quota and the sequence of sources.
@@ -212,6 +245,7 @@ impl RunData {
         if cfg.data.blend.is_empty() {
             return Ok(Self::single(PackedDataset::for_run(cfg, model_vocab)?));
         }
+        check_same_tokenizer(&cfg.data.blend)?;
         let tokenizer_path = super::tokenizer_file(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref());
         let tokenizer = super::tokenizer_for(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref())?;
         Self::blend(&cfg.data.blend, cfg.seed, |path, seed| {
@@ -306,6 +340,36 @@ impl RunData {
     }
 }
 
+/// Refuses a blend of `disagmoe tokenize` directories made with different tokenizers (their ids
+/// would mean different tokens): every manifest's tokenizer (its SHA-256 when it has one) must be
+/// the first's.
+fn check_same_tokenizer(sources: &[BlendSource]) -> Result<()> {
+    let mut first: Option<(&Path, String)> = None;
+    for s in sources.iter().filter(|s| super::data_kind(&s.path) == super::DataKind::Tokenized) {
+        let path = s.path.join(super::corpus::MANIFEST_FILE);
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        // An unreadable manifest is reported when the source is opened.
+        let Ok(manifest) = serde_json::from_str::<super::corpus::Manifest>(&text) else { continue };
+        let id = manifest.tokenizer_sha256.clone().unwrap_or_else(|| manifest.tokenizer.clone());
+        match &first {
+            None => first = Some((&s.path, id)),
+            Some((other, want)) if *want != id => {
+                return Err(TrainError::option(
+                    "data",
+                    format!(
+                        "{} was tokenized with {} and {} with another tokenizer: a blend's sources must share one",
+                        s.path.display(),
+                        manifest.tokenizer,
+                        other.display()
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// Whether `path` is the prefix of a Megatron `.bin`/`.idx` pair.
 fn megatron_prefix_exists(path: &Path) -> bool {
     let with = |ext: &str| PathBuf::from(format!("{}.{ext}", path.display()));
@@ -349,6 +413,9 @@ mod tests {
     fn bad_blends_are_refused_in_one_line() {
         for (spec, want) in [
             ("0.7 a -0.3 b", "at least 0"),
+            ("0.5 a 0.5 a", "a is given twice"),
+            ("1 a 0.0001 b", "too small for a window"),
+            ("1e308 a 1e308 b", "smaller scale"),
             ("0 a 0 b", "sum to 0"),
             ("0.7 a 0.3", "not pairs"),
             ("x a", "`x` is not a weight"),
@@ -361,6 +428,10 @@ mod tests {
         }
         assert!(is_blend(&["0.5 a 0.5 b"]) && is_blend(&["a", "b"]) && !is_blend(&["corpus.txt"]));
         assert!(!is_blend(&["0.5"]), "a file named like a number is a path");
+        // Separate values keep their spaces; the same blend in another scale describes alike.
+        let b = parse_blend(&["0.5", "my dir", "0.5", "b"]).unwrap();
+        assert_eq!(b[0].path, PathBuf::from("my dir"));
+        assert_eq!(describe_blend(&parse_blend(&["7 a 3 b"]).unwrap()), "0.7 a 0.3 b");
     }
 
     /// Three text sources whose windows say which source they are from (first byte `a`, `b`, `c`).
