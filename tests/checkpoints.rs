@@ -320,6 +320,68 @@ fn redundant_experts_stop_resume_and_reshard() {
     }
 }
 
+/// A checkpoint keeps the expert placement it was written under (`expert_placement.json`): a
+/// resume with the same placement options continues under it, bit for bit, even when the load
+/// file it was computed from has changed since (as a run's own growing metrics.jsonl does); a
+/// resume with other options places the experts anew (resharded: the same math). The placement is
+/// in the summary and on the first step of each start in metrics.jsonl.
+#[test]
+fn a_resume_keeps_the_checkpoint_s_expert_placement_unless_its_options_change() {
+    let tmp = tempfile::tempdir().unwrap();
+    let preset = "tiny-qwen3-moe";
+    let load = tmp.path().join("load.jsonl");
+    // A measured load: 8 experts in each of the 4 MoE layers, expert e with (e + 1)^3 copies, or
+    // the reverse.
+    let write_load = |reverse: bool| {
+        let counts: Vec<usize> = (0..8).map(|e| if reverse { 8 - e } else { e + 1 }).map(|x| x * x * x).collect();
+        let layers: Vec<serde_json::Value> =
+            (0..4).map(|l| serde_json::json!({"layer": l, "tokens_per_expert": counts})).collect();
+        std::fs::write(&load, serde_json::json!({"expert_load": layers}).to_string() + "\n").unwrap();
+    };
+    write_load(false);
+    let ep: &[&str] =
+        &["--placement", "ep", "--workers", "4", "--redundant-experts", "2", "--expert-load", path(&load)];
+    let dir = |n: &str| tmp.path().join(n);
+    let straight = summary(&train(preset, 6, ep, &["--out", path(&dir("straight"))]));
+    let placed = straight["expert_placement"].clone();
+    assert_eq!(placed.as_object().map(|m| m.len()), Some(4), "{placed}");
+    let ck = dir("ck");
+    let first = summary(&train(
+        preset,
+        6,
+        ep,
+        &["--stop-after", "4", "--checkpoint-every", "2", "--checkpoint-dir", path(&ck), "--out", path(&dir("out"))],
+    ));
+    assert_eq!(first["expert_placement"], placed);
+    assert!(ck.join("step-00000004/expert_placement.json").is_file());
+    // The load file changes (its hot experts are now the others): the resume keeps the placement.
+    write_load(true);
+    let ck_again = dir("ck-again");
+    assert!(Command::new("cp").arg("-r").arg(&ck).arg(&ck_again).status().unwrap().success());
+    let resumed = summary(&train(preset, 6, ep, &["--resume", path(&ck), "--out", path(&dir("out"))]));
+    assert_eq!(resumed["expert_placement"], placed, "the checkpoint's placement");
+    assert_eq!(resumed["losses"], straight["losses"]);
+    assert_eq!(resumed["param_checksum"], straight["param_checksum"]);
+    assert_bit_identical(preset, &dir("out").join("final"), &dir("straight").join("final"));
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(dir("out").join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let marked: Vec<u64> =
+        records.iter().filter(|r| r.get("expert_placement").is_some()).map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(marked, [1, 5], "the first step of each start");
+    assert_eq!(records[4]["expert_placement"], placed);
+    // Other options: placed anew from the (changed) load, the same math within tolerance.
+    let other: &[&str] =
+        &["--placement", "ep", "--workers", "4", "--redundant-experts", "1", "--expert-load", path(&load)];
+    let anew = summary(&train(preset, 6, other, &["--resume", path(&ck_again), "--out", path(&dir("anew"))]));
+    assert_ne!(anew["expert_placement"], placed);
+    for (a, b) in losses(&anew).iter().zip(losses(&straight)) {
+        assert!((a - b).abs() < 1e-5, "{:?} vs {:?}", losses(&anew), losses(&straight));
+    }
+}
+
 /// A worker killed (SIGKILL) at `at` while the checkpoint of step 4 is written: the newest complete
 /// checkpoint verifies and the run resumes from it to the same end as a straight run, bit for bit.
 fn killed_while_checkpointing(launch: Launch, tmp: &Path) {

@@ -110,6 +110,10 @@ pub struct StepMetrics {
     /// mean weighted as the blend).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss_per_source: Option<std::collections::BTreeMap<String, f64>>,
+    /// The explicit expert placement in effect from this step on (MoE layer -> the experts of each
+    /// of its holders): on the first step of each start or resume of a run with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_placement: Option<std::collections::BTreeMap<usize, Vec<Vec<usize>>>>,
 }
 
 /// Bytes of the token exchange by message kind, as packed in the run's exchange precision

@@ -109,6 +109,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
                 cfg.data.seq,
             )
             .unwrap_or(f64::NAN),
+            expert_placement: Default::default(),
         };
         Ok(Self {
             with_aux: cfg.model.with_aux_loss(mconf.aux_loss_by_default(), !mconf.sparse_layers().is_empty()),

@@ -265,6 +265,7 @@ impl Distributed {
             vocab_size: facts.vocab_size,
             in_flight: shared.settings.in_flight,
             flops_per_token: facts.flops_per_token,
+            expert_placement: super::explicit_placement(&layout),
         };
         let mut engine = Self {
             info,

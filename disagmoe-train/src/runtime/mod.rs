@@ -85,6 +85,74 @@ pub fn place_experts(cfg: &RunConfig, layout: &mut Layout) -> Result<()> {
     Ok(())
 }
 
+/// The file of a checkpoint that holds the expert placement it was written under (written when a
+/// layer's experts are placed by an explicit table).
+pub const PLACEMENT_FILE: &str = "expert_placement.json";
+
+/// An explicit expert placement as a checkpoint keeps it: the options it was computed from and each
+/// MoE layer's experts per holder.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedPlacement {
+    /// The `[parallel]` options the placement was computed from (`placement_options`).
+    pub options: String,
+    /// Layer -> for each of its expert holders, the experts it holds.
+    pub layers: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
+}
+
+/// The options an explicit placement is computed from, in words: a resume whose options are the
+/// same keeps the checkpoint's placement (so it continues exactly, even if the load file has
+/// grown since), one whose options differ places the experts anew.
+pub fn placement_options(cfg: &RunConfig) -> String {
+    let p = &cfg.parallel;
+    format!(
+        "expert_placement {} redundant_experts {} expert_load {}",
+        p.expert_placement().name(),
+        p.redundant_experts,
+        p.expert_load.as_deref().unwrap_or("uniform")
+    )
+}
+
+/// The explicit placements of `layout` (empty when every layer is contiguous).
+pub fn explicit_placement(layout: &Layout) -> std::collections::BTreeMap<usize, Vec<Vec<usize>>> {
+    (layout.expert_maps.iter().enumerate()).filter_map(|(l, m)| m.as_ref().map(|m| (l, m.slots.clone()))).collect()
+}
+
+/// At a resume from `checkpoint`: keeps the placement it was written under when the run's
+/// placement options are the ones it was computed from and it fits this layout (the same holders
+/// per layer); otherwise the experts stay as [`place_experts`] placed them (resharded on load), and
+/// the log says why.
+pub fn restore_placement(cfg: &RunConfig, layout: &mut Layout, checkpoint: &std::path::Path) -> Result<()> {
+    let path = checkpoint.join(PLACEMENT_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => return Err(TrainError::Io { action: "cannot read", path, source }),
+    };
+    let saved: SavedPlacement = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Checkpoint { path: path.clone(), message: format!("not an expert placement: {e}") })?;
+    let options = placement_options(cfg);
+    if saved.options != options
+        || cfg.parallel.expert_placement() == disagmoe_core::experts::ExpertPlacement::Contiguous
+    {
+        tracing::info!(was = saved.options, now = options, "placing the experts anew: the placement options changed");
+        return Ok(());
+    }
+    let mut restored = layout.clone();
+    for (&l, slots) in &saved.layers {
+        let experts = layout.experts;
+        let mut replicas = vec![0; experts];
+        slots.iter().flatten().filter(|&&e| e < experts).for_each(|&e| replicas[e] += 1);
+        let map = disagmoe_core::experts::ExpertMap { slots: slots.clone(), replicas };
+        if l >= layout.layers || !layout.sparse[l] || restored.set_expert_map(l, map).is_err() {
+            tracing::info!(layer = l, "placing the experts anew: the checkpoint's placement does not fit this layout");
+            return Ok(());
+        }
+    }
+    *layout = restored;
+    Ok(())
+}
+
 /// Everything a worker needs besides its endpoint and its part.
 pub(crate) struct Shared<B: AutodiffBackend> {
     pub(crate) cfg: RunConfig,
@@ -157,6 +225,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
         device_payloads: false,
         distributed_optimizer: cfg.parallel.distributed_optimizer,
+        placement_options: placement_options(cfg),
     }
 }
 
@@ -297,6 +366,9 @@ where
         (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
     layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
     place_experts(cfg, &mut layout)?;
+    if let Some((path, _)) = resume {
+        restore_placement(cfg, &mut layout, path)?;
+    }
     let rope = config.rope().tables::<B>(cfg.data.seq, &devices[0]);
     let source = match (resume, &cfg.model.dir) {
         (Some((path, _)), _) => WeightSource::Checkpoint(path.clone()),

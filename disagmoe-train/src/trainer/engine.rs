@@ -38,6 +38,9 @@ pub struct EngineInfo {
     /// Training FLOPs per token of the model at the run's sequence length
     /// (`disagmoe_core::cost::training_flops_per_token`).
     pub flops_per_token: f64,
+    /// MoE layers whose experts are placed by an explicit table: for each, the experts of each of
+    /// its holders (empty when every layer is split in contiguous ranges, and on one device).
+    pub expert_placement: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
 }
 
 /// Where a step's time went, summed over workers (zero on one device but `compute_s`).

@@ -184,6 +184,9 @@ pub fn run(
         scaler.update(report.skipped);
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
         record.loss_scale = scaler.state().map(|_| loss_scale);
+        if step == first_step && !info.expert_placement.is_empty() {
+            record.expert_placement = Some(info.expert_placement.clone());
+        }
         if let Some(d) = data.as_ref().filter(|d| d.is_blend() && !per_source.is_empty()) {
             let labels = d.sources().iter().map(|s| s.label.clone());
             record.tokens_per_source =
@@ -281,6 +284,7 @@ pub fn run(
             .then(|| cfg.parallel.exchange_precision(cfg.precision.compute).describe()),
         threads_per_worker: cfg.parallel.threads_per_worker(),
         in_flight: cfg.parallel.distributed().then_some(info.in_flight),
+        expert_placement: info.expert_placement.clone(),
         losses: seen.losses,
         eval_loss,
     })

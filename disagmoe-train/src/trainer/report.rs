@@ -111,6 +111,10 @@ pub struct TrainSummary {
     pub threads_per_worker: usize,
     /// Micro-batches each embedding worker kept in flight (distributed runs).
     pub in_flight: Option<usize>,
+    /// The explicit expert placement (MoE layer -> the experts of each of its holders), when the
+    /// run placed experts by a table (`--redundant-experts`, `--expert-placement balanced`).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub expert_placement: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
 }
 
 /// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see
@@ -167,6 +171,7 @@ pub(crate) fn step_metrics(
         eval_perplexity: None,
         tokens_per_source: None,
         eval_loss_per_source: None,
+        expert_placement: None,
     }
 }
 

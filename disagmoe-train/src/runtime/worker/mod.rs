@@ -106,6 +106,9 @@ pub struct StepSettings {
     pub device_payloads: bool,
     /// Parameters held in copies are updated in shards ([`sharded`]).
     pub distributed_optimizer: bool,
+    /// The options an explicit expert placement was computed from, saved with it in checkpoints
+    /// ([`crate::runtime::placement_options`]).
+    pub placement_options: String,
 }
 
 /// A worker and its state within a step.

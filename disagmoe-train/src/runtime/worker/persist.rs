@@ -198,6 +198,14 @@ where
         // Phase 2: rank 0 alone makes it a checkpoint.
         if rank == 0 {
             write_index(&partial, &nth_reports(&gathered, 0), config)?;
+            // The expert placement, so that a resume continues under the same one.
+            let layers = crate::runtime::explicit_placement(&self.layout);
+            if !layers.is_empty() {
+                let saved = crate::runtime::SavedPlacement { options: self.settings.placement_options.clone(), layers };
+                let path = partial.join(crate::runtime::PLACEMENT_FILE);
+                let text = serde_json::to_vec_pretty(&saved).expect("a placement serialises");
+                disagmoe_models::weights::write_atomically(&path, |t| std::fs::write(t, &text))?;
+            }
             for (i, moment) in Moment::BOTH.into_iter().enumerate() {
                 write_index(&checkpoint::moment_dir(&partial, moment), &nth_reports(&gathered, i + 1), config)?;
             }
