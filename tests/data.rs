@@ -316,7 +316,8 @@ fn a_blend_trains_on_its_sources_by_weight_evaluates_each_and_resumes_exactly() 
     }
     let blend: Vec<String> =
         ["0.6", "0.3", "0.1"].iter().zip(&dirs).flat_map(|(w, d)| [w.to_string(), d.display().to_string()]).collect();
-    let common = ["--steps", "8", "--batch", "4", "--seq", "32", "--quiet", "--eval-every", "4"];
+    let common =
+        ["--steps", "8", "--batch", "4", "--seq", "32", "--quiet", "--eval-every", "4", "--eval-batches", "1000"];
     let train = |out: &Path, extra: &[&str]| {
         let mut c = bin();
         c.arg("train").args(common).arg("--out").arg(out).args(extra).arg("--data").args(&blend);
@@ -343,6 +344,20 @@ fn a_blend_trains_on_its_sources_by_weight_evaluates_each_and_resumes_exactly() 
             let mean = 0.6 * losses[0] + 0.3 * losses[1] + 0.1 * losses[2];
             assert!((r["eval_loss"].as_f64().unwrap() - mean).abs() < 1e-9, "{r}");
         }
+    }
+    // `disagmoe eval` of the final model on the blend: each source's held-out windows, the same
+    // losses as the last step's evaluation.
+    let mut c = bin();
+    c.args(["eval", "--seq", "32", "--batch", "4", "--model-dir"])
+        .arg(straight.join("final"))
+        .arg("--data")
+        .args(&blend);
+    let eval = json(&c.output().unwrap());
+    let last = &records[7];
+    assert!((eval["loss"].as_f64().unwrap() - last["eval_loss"].as_f64().unwrap()).abs() < 1e-9, "{eval} vs {last}");
+    for l in &labels {
+        let (a, b) = (eval["per_source"][l].as_f64().unwrap(), last["eval_loss_per_source"][l].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-9, "{l}: {a} vs {b}");
     }
     // 32 windows dealt by the blend's order: 19 / 10 / 3 (the first 32 of a block of 600/300/100).
     assert_eq!(total.map(|t| t / 32), [19, 10, 3]);

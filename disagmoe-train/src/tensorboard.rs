@@ -196,7 +196,8 @@ pub fn read_dir(dir: &Path) -> Result<Vec<(i64, String, Value)>> {
 }
 
 /// A blend source's path as part of a tag: characters other than letters, digits, `_`, `-`, `.`
-/// and `/` become `_`.
+/// and `/` become `_`, a leading `/` is dropped (no empty tag level).
 fn source_tag(label: &str) -> String {
+    let label = label.trim_start_matches('/');
     label.chars().map(|c| if c.is_ascii_alphanumeric() || "_-./".contains(c) { c } else { '_' }).collect()
 }
