@@ -259,6 +259,11 @@ pub struct TrainArgs {
     /// metrics.jsonl [default: uniform].
     #[arg(long, value_name = "uniform|zipf:S|METRICS.jsonl")]
     pub expert_load: Option<String>,
+    /// Re-place the experts every N steps from their measured loads (a moving average), moving the
+    /// experts that change holder with their optimizer state (needs a balanced placement)
+    /// [default: 0, never].
+    #[arg(long, value_name = "N")]
+    pub rebalance_every: Option<usize>,
 }
 
 /// `--placement` values.
@@ -372,6 +377,9 @@ impl TrainArgs {
         }
         if let Some(l) = &self.expert_load {
             cfg.parallel.expert_load = Some(l.clone());
+        }
+        if let Some(n) = self.rebalance_every {
+            cfg.parallel.rebalance_every = n;
         }
         if let Some(d) = self.distributed_optimizer {
             cfg.parallel.distributed_optimizer = d == Switch::On;

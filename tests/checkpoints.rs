@@ -382,6 +382,64 @@ fn a_resume_keeps_the_checkpoint_s_expert_placement_unless_its_options_change() 
     }
 }
 
+/// Rebalancing during a run (`--rebalance-every 2`) resumes exactly from any step: the checkpoint
+/// keeps the placement in effect and the moving average of the expert loads the next re-placement
+/// starts from (`expert_placement.json`), so a resume from the step after a re-placement (3) or
+/// from one that made one (4) continues bit for bit as the uninterrupted run: the same losses,
+/// placements and final model.
+#[test]
+fn rebalancing_resumes_exactly_in_the_middle_of_its_schedule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let preset = "tiny-gpt-oss";
+    let opts: &[&str] = &[DISAGG_1_3, &["--redundant-experts", "2", "--rebalance-every", "2"]].concat();
+    let dir = |n: &str| tmp.path().join(n);
+    let straight = summary(&train(preset, 7, opts, &["--out", path(&dir("straight"))]));
+    let records = |out: &Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let placements = |r: &[serde_json::Value]| -> Vec<(u64, serde_json::Value)> {
+        r.iter().filter_map(|r| Some((r["step"].as_u64()?, r.get("expert_placement")?.clone()))).collect()
+    };
+    let want = placements(&records(&dir("straight")));
+    let ck = dir("ck");
+    summary(&train(
+        preset,
+        7,
+        opts,
+        &["--stop-after", "4", "--checkpoint-every", "1", "--checkpoint-dir", path(&ck), "--out", path(&dir("first"))],
+    ));
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("step-00000003/expert_placement.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["loads"].as_object().map(|m| m.len()), Some(4), "the moving average of each MoE layer: {saved}");
+    for from in [3, 4] {
+        // A directory holding the checkpoint of step `from` only.
+        let ck_from = dir(&format!("ck-{from}"));
+        std::fs::create_dir_all(&ck_from).unwrap();
+        let name = format!("step-{from:08}");
+        assert!(Command::new("cp").arg("-r").arg(ck.join(&name)).arg(&ck_from).status().unwrap().success());
+        let out = dir(&format!("resumed-{from}"));
+        let resumed = summary(&train(preset, 7, opts, &["--resume", path(&ck_from), "--out", path(&out)]));
+        let what = format!("resumed from step {from}");
+        assert_eq!(resumed["losses"], straight["losses"], "{what}");
+        assert_eq!(resumed["param_checksum"], straight["param_checksum"], "{what}");
+        assert_eq!(resumed["expert_placement"], straight["expert_placement"], "{what}");
+        assert_bit_identical(&what, &out.join("final"), &dir("straight").join("final"));
+        // The placements from the resume on are the straight run's: on the first step the one in
+        // effect after it (the checkpoint's, unless that step re-places), then those of the same
+        // re-placements.
+        let got = placements(&records(&out));
+        let first = from as u64 + 1;
+        let mut expected: Vec<_> = want.iter().filter(|(s, _)| *s >= first).cloned().collect();
+        if expected.first().map(|(s, _)| *s) != Some(first) {
+            let in_effect = want.iter().rev().find(|(s, _)| *s < first).map(|(_, p)| p.clone()).unwrap();
+            expected.insert(0, (first, in_effect));
+        }
+        assert_eq!(got, expected, "{what}");
+    }
+}
+
 /// A worker killed (SIGKILL) at `at` while the checkpoint of step 4 is written: the newest complete
 /// checkpoint verifies and the run resumes from it to the same end as a straight run, bit for bit.
 fn killed_while_checkpointing(launch: Launch, tmp: &Path) {

@@ -155,6 +155,36 @@ pub struct CheckpointReader {
     taken: HashSet<String>,
     /// Values converted by the largest single read so far.
     largest_read: usize,
+    /// Tensors held in memory ([`CheckpointReader::in_memory`]), by name.
+    memory: HashMap<String, MemoryTensor>,
+}
+
+/// A tensor of an in-memory reader: its whole shape, and blocks of its rows (along dimension 0),
+/// each `(first row, values)`; a tensor stacked over experts may hold only some experts' rows.
+struct MemoryTensor {
+    shape: Vec<usize>,
+    blocks: Vec<(usize, Vec<f32>)>,
+}
+
+impl MemoryTensor {
+    /// Values of one row.
+    fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Rows `first..first + n`, from the blocks that hold them (`None` when one is missing).
+    fn rows(&self, first: usize, n: usize) -> Option<Vec<f32>> {
+        let len = self.row_len();
+        let mut out = Vec::with_capacity(n * len);
+        let mut row = first;
+        while row < first + n {
+            let (start, values) = self.blocks.iter().find(|(s, v)| *s <= row && row < s + v.len() / len.max(1))?;
+            let end = (start + values.len() / len.max(1)).min(first + n);
+            out.extend_from_slice(&values[(row - start) * len..(end - start) * len]);
+            row = end;
+        }
+        Some(out)
+    }
 }
 
 fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ModelError + 'a {
@@ -249,7 +279,46 @@ impl CheckpointReader {
             }
             files.push(ShardFile { path, map, header_len, meta });
         }
-        Ok(Self { dir, files, index, taken: HashSet::new(), largest_read: 0 })
+        Ok(Self { dir, files, index, taken: HashSet::new(), largest_read: 0, memory: HashMap::new() })
+    }
+
+    /// A reader of tensors held in memory (see [`CheckpointReader::put_rows`]): loaders read them
+    /// by name as they read a checkpoint's, e.g. to rebuild a module from values received from
+    /// another process.
+    pub fn in_memory() -> Self {
+        Self {
+            dir: PathBuf::from("<memory>"),
+            files: Vec::new(),
+            index: HashMap::new(),
+            taken: HashSet::new(),
+            largest_read: 0,
+            memory: HashMap::new(),
+        }
+    }
+
+    /// Adds rows `first..` (along dimension 0) of the tensor `name` of shape `shape` to an
+    /// in-memory reader: the whole tensor (`first` 0, every row), or some rows of a tensor stacked
+    /// over experts (reads of other rows are refused). Refused when the values are not whole rows
+    /// of `shape`, lie past its end, or `name` was given with another shape.
+    pub fn put_rows(&mut self, name: &str, shape: &[usize], first: usize, values: Vec<f32>) -> Result<()> {
+        let len: usize = shape.iter().skip(1).product();
+        let rows = shape.first().copied().unwrap_or(1);
+        let bad = |message: String| ModelError::Safetensors { path: PathBuf::from("<memory>"), message };
+        if shape.is_empty() && (first != 0 || values.len() != 1) {
+            return Err(bad(format!("`{name}`: a scalar takes one value at row 0")));
+        }
+        if !shape.is_empty() && (len == 0 || values.len() % len != 0 || first + values.len() / len > rows) {
+            return Err(bad(format!("`{name}`: {} values from row {first} are not rows of {shape:?}", values.len())));
+        }
+        let t = self
+            .memory
+            .entry(name.to_owned())
+            .or_insert_with(|| MemoryTensor { shape: shape.to_vec(), blocks: Vec::new() });
+        if t.shape != shape {
+            return Err(bad(format!("`{name}` given as {shape:?} and as {:?}", t.shape)));
+        }
+        t.blocks.push((first, values));
+        Ok(())
     }
 
     /// Every tensor is in the shard `placed` (the index's `weight_map`) names, and every tensor the
@@ -282,14 +351,33 @@ impl CheckpointReader {
 
     /// Names of all tensors in the checkpoint, sorted.
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.index.keys().cloned().collect();
+        let mut v: Vec<String> = self.index.keys().chain(self.memory.keys()).cloned().collect();
         v.sort();
         v
     }
 
     /// Whether the checkpoint has a tensor of this name.
     pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.memory.contains_key(name)
+    }
+
+    /// Rows `first..first + n` of an in-memory tensor with its whole shape (`None`: not in memory).
+    fn memory_rows(&mut self, name: &str, first: usize, n: Option<usize>) -> Option<Result<(Vec<usize>, Vec<f32>)>> {
+        let t = self.memory.get(name)?;
+        let rows = t.shape.first().copied().unwrap_or(1);
+        let n = n.unwrap_or(rows - first.min(rows));
+        let out = match t.rows(first, n) {
+            Some(values) if first + n <= rows => Ok((t.shape.clone(), values)),
+            _ => Err(ModelError::MissingTensor {
+                name: format!("{name} (rows {first}..{} of the values held)", first + n),
+                dir: self.dir.clone(),
+            }),
+        };
+        if let Ok((_, values)) = &out {
+            self.taken.insert(name.to_owned());
+            self.largest_read = self.largest_read.max(values.len());
+        }
+        Some(out)
     }
 
     /// The raw bytes, dtype and shape of a tensor, checked against each other.
@@ -324,6 +412,9 @@ impl CheckpointReader {
 
     /// Reads a tensor (F32, BF16 or F16) as f32 with its shape, marking it used.
     pub fn read_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        if let Some(read) = self.memory_rows(name, 0, None) {
+            return read;
+        }
         let (bytes, dtype, shape) = self.raw(name)?;
         let values = to_f32(name, bytes, dtype)?;
         self.taken.insert(name.to_owned());
@@ -341,6 +432,9 @@ impl CheckpointReader {
     /// rows from the memory map: an expert shard of a fused `[E, ...]` tensor reads its experts only.
     /// Returns the full tensor's shape and the rows' values.
     pub fn read_rows_f32(&mut self, name: &str, first: usize, n: usize) -> Result<(Vec<usize>, Vec<f32>)> {
+        if let Some(read) = self.memory_rows(name, first, Some(n)) {
+            return read;
+        }
         let (bytes, dtype, shape) = self.raw(name)?;
         let rows = shape.first().copied().unwrap_or(1);
         if first + n > rows {
@@ -423,7 +517,8 @@ impl CheckpointReader {
 
     /// Names present in the checkpoint that no loader has read, sorted.
     pub fn unused(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.index.keys().filter(|n| !self.taken.contains(*n)).cloned().collect();
+        let mut v: Vec<String> =
+            self.index.keys().chain(self.memory.keys()).filter(|n| !self.taken.contains(*n)).cloned().collect();
         v.sort();
         v
     }
@@ -508,6 +603,11 @@ impl TensorSink {
     /// Adds raw f32 values.
     pub fn put_raw(&mut self, name: String, shape: Vec<usize>, values: Vec<f32>) {
         self.tensors.insert(name, (shape, values));
+    }
+
+    /// Takes one collected tensor's shape and values out of the sink.
+    pub fn take(&mut self, name: &str) -> Option<(Vec<usize>, Vec<f32>)> {
+        self.tensors.remove(name)
     }
 
     /// Names collected so far.
@@ -643,6 +743,32 @@ mod tests {
         let index = serde_json::json!({"metadata": {}, "weight_map": map});
         std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
         CheckpointReader::open(dir).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn an_in_memory_reader_serves_whole_tensors_and_the_rows_it_holds() {
+        let mut r = CheckpointReader::in_memory();
+        r.put_rows("w", &[2, 3], 0, (0..6).map(|v| v as f32).collect()).unwrap();
+        // Rows 1, 2 and 4 of a tensor stacked over 5 experts, in two blocks given out of order.
+        r.put_rows("s", &[5, 2], 4, vec![8.0, 9.0]).unwrap();
+        r.put_rows("s", &[5, 2], 1, vec![2.0, 3.0, 4.0, 5.0]).unwrap();
+        assert!(r.contains("w") && r.contains("s") && !r.contains("x"));
+        assert_eq!(r.read_f32("w").unwrap(), (vec![2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]));
+        assert_eq!(r.read_rows_f32("s", 1, 2).unwrap(), (vec![5, 2], vec![2.0, 3.0, 4.0, 5.0]));
+        assert_eq!(r.read_rows_f32("s", 2, 1).unwrap().1, [4.0, 5.0]);
+        assert_eq!(r.read_rows_f32("s", 4, 1).unwrap().1, [8.0, 9.0]);
+        // Rows it does not hold, or past the end, are refused by name.
+        for (first, n) in [(0, 1), (2, 2), (3, 1), (4, 2)] {
+            let e = r.read_rows_f32("s", first, n).unwrap_err().to_string();
+            assert!(e.contains("`s") || e.contains("s (rows"), "{e}");
+        }
+        assert!(r.read_f32("s").is_err());
+        assert!(r.put_rows("s", &[4, 2], 0, vec![0.0, 0.0]).is_err(), "another shape");
+        assert!(r.put_rows("t", &[2, 3], 1, vec![0.0; 6]).is_err(), "past the end");
+        assert!(r.put_rows("t", &[2, 3], 0, vec![0.0; 4]).is_err(), "not whole rows");
+        let t: Tensor<burn::backend::Flex, 2> = r.tensor_rows("s", [2, 2], 1, &Default::default()).unwrap();
+        assert_eq!(t.into_data().to_vec::<f32>().unwrap(), [2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(r.unused(), Vec::<String>::new());
     }
 
     #[test]

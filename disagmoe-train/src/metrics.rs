@@ -43,6 +43,19 @@ impl ExpertLoad {
     }
 }
 
+/// One re-placement of the experts during a run (`rebalance_every`), at the end of its step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Rebalance {
+    /// Expert copies that went to a new holder (their parameters and AdamW moments moved).
+    pub experts_moved: usize,
+    /// Bytes of parameters and moments moved, over all workers.
+    pub bytes_moved: f64,
+    /// Seconds computing the new placement (the moving average and EPLB's packing).
+    pub placement_s: f64,
+    /// Seconds of the slowest worker moving experts and rebuilding its expert stages.
+    pub move_s: f64,
+}
+
 /// Whether a byte count is zero (left out of a line).
 fn no_bytes(b: &f64) -> bool {
     *b == 0.0
@@ -110,10 +123,14 @@ pub struct StepMetrics {
     /// mean weighted as the blend).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss_per_source: Option<std::collections::BTreeMap<String, f64>>,
-    /// The explicit expert placement in effect from this step on (MoE layer -> the experts of each
-    /// of its holders): on the first step of each start or resume of a run with one.
+    /// The explicit expert placement in effect after this step (MoE layer -> the experts of each
+    /// of its holders): on the first step of each start or resume of a run with one, and on each
+    /// step that re-placed the experts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_placement: Option<std::collections::BTreeMap<usize, Vec<Vec<usize>>>>,
+    /// The re-placement of the experts at the end of this step (`rebalance_every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<Rebalance>,
 }
 
 /// Bytes of the token exchange by message kind, as packed in the run's exchange precision

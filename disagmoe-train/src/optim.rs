@@ -364,6 +364,21 @@ impl<B: AutodiffBackend> AdamW<B> {
         self.state.remove(&id).map(|Moments { m, v }| (m, v))
     }
 
+    /// Drops the moments of `module`'s parameters (a module this worker no longer holds).
+    pub fn forget<M: AutodiffModule<B>>(&mut self, module: &M) {
+        struct Ids(Vec<ParamId>);
+        impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Ids {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0.push(param.id);
+            }
+        }
+        let mut ids = Ids(Vec::new());
+        module.visit(&mut ids);
+        for id in ids.0 {
+            self.state.remove(&id);
+        }
+    }
+
     /// Bytes of the moments this optimizer holds.
     pub fn state_bytes(&self) -> u64 {
         let bytes = |t: &Tensor<B::InnerBackend, 1>| (t.dims()[0] * t.dtype().size()) as u64;

@@ -284,6 +284,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             dropped: sums.dropped,
             worker_imbalance: Vec::new(),
             timing: StepTiming { compute_s: t0.elapsed().as_secs_f64(), ..Default::default() },
+            rebalance: None,
             stop: stop.load(Ordering::SeqCst),
         })
     }

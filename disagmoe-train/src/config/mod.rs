@@ -7,7 +7,7 @@
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
-//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer`, `redundant_experts`, `expert_placement`, `expert_load` |
+//! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer`, `redundant_experts`, `expert_placement`, `expert_load`, `rebalance_every` |
 //! | `[precision]` | [`PrecisionOptions`] | `compute`, `on_nonfinite`, `initial_loss_scale`, `loss_scale_window` |
 //! | `[memory]` | [`MemoryOptions`] | `recompute` |
 //!
@@ -188,6 +188,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("redundant_experts", "redundant_experts"),
             ("expert_placement", "expert_placement"),
             ("expert_load", "expert_load"),
+            ("rebalance_every", "rebalance_every"),
         ],
     ),
     (

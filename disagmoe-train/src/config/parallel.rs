@@ -196,7 +196,16 @@ pub struct ParallelOptions {
     /// The expert load a `balanced` placement evens: `uniform`, `zipf:S`, or the path of an earlier
     /// run's `metrics.jsonl` (its measured loads). Default: uniform.
     pub expert_load: Option<String>,
+    /// Re-place the experts every this many steps (0: never): a `balanced` placement computed
+    /// anew from the measured expert loads (a moving average over the steps so far, decay
+    /// [`LOAD_EMA_DECAY`] per step), the experts that change holder moved with their optimizer
+    /// state between expert workers. Needs `expert_placement = balanced`.
+    pub rebalance_every: usize,
 }
+
+/// The weight the expert loads' moving average keeps of its past at each step (`rebalance_every`):
+/// the new step's shares count 1 - this.
+pub const LOAD_EMA_DECAY: f64 = 0.8;
 
 impl Default for ParallelOptions {
     fn default() -> Self {
@@ -223,6 +232,7 @@ impl Default for ParallelOptions {
             redundant_experts: 0,
             expert_placement: None,
             expert_load: None,
+            rebalance_every: 0,
         }
     }
 }
@@ -407,10 +417,24 @@ impl ParallelOptions {
                 ));
             }
         }
+        if self.rebalance_every > 0 && self.expert_placement() == ExpertPlacement::Contiguous {
+            return Err(TrainError::option(
+                "rebalance_every",
+                format!(
+                    "needs expert_placement balanced (a contiguous placement never changes), got {}",
+                    self.rebalance_every
+                ),
+            ));
+        }
         if !self.distributed()
-            && (self.redundant_experts > 0 || self.expert_placement.is_some() || self.expert_load.is_some())
+            && (self.redundant_experts > 0
+                || self.expert_placement.is_some()
+                || self.expert_load.is_some()
+                || self.rebalance_every > 0)
         {
-            let field = if self.redundant_experts > 0 {
+            let field = if self.rebalance_every > 0 {
+                "rebalance_every"
+            } else if self.redundant_experts > 0 {
                 "redundant_experts"
             } else if self.expert_placement.is_some() {
                 "expert_placement"

@@ -106,6 +106,13 @@ pub trait AllReduce {
     fn reduce_scatter_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
     /// The second half: every member's shard of `data` reaches every other member.
     fn all_gather_f32(&mut self, via: &mut dyn Transit, group: &[usize], data: &mut [f32]) -> Result<()>;
+    /// The run's groups of holders of a replicated expert are now `groups` (the experts were
+    /// placed anew): a library's reducer makes their communicators anew. Collective: every worker
+    /// calls it at the same point with the same list. The ring needs nothing.
+    fn regroup_experts(&mut self, groups: &[Vec<usize>]) -> Result<()> {
+        let _ = groups;
+        Ok(())
+    }
 }
 
 /// A reducer built on a library's collectives over host values (MPI's, NCCL's): each call blocks on
@@ -118,6 +125,8 @@ pub trait LibraryCollectives {
     fn all_reduce_f64(&mut self, group: &[usize], data: &mut [f64]) -> Result<()>;
     /// A reduce-scatter or all-gather over `group` ([`block_rounds`]).
     fn block_half(&mut self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()>;
+    /// See [`AllReduce::regroup_experts`].
+    fn regroup_expert_groups(&mut self, groups: &[Vec<usize>]) -> Result<()>;
 }
 
 impl<L: LibraryCollectives> AllReduce for L {
@@ -139,6 +148,9 @@ impl<L: LibraryCollectives> AllReduce for L {
         via.pulse().in_collective(format!("an all-gather over workers {group:?}"), || {
             self.block_half(group, data, BlockHalf::AllGather)
         })
+    }
+    fn regroup_experts(&mut self, groups: &[Vec<usize>]) -> Result<()> {
+        self.regroup_expert_groups(groups)
     }
 }
 

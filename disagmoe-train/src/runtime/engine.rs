@@ -234,6 +234,12 @@ impl Distributed {
                             opt.set_steps_taken(*steps);
                         }
                         let trace = shared.cfg.parallel.trace.is_some();
+                        let (build_config, build_device) = (config.clone(), device.clone());
+                        let build_experts: super::worker::ExpertBuilder<B, C::Experts<B>> =
+                            Box::new(move |layer, runs| {
+                                let init = disagmoe_models::Init::placeholders(&build_device);
+                                disagmoe_models::stages::ExpertStage::init(&build_config, layer, runs, false, &init)
+                            });
                         let worker = Worker::new(
                             shared.layout.clone(),
                             settings,
@@ -245,6 +251,7 @@ impl Distributed {
                             device,
                             trace,
                             opt,
+                            build_experts,
                         );
                         serve(&shared, worker, rx, reply_tx);
                     })
@@ -386,7 +393,7 @@ fn reducer_of(transport: TransportKind, layout: &Layout, rank: usize) -> Result<
         #[cfg(feature = "nccl")]
         TransportKind::Nccl => {
             let mpi = super::mpi::MpiGroups::new(&layout.replicas(rank), &layout.expert_replica_groups());
-            Box::new(super::nccl::NcclGroups::new(&mpi, rank)?)
+            Box::new(super::nccl::NcclGroups::new(mpi, rank)?)
         }
         #[cfg(feature = "mpi")]
         TransportKind::Mpi => {

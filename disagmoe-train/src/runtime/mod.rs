@@ -98,7 +98,14 @@ pub struct SavedPlacement {
     pub options: String,
     /// Layer -> for each of its expert holders, the experts it holds.
     pub layers: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
+    /// With `rebalance_every`: each MoE layer's moving average of its experts' shares of the
+    /// routed copies, as it stood when the checkpoint was written (the next re-placement's input).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub loads: std::collections::BTreeMap<usize, Vec<f64>>,
 }
+
+/// Each MoE layer's moving average of its experts' shares of the routed copies.
+pub type ExpertLoads = std::collections::BTreeMap<usize, Vec<f64>>;
 
 /// The options an explicit placement is computed from, in words: a resume whose options are the
 /// same keeps the checkpoint's placement (so it continues exactly, even if the load file has
@@ -121,12 +128,13 @@ pub fn explicit_placement(layout: &Layout) -> std::collections::BTreeMap<usize, 
 /// At a resume from `checkpoint`: keeps the placement it was written under when the run's
 /// placement options are the ones it was computed from and it fits this layout (the same holders
 /// per layer); otherwise the experts stay as [`place_experts`] placed them (resharded on load), and
-/// the log says why.
-pub fn restore_placement(cfg: &RunConfig, layout: &mut Layout, checkpoint: &std::path::Path) -> Result<()> {
+/// the log says why. Returns the moving average of the expert loads saved with a placement kept
+/// (empty otherwise).
+pub fn restore_placement(cfg: &RunConfig, layout: &mut Layout, checkpoint: &std::path::Path) -> Result<ExpertLoads> {
     let path = checkpoint.join(PLACEMENT_FILE);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ExpertLoads::new()),
         Err(source) => return Err(TrainError::Io { action: "cannot read", path, source }),
     };
     let saved: SavedPlacement = serde_json::from_str(&text)
@@ -136,7 +144,7 @@ pub fn restore_placement(cfg: &RunConfig, layout: &mut Layout, checkpoint: &std:
         || cfg.parallel.expert_placement() == disagmoe_core::experts::ExpertPlacement::Contiguous
     {
         tracing::info!(was = saved.options, now = options, "placing the experts anew: the placement options changed");
-        return Ok(());
+        return Ok(ExpertLoads::new());
     }
     let mut restored = layout.clone();
     for (&l, slots) in &saved.layers {
@@ -146,11 +154,13 @@ pub fn restore_placement(cfg: &RunConfig, layout: &mut Layout, checkpoint: &std:
         let map = disagmoe_core::experts::ExpertMap { slots: slots.clone(), replicas };
         if l >= layout.layers || !layout.sparse[l] || restored.set_expert_map(l, map).is_err() {
             tracing::info!(layer = l, "placing the experts anew: the checkpoint's placement does not fit this layout");
-            return Ok(());
+            return Ok(ExpertLoads::new());
         }
     }
     *layout = restored;
-    Ok(())
+    // A moving average is kept only if it fits the layout's MoE layers and experts.
+    let fits = saved.loads.iter().all(|(&l, v)| l < layout.layers && layout.sparse[l] && v.len() == layout.experts);
+    Ok(if fits { saved.loads } else { ExpertLoads::new() })
 }
 
 /// Everything a worker needs besides its endpoint and its part.
@@ -226,6 +236,9 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         device_payloads: false,
         distributed_optimizer: cfg.parallel.distributed_optimizer,
         placement_options: placement_options(cfg),
+        rebalance_every: cfg.parallel.rebalance_every,
+        redundant_experts: cfg.parallel.redundant_experts,
+        expert_loads: ExpertLoads::new(),
     }
 }
 
@@ -366,8 +379,9 @@ where
         (0..layers).map(|l| config.is_sparse_layer(l) && config.shared_expert_intermediate().is_some()).collect();
     layout.sparse = (0..layers).map(|l| config.is_sparse_layer(l)).collect();
     place_experts(cfg, &mut layout)?;
+    let mut loads = ExpertLoads::new();
     if let Some((path, _)) = resume {
-        restore_placement(cfg, &mut layout, path)?;
+        loads = restore_placement(cfg, &mut layout, path)?;
     }
     let rope = config.rope().tables::<B>(cfg.data.seq, &devices[0]);
     let source = match (resume, &cfg.model.dir) {
@@ -381,6 +395,7 @@ where
         cfg.model.with_aux_loss(config.aux_loss_by_default(), (0..layers).any(|l| config.is_sparse_layer(l)));
     let settings = StepSettings {
         device_payloads: payloads_on_device::<B>(cfg, devices)?,
+        expert_loads: loads,
         ..step_settings(cfg, with_aux, config.aux_loss(), window)
     };
     let shared = Arc::new(Shared {

@@ -330,16 +330,31 @@ impl MpiGroups {
         let color = if replicas.len() > 1 { Color::with_value(replicas[0] as i32) } else { Color::undefined() };
         let split = world.split_by_color(color);
         let replicas = split.filter(|_| replicas.len() > 1).map(|c| (replicas.to_vec(), c));
+        let experts = Self::split_expert_groups(&world, expert_groups);
+        Self { world: world.duplicate(), replicas, experts }
+    }
+
+    /// One communicator per group of holders of a replicated expert this process belongs to
+    /// (one collective split of `world` per group, in the list's order).
+    fn split_expert_groups(
+        world: &SimpleCommunicator,
+        expert_groups: &[Vec<usize>],
+    ) -> Vec<(Vec<usize>, SimpleCommunicator)> {
         let me = world.rank() as usize;
-        let experts = expert_groups
+        expert_groups
             .iter()
             .filter_map(|group| {
                 let member = group.contains(&me);
                 let color = if member { Color::with_value(0) } else { Color::undefined() };
                 world.split_by_color(color).filter(|_| member).map(|c| (group.clone(), c))
             })
-            .collect();
-        Self { world: world.duplicate(), replicas, experts }
+            .collect()
+    }
+
+    /// The groups of holders of a replicated expert changed (a rebalance): their communicators
+    /// anew. Every process calls it at the same point with the same list.
+    pub fn set_expert_groups(&mut self, expert_groups: &[Vec<usize>]) {
+        self.experts = Self::split_expert_groups(&self.world, expert_groups);
     }
 
     /// Sums `data` over `group` (every worker, or this worker's copies) with `MPI_Allreduce`, in
@@ -416,6 +431,10 @@ impl LibraryCollectives for MpiGroups {
             }
             Ok(())
         })
+    }
+    fn regroup_expert_groups(&mut self, groups: &[Vec<usize>]) -> Result<()> {
+        self.set_expert_groups(groups);
+        Ok(())
     }
 }
 

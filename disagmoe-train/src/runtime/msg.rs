@@ -479,6 +479,65 @@ pub enum Msg {
     /// "Still here, waiting": sent by a worker's heartbeat while it waits, so that its peers know
     /// it can be reached (not progress: a peer waiting on it keeps its time-out).
     Alive,
+    /// Rebalancing the experts: a new holder of `expert` of `layer` asks its first old holder for
+    /// it (one expert in transit per receiver).
+    ExpertWanted {
+        /// Layer.
+        layer: usize,
+        /// Global expert id.
+        expert: usize,
+    },
+    /// Rebalancing the experts: the parameters and both AdamW moments of one expert of a layer.
+    ExpertMoved {
+        /// Layer.
+        layer: usize,
+        /// Global expert id.
+        expert: usize,
+        /// Its tensors (rows of a tensor stacked over experts, or whole per-expert tensors).
+        tensors: Vec<ExpertTensor>,
+    },
+}
+
+/// One tensor of a moved expert: the rows (along dimension 0) `first..` of the tensor `name`
+/// of shape `shape`, the whole tensor when `first` is 0 and the values fill it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertTensor {
+    /// 0: the parameter, 1: AdamW's first moment, 2: its second.
+    pub which: u8,
+    /// Checkpoint name of the tensor.
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub shape: Vec<usize>,
+    /// First row held.
+    pub first: usize,
+    /// The values, whole rows.
+    pub values: Vec<f32>,
+}
+
+impl ExpertTensor {
+    /// Whether the values are whole rows of the shape, within it.
+    fn check(&self) -> std::result::Result<(), String> {
+        let row = self.shape.iter().skip(1).try_fold(1usize, |a, &d| a.checked_mul(d));
+        let rows = self.shape.first().copied().unwrap_or(1);
+        let fits = match row {
+            _ if self.shape.is_empty() => self.first == 0 && self.values.len() == 1,
+            Some(row) if row > 0 && self.values.len() % row == 0 => {
+                self.first.checked_add(self.values.len() / row).is_some_and(|end| end <= rows)
+            }
+            _ => false,
+        };
+        if self.which > 2 || !fits {
+            return Err(format!(
+                "moved expert tensor `{}` ({} values from row {} of {:?}, kind {})",
+                self.name,
+                self.values.len(),
+                self.first,
+                self.shape,
+                self.which
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Msg {
@@ -500,7 +559,8 @@ impl Msg {
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
             Msg::Shards(r) => r.iter().flat_map(|r| &r.files).map(|(t, f)| t.len() + f.len()).sum(),
-            Msg::Shutdown | Msg::Heartbeat { .. } | Msg::Alive => 0,
+            Msg::Shutdown | Msg::Heartbeat { .. } | Msg::Alive | Msg::ExpertWanted { .. } => 0,
+            Msg::ExpertMoved { tensors, .. } => tensors.iter().map(|t| t.values.len() * 4).sum(),
         }
     }
 
@@ -537,6 +597,7 @@ impl Msg {
                 let n = tensor("gradient of a dispatch", gy)?;
                 gw.as_ref().map_or(Ok(()), |w| rows("gradient of gate weights", w, n))
             }
+            Msg::ExpertMoved { tensors, .. } => tensors.iter().try_for_each(ExpertTensor::check),
             _ => Ok(()),
         }
     }
@@ -662,6 +723,8 @@ impl Msg {
             Msg::Shutdown => "shutdown",
             Msg::Heartbeat { .. } => "heartbeat",
             Msg::Alive => "alive",
+            Msg::ExpertWanted { .. } => "expert-wanted",
+            Msg::ExpertMoved { .. } => "expert-moved",
         }
     }
 }

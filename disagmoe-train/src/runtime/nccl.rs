@@ -337,6 +337,9 @@ impl Endpoint for NcclEndpoint {
 /// GPUs has been lent to this project (see the module's status).
 pub struct NcclGroups {
     rank: usize,
+    /// The MPI communicators the NCCL unique ids travel through.
+    mpi: super::mpi::MpiGroups,
+    ctx: std::sync::Arc<CudaContext>,
     everyone: (Vec<usize>, Comm),
     replicas: Option<(Vec<usize>, Comm)>,
     experts: Vec<(Vec<usize>, Comm)>,
@@ -344,39 +347,50 @@ pub struct NcclGroups {
 
 impl NcclGroups {
     /// Collective over the job: every worker calls it at the same point.
-    pub fn new(mpi: &super::mpi::MpiGroups, rank: usize) -> Result<Self> {
+    pub fn new(mpi: super::mpi::MpiGroups, rank: usize) -> Result<Self> {
         let gpus = CudaContext::device_count().map_err(|e| nccl_error(rank, format!("no CUDA device: {e:?}")))?;
         if gpus < 1 {
             return Err(nccl_error(rank, "no CUDA device".into()));
         }
         let ctx = CudaContext::new(crate::config::parallel::node_local_rank().unwrap_or(rank) % gpus as usize)
             .map_err(|e| nccl_error(rank, format!("{e:?}")))?;
-        let comm = |group: &[usize]| -> Result<Comm> {
-            let pos = group.iter().position(|&r| r == rank).expect("a member of its group");
-            let mut bytes = [0u8; 128];
-            if pos == 0 {
-                let id = Id::new().map_err(|e| nccl_error(rank, format!("unique id: {e:?}")))?;
-                for (d, s) in bytes.iter_mut().zip(id.internal()) {
-                    *d = *s as u8;
-                }
-            }
-            mpi.broadcast_from_first(group, &mut bytes)?;
-            let mut internal = [0 as std::ffi::c_char; 128];
-            for (d, s) in internal.iter_mut().zip(&bytes) {
-                *d = *s as std::ffi::c_char;
-            }
-            let stream = ctx.new_stream().map_err(|e| nccl_error(rank, format!("{e:?}")))?;
-            Comm::from_rank(stream, pos, group.len(), Id::uninit(internal))
-                .map_err(|e| nccl_error(rank, format!("communicator of {group:?}: {e:?}")))
-        };
         let all = mpi.everyone();
-        let everyone = (all.clone(), comm(&all)?);
+        let everyone = (all.clone(), Self::communicator(&ctx, &mpi, rank, &all)?);
         let replicas = match mpi.replicas() {
-            Some(group) => Some((group.to_vec(), comm(group)?)),
+            Some(group) => Some((group.to_vec(), Self::communicator(&ctx, &mpi, rank, group)?)),
             None => None,
         };
-        let experts = mpi.expert_groups().map(|g| Ok((g.to_vec(), comm(g)?))).collect::<Result<_>>()?;
-        Ok(Self { rank, everyone, replicas, experts })
+        let experts = mpi
+            .expert_groups()
+            .map(|g| Ok((g.to_vec(), Self::communicator(&ctx, &mpi, rank, g)?)))
+            .collect::<Result<_>>()?;
+        Ok(Self { rank, mpi, ctx, everyone, replicas, experts })
+    }
+
+    /// A communicator of `group` (this rank a member): its first member's unique id broadcast
+    /// over the group's MPI communicator.
+    fn communicator(
+        ctx: &std::sync::Arc<CudaContext>,
+        mpi: &super::mpi::MpiGroups,
+        rank: usize,
+        group: &[usize],
+    ) -> Result<Comm> {
+        let pos = group.iter().position(|&r| r == rank).expect("a member of its group");
+        let mut bytes = [0u8; 128];
+        if pos == 0 {
+            let id = Id::new().map_err(|e| nccl_error(rank, format!("unique id: {e:?}")))?;
+            for (d, s) in bytes.iter_mut().zip(id.internal()) {
+                *d = *s as u8;
+            }
+        }
+        mpi.broadcast_from_first(group, &mut bytes)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (d, s) in internal.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        let stream = ctx.new_stream().map_err(|e| nccl_error(rank, format!("{e:?}")))?;
+        Comm::from_rank(stream, pos, group.len(), Id::uninit(internal))
+            .map_err(|e| nccl_error(rank, format!("communicator of {group:?}: {e:?}")))
     }
 
     /// The communicator of `group`.
@@ -442,5 +456,14 @@ impl LibraryCollectives for NcclGroups {
     }
     fn block_half(&mut self, group: &[usize], data: &mut [f32], half: BlockHalf) -> Result<()> {
         self.block_rounds_on_device(group, data, half)
+    }
+    fn regroup_expert_groups(&mut self, groups: &[Vec<usize>]) -> Result<()> {
+        self.mpi.set_expert_groups(groups);
+        let (ctx, mpi, rank) = (&self.ctx, &self.mpi, self.rank);
+        self.experts = mpi
+            .expert_groups()
+            .map(|g| Ok((g.to_vec(), Self::communicator(ctx, mpi, rank, g)?)))
+            .collect::<Result<_>>()?;
+        Ok(())
     }
 }

@@ -13,7 +13,9 @@
 
 use disagmoe_models::LayerRouting;
 
-use super::msg::{AuxSums, Envelope, HostTensor, LayerAux, LayerCoefficients, Msg, Packed, ReduceData, ShardReport};
+use super::msg::{
+    AuxSums, Envelope, ExpertTensor, HostTensor, LayerAux, LayerCoefficients, Msg, Packed, ReduceData, ShardReport,
+};
 use super::trace::TraceEvent;
 
 /// Where the random choices come from: a seeded generator in tests, the fuzzer's bytes in fuzzing.
@@ -297,7 +299,26 @@ impl<C: Choices> Sampler<C> {
             }
             10 => Msg::Shutdown,
             11 => Msg::Heartbeat { busy_us: self.int(64) },
-            _ => Msg::Alive,
+            12 => Msg::Alive,
+            13 => Msg::ExpertWanted { layer, expert: self.usize() },
+            _ => {
+                let n = self.below(4) as usize;
+                let tensors = (0..n)
+                    .map(|_| {
+                        let row = 1 + self.below(8) as usize;
+                        let rows = 1 + self.below(4) as usize;
+                        let first = self.below(3) as usize;
+                        ExpertTensor {
+                            which: self.below(3) as u8,
+                            name: self.string(),
+                            shape: vec![first + rows, row],
+                            first,
+                            values: self.f32s(rows * row),
+                        }
+                    })
+                    .collect();
+                Msg::ExpertMoved { layer, expert: mb, tensors }
+            }
         }
     }
 
@@ -315,4 +336,4 @@ impl<C: Choices> Sampler<C> {
 }
 
 /// How many message kinds [`Sampler::msg`] draws from (every variant of [`Msg`]).
-pub const KINDS: usize = 13;
+pub const KINDS: usize = 15;

@@ -90,6 +90,9 @@ pub struct StepReport {
     pub worker_imbalance: Vec<f64>,
     /// Where the time went (distributed runs).
     pub timing: StepTiming,
+    /// The experts were placed anew at the end of this step (`rebalance_every`): what it cost,
+    /// and the placement from the next step on.
+    pub rebalance: Option<(crate::metrics::Rebalance, std::collections::BTreeMap<usize, Vec<Vec<usize>>>)>,
     /// The run is to stop after this step (a signal reached this process or, in a distributed run,
     /// any worker's: every worker decides alike).
     pub stop: bool,

@@ -172,6 +172,8 @@ pub fn run(
     let mut scaler = cfg.precision.loss_scaler(resumed.as_ref().and_then(|s| s.loss_scale));
     let (start, mut done, mut last_checkpoint) = (Instant::now(), first_step - 1, None);
     let mut eval_loss = None;
+    // The expert placement in effect (a rebalance changes it).
+    let mut placement_now = info.expert_placement.clone();
     for step in first_step..=last_step {
         let t0 = Instant::now();
         let (batch, per_source) = match data.as_mut().filter(|_| info.needs_data) {
@@ -184,8 +186,11 @@ pub fn run(
         scaler.update(report.skipped);
         let mut record = step_metrics(step, &report, &info, lr, tokens, t0.elapsed().as_secs_f64());
         record.loss_scale = scaler.state().map(|_| loss_scale);
-        if step == first_step && !info.expert_placement.is_empty() {
+        if step == first_step && !info.expert_placement.is_empty() && record.expert_placement.is_none() {
             record.expert_placement = Some(info.expert_placement.clone());
+        }
+        if let Some(placement) = &record.expert_placement {
+            placement_now = placement.clone();
         }
         if let Some(d) = data.as_ref().filter(|d| d.is_blend() && !per_source.is_empty()) {
             let labels = d.sources().iter().map(|s| s.label.clone());
@@ -284,7 +289,7 @@ pub fn run(
             .then(|| cfg.parallel.exchange_precision(cfg.precision.compute).describe()),
         threads_per_worker: cfg.parallel.threads_per_worker(),
         in_flight: cfg.parallel.distributed().then_some(info.in_flight),
-        expert_placement: info.expert_placement.clone(),
+        expert_placement: placement_now,
         losses: seen.losses,
         eval_loss,
     })

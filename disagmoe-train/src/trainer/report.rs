@@ -111,8 +111,9 @@ pub struct TrainSummary {
     pub threads_per_worker: usize,
     /// Micro-batches each embedding worker kept in flight (distributed runs).
     pub in_flight: Option<usize>,
-    /// The explicit expert placement (MoE layer -> the experts of each of its holders), when the
-    /// run placed experts by a table (`--redundant-experts`, `--expert-placement balanced`).
+    /// The explicit expert placement at the run's end (MoE layer -> the experts of each of its
+    /// holders), when the run placed experts by a table (`--redundant-experts`,
+    /// `--expert-placement balanced`; `--rebalance-every` changes it during the run).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub expert_placement: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
 }
@@ -171,7 +172,8 @@ pub(crate) fn step_metrics(
         eval_perplexity: None,
         tokens_per_source: None,
         eval_loss_per_source: None,
-        expert_placement: None,
+        expert_placement: report.rebalance.as_ref().map(|(_, placement)| placement.clone()),
+        rebalance: report.rebalance.as_ref().map(|(r, _)| r.clone()),
     }
 }
 

@@ -14,6 +14,7 @@ mod autodiff;
 mod comm;
 mod payload;
 mod persist;
+mod rebalance;
 mod sharded;
 mod step_end;
 mod tasks;
@@ -34,6 +35,7 @@ use disagmoe_models::{AuxLoss, Recompute, TrainModule};
 use self::comm::Comm;
 #[cfg(feature = "mpi")]
 pub(crate) use self::payload::device_alloc;
+pub use self::rebalance::ExpertBuilder;
 use self::sharded::Sharded;
 use self::step_end::StepStats;
 use self::tasks::{AttnSaved, FfnSaved};
@@ -109,6 +111,12 @@ pub struct StepSettings {
     /// The options an explicit expert placement was computed from, saved with it in checkpoints
     /// ([`crate::runtime::placement_options`]).
     pub placement_options: String,
+    /// Re-place the experts every this many steps (0: never; [`rebalance`]).
+    pub rebalance_every: usize,
+    /// Redundant expert replicas per MoE layer (the re-placements keep as many).
+    pub redundant_experts: usize,
+    /// The moving average of the expert loads a resumed run starts from (empty: none yet).
+    pub expert_loads: crate::runtime::ExpertLoads,
 }
 
 /// A worker and its state within a step.
@@ -148,6 +156,10 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     tasks_run: usize,
     /// This step's loss scale (f16; 1 otherwise).
     loss_scale: f64,
+    /// The moving average of the expert loads (`rebalance_every`).
+    loads: crate::runtime::ExpertLoads,
+    /// Builds the expert stages a re-placement of the experts gives this worker.
+    build_experts: ExpertBuilder<B, X>,
 }
 
 impl<B, A, R, X> Worker<B, A, R, X>
@@ -176,8 +188,10 @@ where
         device: B::Device,
         trace: bool,
         mut opt: AdamW<B>,
+        build_experts: ExpertBuilder<B, X>,
     ) -> Self {
         let comm = Comm::new(port, layout.workers, settings.timeout, trace, settings.exchange);
+        let settings_loads = settings.expert_loads.clone();
         let rank = comm.rank;
         let replicas = layout.replicas(rank);
         let sharded = (settings.distributed_optimizer && replicas.len() > 1).then(|| {
@@ -213,6 +227,8 @@ where
             stats: StepStats::default(),
             tasks_run: 0,
             loss_scale: 1.0,
+            loads: settings_loads,
+            build_experts,
         }
     }
 
@@ -274,7 +290,11 @@ where
                 }
             }
         }
-        self.end_of_step(lr, start, stop, update)
+        let mut report = self.end_of_step(lr, start, stop, update)?;
+        if update {
+            report.rebalance = self.after_update(&report)?;
+        }
+        Ok(report)
     }
 
     /// Takes in a message: an abort ends the step; a message of a later pass and an all-reduce

@@ -201,7 +201,11 @@ where
             // The expert placement, so that a resume continues under the same one.
             let layers = crate::runtime::explicit_placement(&self.layout);
             if !layers.is_empty() {
-                let saved = crate::runtime::SavedPlacement { options: self.settings.placement_options.clone(), layers };
+                let saved = crate::runtime::SavedPlacement {
+                    options: self.settings.placement_options.clone(),
+                    layers,
+                    loads: self.loads.clone(),
+                };
                 let path = partial.join(crate::runtime::PLACEMENT_FILE);
                 let text = serde_json::to_vec_pretty(&saved).expect("a placement serialises");
                 disagmoe_models::weights::write_atomically(&path, |t| std::fs::write(t, &text))?;

@@ -438,6 +438,7 @@ where
                 payload_host_bytes: g.payload_host_bytes,
             },
             stop: g.stop > 0.0,
+            rebalance: None,
         };
         if report.skipped && self.settings.abort_on_nonfinite && update {
             // Every worker learns which workers hold a non-finite gradient (only a holder can name
