@@ -496,6 +496,12 @@ pub struct CompareArgs {
     /// Steps of each calibration run (the first is left out of its medians).
     #[arg(long, default_value_t = 4, value_name = "N", requires = "predict")]
     pub calibration_steps: usize,
+    /// Also run ep and disagg with the balanced expert placement the options give
+    /// (--redundant-experts, --expert-placement balanced, --expert-load, --rebalance-every), rows
+    /// `ep-balanced` and `disagg-balanced`; the other rows then place the experts in contiguous
+    /// ranges: the step with and without balancing, under the same routing.
+    #[arg(long)]
+    pub balancing: bool,
 }
 
 /// One run of a comparison, as `compare` prints it.
@@ -526,6 +532,12 @@ pub struct CompareRow {
     pub in_flight_wait_s: f64,
     pub compute_s: f64,
     pub link_s: f64,
+    /// The run's mean `worker_imbalance` (busiest expert worker over the mean, per micro-batch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_imbalance: Option<f64>,
+    /// Mean seconds per re-placement of the experts (placing and moving), when the run made any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rebalance_s: Option<f64>,
     /// Bytes each worker sent per step (token exchange and gradient all-reduce).
     pub bytes_sent_per_worker: f64,
     /// Of them, the token exchange's, as packed in `exchange_dtype`.
@@ -548,7 +560,20 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     }
     let mut train = args.train.clone();
     train.placement = Some(PlacementArg::Disagg);
-    let base = train.run_config()?;
+    let given = train.run_config()?;
+    let balanced = given.parallel.expert_placement() == disagmoe_train::ExpertPlacement::Balanced;
+    if args.balancing && !balanced {
+        bail!(
+            "--balancing compares a balanced expert placement with contiguous ranges: give it one (--redundant-experts R, \
+             --expert-placement balanced, and optionally --expert-load and --rebalance-every)"
+        );
+    }
+    // With --balancing the plain rows place the experts in contiguous ranges.
+    let mut base = given.clone();
+    if args.balancing {
+        let p = &mut base.parallel;
+        (p.redundant_experts, p.expert_placement, p.expert_load, p.rebalance_every) = (0, None, None, 0);
+    }
     let device = Default::default();
     let mut disagg = base.clone();
     disagg.parallel.placement = Placement::Disagg;
@@ -574,18 +599,38 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     if ep.parallel.transport != TransportKind::Local {
         bail!("compare runs every placement in this process and needs --transport local (MPI starts once per process)");
     }
-    let runs = [("ep", ep), ("ep-overlap", overlap), ("disagg", disagg)];
+    let mut runs = vec![("ep", ep), ("ep-overlap", overlap), ("disagg", disagg)];
+    if args.balancing {
+        let with_balancing = |cfg: &RunConfig| {
+            let mut cfg = cfg.clone();
+            cfg.parallel.redundant_experts = given.parallel.redundant_experts;
+            cfg.parallel.expert_placement = given.parallel.expert_placement;
+            cfg.parallel.expert_load = given.parallel.expert_load.clone();
+            cfg.parallel.rebalance_every = given.parallel.rebalance_every;
+            cfg
+        };
+        runs.push(("ep-balanced", with_balancing(&runs[0].1)));
+        runs.push(("disagg-balanced", with_balancing(&runs[2].1)));
+    }
     for (name, cfg) in &runs {
         cfg.validate().with_context(|| format!("the {name} run"))?;
     }
-    // Calibrations first (ep's, at one micro-batch in flight, also serves ep-overlap).
+    // Calibrations first: one per run, except that ep's (at one micro-batch in flight) also
+    // serves ep-overlap.
+    let calibration_of = |i: usize| if i == 1 { 0 } else { i };
     let calibrated = if args.predict {
         let steps = args.calibration_steps;
-        let calibrate = |cfg: &RunConfig, name: &str| {
-            disagmoe_train::launch::calibrate::<TrainBackend>(cfg, &device, steps)
-                .with_context(|| format!("the calibration run of {name}"))
-        };
-        Some([calibrate(&runs[0].1, "ep")?, calibrate(&runs[2].1, "disagg")?])
+        let mut all = Vec::new();
+        for (i, (name, cfg)) in runs.iter().enumerate() {
+            let c = (calibration_of(i) == i)
+                .then(|| {
+                    disagmoe_train::launch::calibrate::<TrainBackend>(cfg, &device, steps)
+                        .with_context(|| format!("the calibration run of {name}"))
+                })
+                .transpose()?;
+            all.push(c);
+        }
+        Some(all)
     } else {
         None
     };
@@ -595,7 +640,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
         let in_flight = s.in_flight.unwrap_or(1);
         let predicted = match &calibrated {
             Some(c) => {
-                let c = &c[usize::from(i == 2)];
+                let c = c[calibration_of(i)].as_ref().expect("calibrated");
                 let link = runtime::link_model(cfg);
                 Some(runtime::predict::predict(&c.layout, &c.calibration, in_flight, link.map(Into::into))?)
             }
@@ -617,6 +662,8 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             in_flight_wait_s: s.in_flight_wait_s,
             compute_s: s.compute_s,
             link_s: s.link_s,
+            worker_imbalance: s.worker_imbalance,
+            rebalance_s: s.rebalances.as_ref().map(|r| r.placement_s + r.move_s),
             bytes_sent_per_worker: s.bytes_sent_per_worker,
             exchange_bytes_per_worker: s.exchange_bytes_per_worker,
             exchange_dtype: s.exchange_dtype.clone(),
@@ -628,7 +675,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
         eprintln!("exchange payloads: {dtype}");
     }
     eprintln!(
-        "{:<11} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>13} {:>10}",
+        "{:<16} {:>9} {:>8} {:>8} {:>9} {:>14} {:>16} {:>10} {:>9} {:>13} {:>13} {:>10}",
         "",
         "in-flight",
         "workers",
@@ -644,7 +691,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     );
     for r in &rows {
         eprintln!(
-            "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>13.2} {:>13.2} {:>10.0}",
+            "{:<16} {:>9} {:>8} {:>8} {:>9.3} {:>14.3} {:>16.3} {:>10.3} {:>9.3} {:>13.2} {:>13.2} {:>10.0}",
             r.placement,
             r.in_flight,
             r.workers,
@@ -662,7 +709,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             (r.predicted_step_s, r.predicted_exposed_comm_s, r.predicted_compute_s)
         {
             eprintln!(
-                "{:<11} {:>9} {:>8} {:>8} {:>9.3} {:>14} {:>16.3} {:>10.3}   (step {:+.0}%)",
+                "{:<16} {:>9} {:>8} {:>8} {:>9.3} {:>14} {:>16.3} {:>10.3}   (step {:+.0}%)",
                 "  predicted",
                 "",
                 "",
@@ -675,13 +722,22 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
             );
         }
     }
+    if args.balancing {
+        // The balance each run had, and what its re-placements cost.
+        for r in &rows {
+            let imbalance = r.worker_imbalance.map_or("-".into(), |x| format!("{x:.3}"));
+            let rebalance = r.rebalance_s.map_or(String::new(), |x| format!(", {:.1} ms per re-placement", x * 1e3));
+            eprintln!("{:<16} busiest expert worker / mean {imbalance}{rebalance}", r.placement);
+        }
+    }
     let mut out = serde_json::json!({ "runs": rows });
     if let Some(c) = &calibrated {
         // What each prediction rests on: the calibration run's steady step and the part of it the
         // schedule does not hold.
-        out["calibrations"] = serde_json::json!(["ep", "disagg"]
+        out["calibrations"] = serde_json::json!(runs
             .iter()
             .zip(c)
+            .filter_map(|((name, _), c)| c.as_ref().map(|c| (name, c)))
             .map(|(name, c)| serde_json::json!({
                 "placement": name,
                 "in_flight": c.in_flight,

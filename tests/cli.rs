@@ -565,6 +565,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "link-latency-us",
         "comm-timeout-s",
         "redundant-experts",
+        "rebalance-every",
     ];
     let train_other = [
         "run-config",

@@ -970,6 +970,39 @@ fn compare_runs_ep_ep_overlap_and_disagg_alike() {
     assert!(err.contains("calibration_steps") && err.contains("at least 2"), "{err}");
 }
 
+/// `compare --balancing` adds ep and disagg with the balanced placement the options give (here 2
+/// redundant experts per layer, re-placed after every step) beside the runs with contiguous
+/// ranges, each with its own calibration and its balance; refused without a balanced placement.
+#[test]
+fn compare_with_balancing_runs_each_placement_with_and_without_it() {
+    let out = bin()
+        .args(["compare", "--steps", "3", "--batch", "12", "--seq", "16", "--micro-batches", "6", "--quiet"])
+        .args(["--attn-workers", "1", "--ffn-workers", "2", "--groups", "1", "--predict", "--calibration-steps", "2"])
+        .args(["--balancing", "--redundant-experts", "2", "--rebalance-every", "1"])
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    let runs = s["runs"].as_array().unwrap();
+    let field = |k: &str| runs.iter().map(|r| r[k].clone()).collect::<Vec<_>>();
+    assert_eq!(field("placement"), ["ep", "ep-overlap", "disagg", "ep-balanced", "disagg-balanced"]);
+    for r in runs {
+        let balanced = r["placement"].as_str().unwrap().ends_with("balanced");
+        assert!(r["worker_imbalance"].as_f64().unwrap() >= 1.0, "{r}");
+        assert_eq!(r.get("rebalance_s").is_some(), balanced, "{r}");
+        assert_eq!(r["summary"].get("expert_placement").is_some(), balanced, "{r}");
+        if balanced {
+            assert_eq!(r["summary"]["rebalances"]["count"], 3, "{r}");
+        }
+        assert!(r["predicted_step_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let calibrations = s["calibrations"].as_array().unwrap();
+    let names: Vec<_> = calibrations.iter().map(|c| c["placement"].clone()).collect();
+    assert_eq!(names, ["ep", "disagg", "ep-balanced", "disagg-balanced"]);
+    let out = bin().args(["compare", "--balancing", "--quiet"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--balancing") && err.contains("--redundant-experts"), "{err}");
+}
+
 #[test]
 fn bad_placements_are_refused_with_the_allowed_values() {
     for (args, needle) in [

@@ -175,7 +175,11 @@ impl MemoryTensor {
     /// Rows `first..first + n`, from the blocks that hold them (`None` when one is missing).
     fn rows(&self, first: usize, n: usize) -> Option<Vec<f32>> {
         let len = self.row_len();
-        let mut out = Vec::with_capacity(n * len);
+        let rows = self.shape.first().copied().unwrap_or(1);
+        if first.checked_add(n)? > rows {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n.checked_mul(len)?);
         let mut row = first;
         while row < first + n {
             let (start, values) = self.blocks.iter().find(|(s, v)| *s <= row && row < s + v.len() / len.max(1))?;
@@ -307,7 +311,8 @@ impl CheckpointReader {
         if shape.is_empty() && (first != 0 || values.len() != 1) {
             return Err(bad(format!("`{name}`: a scalar takes one value at row 0")));
         }
-        if !shape.is_empty() && (len == 0 || values.len() % len != 0 || first + values.len() / len > rows) {
+        let past_end = |len: usize| first.checked_add(values.len() / len).is_none_or(|end| end > rows);
+        if !shape.is_empty() && (len == 0 || values.len() % len != 0 || past_end(len)) {
             return Err(bad(format!("`{name}`: {} values from row {first} are not rows of {shape:?}", values.len())));
         }
         let t = self
@@ -367,7 +372,7 @@ impl CheckpointReader {
         let rows = t.shape.first().copied().unwrap_or(1);
         let n = n.unwrap_or(rows - first.min(rows));
         let out = match t.rows(first, n) {
-            Some(values) if first + n <= rows => Ok((t.shape.clone(), values)),
+            Some(values) => Ok((t.shape.clone(), values)),
             _ => Err(ModelError::MissingTensor {
                 name: format!("{name} (rows {first}..{} of the values held)", first + n),
                 dir: self.dir.clone(),

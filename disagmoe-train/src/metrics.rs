@@ -56,6 +56,35 @@ pub struct Rebalance {
     pub move_s: f64,
 }
 
+/// The re-placements of the experts over a run (`rebalance_every`), in its summary.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RebalanceSummary {
+    /// Re-placements made.
+    pub count: usize,
+    /// Expert copies moved over all of them.
+    pub experts_moved: usize,
+    /// Bytes of parameters and moments moved over all of them.
+    pub bytes_moved: f64,
+    /// Mean seconds per re-placement computing the placement.
+    pub placement_s: f64,
+    /// Mean seconds per re-placement of the slowest worker moving experts and rebuilding stages.
+    pub move_s: f64,
+}
+
+impl RebalanceSummary {
+    /// The summary of `all` (`None` when there was none).
+    pub fn of(all: &[Rebalance]) -> Option<Self> {
+        let n = all.len();
+        (n > 0).then(|| Self {
+            count: n,
+            experts_moved: all.iter().map(|r| r.experts_moved).sum(),
+            bytes_moved: all.iter().map(|r| r.bytes_moved).sum(),
+            placement_s: all.iter().map(|r| r.placement_s).sum::<f64>() / n as f64,
+            move_s: all.iter().map(|r| r.move_s).sum::<f64>() / n as f64,
+        })
+    }
+}
+
 /// Whether a byte count is zero (left out of a line).
 fn no_bytes(b: &f64) -> bool {
     *b == 0.0

@@ -417,15 +417,6 @@ impl ParallelOptions {
                 ));
             }
         }
-        if self.rebalance_every > 0 && self.expert_placement() == ExpertPlacement::Contiguous {
-            return Err(TrainError::option(
-                "rebalance_every",
-                format!(
-                    "needs expert_placement balanced (a contiguous placement never changes), got {}",
-                    self.rebalance_every
-                ),
-            ));
-        }
         if !self.distributed()
             && (self.redundant_experts > 0
                 || self.expert_placement.is_some()
@@ -442,6 +433,15 @@ impl ParallelOptions {
                 "expert_load"
             };
             return Err(TrainError::option(field, "needs placement disagg or ep (one device holds every expert once)"));
+        }
+        if self.rebalance_every > 0 && self.expert_placement() == ExpertPlacement::Contiguous {
+            return Err(TrainError::option(
+                "rebalance_every",
+                format!(
+                    "needs expert_placement balanced (a contiguous placement never changes), got {}",
+                    self.rebalance_every
+                ),
+            ));
         }
         // The dtypes are parsed already: only the gradients' can be refused.
         ExchangePrecision::new(ExchangeDtype::Bf16, self.exchange_grad_dtype)

@@ -109,8 +109,8 @@ pub trait AllReduce {
     /// The run's groups of holders of a replicated expert are now `groups` (the experts were
     /// placed anew): a library's reducer makes their communicators anew. Collective: every worker
     /// calls it at the same point with the same list. The ring needs nothing.
-    fn regroup_experts(&mut self, groups: &[Vec<usize>]) -> Result<()> {
-        let _ = groups;
+    fn regroup_experts(&mut self, via: &mut dyn Transit, groups: &[Vec<usize>]) -> Result<()> {
+        let _ = (via, groups);
         Ok(())
     }
 }
@@ -149,8 +149,9 @@ impl<L: LibraryCollectives> AllReduce for L {
             self.block_half(group, data, BlockHalf::AllGather)
         })
     }
-    fn regroup_experts(&mut self, groups: &[Vec<usize>]) -> Result<()> {
-        self.regroup_expert_groups(groups)
+    fn regroup_experts(&mut self, via: &mut dyn Transit, groups: &[Vec<usize>]) -> Result<()> {
+        let what = "making the communicators of the replica holders anew".to_string();
+        via.pulse().in_collective(what, || self.regroup_expert_groups(groups))
     }
 }
 

@@ -100,8 +100,30 @@ pub struct SavedPlacement {
     pub layers: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
     /// With `rebalance_every`: each MoE layer's moving average of its experts' shares of the
     /// routed copies, as it stood when the checkpoint was written (the next re-placement's input).
-    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    /// Written as decimal strings (Rust's shortest round-trip form, parsed back exactly): JSON
+    /// numbers would come back within a unit in the last place, and a resume must continue with
+    /// the same bits.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty", with = "exact_loads")]
     pub loads: std::collections::BTreeMap<usize, Vec<f64>>,
+}
+
+/// [`SavedPlacement::loads`] as decimal strings.
+mod exact_loads {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(loads: &BTreeMap<usize, Vec<f64>>, s: S) -> Result<S::Ok, S::Error> {
+        let text: BTreeMap<usize, Vec<String>> =
+            loads.iter().map(|(l, v)| (*l, v.iter().map(f64::to_string).collect())).collect();
+        text.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<usize, Vec<f64>>, D::Error> {
+        let text = BTreeMap::<usize, Vec<String>>::deserialize(d)?;
+        let parse = |x: &String| x.parse::<f64>().map_err(|e| serde::de::Error::custom(format!("load {x:?}: {e}")));
+        text.into_iter().map(|(l, v)| Ok((l, v.iter().map(parse).collect::<Result<_, _>>()?))).collect()
+    }
 }
 
 /// Each MoE layer's moving average of its experts' shares of the routed copies.

@@ -487,7 +487,8 @@ pub enum Msg {
         /// Global expert id.
         expert: usize,
     },
-    /// Rebalancing the experts: the parameters and both AdamW moments of one expert of a layer.
+    /// Rebalancing the experts: some of the parameters and AdamW moments of one expert of a layer
+    /// (an expert travels as one message per tensor, so that none is larger than its largest).
     ExpertMoved {
         /// Layer.
         layer: usize,
@@ -495,6 +496,8 @@ pub enum Msg {
         expert: usize,
         /// Its tensors (rows of a tensor stacked over experts, or whole per-expert tensors).
         tensors: Vec<ExpertTensor>,
+        /// The expert's last message.
+        last: bool,
     },
 }
 

@@ -317,7 +317,7 @@ impl<C: Choices> Sampler<C> {
                         }
                     })
                     .collect();
-                Msg::ExpertMoved { layer, expert: mb, tensors }
+                Msg::ExpertMoved { layer, expert: mb, tensors, last: self.below(2) == 0 }
             }
         }
     }

@@ -80,6 +80,9 @@ struct History {
     skipped: usize,
     step_s: Vec<f64>,
     timing: StepTiming,
+    /// Each MoE layer-step's `worker_imbalance`.
+    imbalance: Vec<f64>,
+    rebalances: Vec<crate::metrics::Rebalance>,
 }
 
 impl History {
@@ -94,6 +97,8 @@ impl History {
         self.timing.bytes_sent += m.bytes_sent;
         self.timing.exchange_bytes.add(&m.exchange_bytes);
         self.timing.payload_host_bytes += m.payload_host_bytes;
+        self.imbalance.extend(m.expert_load.iter().filter_map(|l| l.worker_imbalance));
+        self.rebalances.extend(m.rebalance.clone());
     }
 }
 
@@ -168,6 +173,8 @@ pub fn run(
         skipped: resumed.as_ref().map_or(0, |s| s.skipped_steps),
         step_s: Vec::new(),
         timing: StepTiming::default(),
+        imbalance: Vec::new(),
+        rebalances: Vec::new(),
     };
     let mut scaler = cfg.precision.loss_scaler(resumed.as_ref().and_then(|s| s.loss_scale));
     let (start, mut done, mut last_checkpoint) = (Instant::now(), first_step - 1, None);
@@ -290,6 +297,9 @@ pub fn run(
         threads_per_worker: cfg.parallel.threads_per_worker(),
         in_flight: cfg.parallel.distributed().then_some(info.in_flight),
         expert_placement: placement_now,
+        worker_imbalance: (!seen.imbalance.is_empty())
+            .then(|| seen.imbalance.iter().sum::<f64>() / seen.imbalance.len() as f64),
+        rebalances: crate::metrics::RebalanceSummary::of(&seen.rebalances),
         losses: seen.losses,
         eval_loss,
     })

@@ -116,6 +116,14 @@ pub struct TrainSummary {
     /// `--expert-placement balanced`; `--rebalance-every` changes it during the run).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub expert_placement: std::collections::BTreeMap<usize, Vec<Vec<usize>>>,
+    /// Mean over the steps and MoE layers of `metrics.jsonl`'s `worker_imbalance` (the busiest
+    /// expert worker's routed copies over the workers' mean, per micro-batch); distributed runs
+    /// with MoE layers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_imbalance: Option<f64>,
+    /// The re-placements of the experts during the run (`rebalance_every`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rebalances: Option<crate::metrics::RebalanceSummary>,
 }
 
 /// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see

@@ -21,7 +21,7 @@ use crate::runtime::trace::TraceEvent;
 use crate::trainer::StateBytes;
 
 /// A 32-bit digest (FNV-1a) of a layout's explicit expert placements (0 without any).
-fn placement_digest(layout: &crate::runtime::layout::Layout) -> u32 {
+pub(super) fn placement_digest(layout: &crate::runtime::layout::Layout) -> u32 {
     let mut h = 0x811C_9DC5u32;
     let mut eat = |x: usize| {
         for b in (x as u64).to_le_bytes() {

@@ -39,45 +39,53 @@ use crate::trainer::StepReport;
 /// (placeholders, to be loaded): the family's constructor, known where the worker is started.
 pub type ExpertBuilder<B, X> = Box<dyn Fn(usize, &[Range<usize>]) -> ExpertStage<B, X>>;
 
-/// The tensors of each expert of `run` held by `x` (parameters when `moments` is `None`, else
-/// that moment), named as the checkpoint names them: a stacked tensor's row of the expert, or the
-/// expert's own tensors.
+/// The tensors of each expert of `run` held by `x` (its parameters, or the moment `which` names
+/// when `x` holds moments), named as the checkpoint names them: an expert's own tensors
+/// (`{prefix}.{e}.…`), or its row of a tensor stacked over the run's experts (any other name, its
+/// first dimension the run's length). Refused for a tensor that is neither.
 fn expert_tensors<B: AutodiffBackend, X: TrainModule<B> + Experts<B>>(
     x: &X,
     run: &Range<usize>,
     prefix: &str,
     experts: usize,
     which: u8,
-) -> HashMap<usize, Vec<ExpertTensor>> {
+) -> std::result::Result<HashMap<usize, Vec<ExpertTensor>>, String> {
     let mut sink = TensorSink::new();
     x.save(&mut sink, prefix);
     let names: Vec<String> = sink.names().map(str::to_owned).collect();
     let mut out: HashMap<usize, Vec<ExpertTensor>> = run.clone().map(|e| (e, Vec::new())).collect();
     for name in names {
         let (shape, values) = sink.take(&name).expect("a name of the sink");
-        if x.fused() {
-            // Rows of the run's experts under the whole tensor's name.
-            let row = values.len() / shape[0].max(1);
-            let mut whole = shape.clone();
-            whole[0] = experts;
-            for (j, e) in run.clone().enumerate() {
-                let values = values[j * row..(j + 1) * row].to_vec();
-                out.get_mut(&e).expect("an expert of the run").push(ExpertTensor {
-                    which,
-                    name: name.clone(),
-                    shape: whole.clone(),
-                    first: e,
-                    values,
-                });
-            }
-        } else {
-            let e = run.clone().find(|e| name.starts_with(&format!("{prefix}.{e}."))).unwrap_or_else(|| {
-                panic!("`{name}` names none of experts {run:?}: an expert type saving per expert names them `{prefix}.<expert>.`")
-            });
-            out.get_mut(&e).expect("an expert of the run").push(ExpertTensor { which, name, shape, first: 0, values });
+        let own = run.clone().find(|e| name.starts_with(&format!("{prefix}.{e}.")));
+        if let Some(e) = own {
+            let t = ExpertTensor { which, name, shape, first: 0, values };
+            out.get_mut(&e).expect("an expert of the run").push(t);
+            continue;
+        }
+        // Rows of the run's experts under the whole tensor's name.
+        if shape.first() != Some(&run.len()) {
+            return Err(format!(
+                "`{name}` ({shape:?}) is neither one expert's tensor (`{prefix}.<expert>.…`) nor stacked over \
+                 experts {run:?}: this expert type cannot be moved between workers"
+            ));
+        }
+        let row = values.len() / run.len().max(1);
+        let mut whole = shape.clone();
+        whole[0] = experts;
+        for (j, e) in run.clone().enumerate() {
+            let values = values[j * row..(j + 1) * row].to_vec();
+            let t = ExpertTensor { which, name: name.clone(), shape: whole.clone(), first: e, values };
+            out.get_mut(&e).expect("an expert of the run").push(t);
         }
     }
-    out
+    Ok(out)
+}
+
+/// The tensors of the runs of a layer's stage, per expert, made once per run as they are asked for.
+#[derive(Default)]
+struct RunCache {
+    /// Run index -> expert -> its tensors (taken out as they are sent or kept).
+    runs: HashMap<usize, HashMap<usize, Vec<ExpertTensor>>>,
 }
 
 impl<B, A, R, X> Worker<B, A, R, X>
@@ -121,7 +129,7 @@ where
         if self.comm.step % every != 0 {
             return Ok(None);
         }
-        // The new placement, the same on every worker.
+        // The new placement, the same on every worker (checked below).
         let mut next = self.layout.clone();
         let mut changed = Vec::new();
         for &l in &sparse {
@@ -129,8 +137,8 @@ where
             let holders = self.layout.ffn_holders(l).len();
             let map = ExpertMap::balanced(avg, holders, self.settings.redundant_experts)
                 .map_err(crate::runtime::layout::option_error)?;
-            if self.layout.expert_maps[l].as_ref().map(|m| &m.slots) != Some(&map.slots) {
-                next.set_expert_map(l, map).map_err(crate::runtime::layout::option_error)?;
+            next.set_expert_map(l, map).map_err(crate::runtime::layout::option_error)?;
+            if next.expert_maps[l] != self.layout.expert_maps[l] {
                 changed.push(l);
             }
         }
@@ -146,19 +154,36 @@ where
             self.layout = next;
             let rank = self.rank();
             self.names = self.part().names(&self.layout, rank, self.ffn_name);
-            self.reducer.regroup_experts(&self.layout.expert_replica_groups())?;
+            let groups = self.layout.expert_replica_groups();
+            self.reducer.regroup_experts(&mut self.comm, &groups)?;
         }
-        // What it cost: the bytes every worker sent, and the slowest worker's time.
+        // What it cost (the bytes every worker sent, the slowest worker's seconds), and every
+        // worker's placement, which must be worker 0's.
         let workers = self.layout.workers;
-        let mut sums = vec![0.0f64; workers + 1];
+        let rank = self.rank();
+        let mut sums = vec![0.0f64; 1 + 3 * workers];
         sums[0] = bytes as f64;
-        sums[1 + self.rank()] = t1.elapsed().as_secs_f64();
+        sums[1 + rank] = placement_s;
+        sums[1 + workers + rank] = t1.elapsed().as_secs_f64();
+        sums[1 + 2 * workers + rank] = f64::from(super::persist::placement_digest(&self.layout));
         self.all_reduce(&self.everyone(), &mut sums)?;
+        let digests = &sums[1 + 2 * workers..];
+        let differ: Vec<usize> = (0..workers).filter(|&w| digests[w] != digests[0]).collect();
+        if !differ.is_empty() {
+            return Err(TrainError::Worker {
+                worker: rank,
+                cause: format!(
+                    "workers {differ:?} placed the experts otherwise than worker 0 after step {}",
+                    self.comm.step
+                ),
+            });
+        }
+        let slowest = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         let rebalance = Rebalance {
             experts_moved: moved,
             bytes_moved: sums[0],
-            placement_s,
-            move_s: sums[1..].iter().copied().fold(0.0, f64::max),
+            placement_s: slowest(&sums[1..1 + workers]),
+            move_s: slowest(&sums[1 + workers..1 + 2 * workers]),
         };
         Ok(Some((rebalance, crate::runtime::explicit_placement(&self.layout))))
     }
@@ -170,11 +195,10 @@ where
     fn move_layer(&mut self, layer: usize, next: &crate::runtime::layout::Layout) -> Result<(usize, usize)> {
         let rank = self.rank();
         let holders = self.layout.ffn_holders(layer);
-        let old = |j: usize| self.layout.held_experts(layer, j);
         // Every (holder, expert, source) a move makes: the source is the expert's first old holder.
         let mut moves = Vec::new();
         for (j, &h) in holders.iter().enumerate() {
-            let had = old(j);
+            let had = self.layout.held_experts(layer, j);
             for e in next.held_experts(layer, j) {
                 if !had.contains(&e) && !moves.iter().any(|&(h2, e2, _)| (h2, e2) == (h, e)) {
                     let src = self.layout.expert_holders(layer, e)[0];
@@ -183,10 +207,10 @@ where
             }
         }
         let mut wanted: Vec<(usize, usize)> =
-            moves.iter().filter(|m| m.0 == rank).map(|&(_, e, src)| (e, src)).collect();
-        wanted.reverse();
+            moves.iter().filter(|m| m.0 == rank).map(|&(_, e, src)| (e, src)).rev().collect();
         let mut to_serve = moves.iter().filter(|m| m.2 == rank).count();
         self.comm.working_on(format!("moving the experts of layer {layer} (rebalancing)"));
+        let mut cache = RunCache::default();
         let mut received: Vec<ExpertTensor> = Vec::new();
         let mut asked: Option<(usize, usize)> = None;
         let mut sent = 0usize;
@@ -203,9 +227,6 @@ where
             let env = self.next_move_message(layer)?;
             match env.msg {
                 Msg::ExpertWanted { expert, .. } => {
-                    let tensors = self.expert_to_send(layer, expert)?;
-                    sent += tensors.iter().map(|t| t.values.len() * 4).sum::<usize>();
-                    self.comm.send(env.src, Msg::ExpertMoved { layer, expert, tensors })?;
                     to_serve = to_serve.checked_sub(1).ok_or_else(|| TrainError::Worker {
                         worker: rank,
                         cause: format!(
@@ -213,8 +234,19 @@ where
                             env.src
                         ),
                     })?;
+                    // A copy: this worker may keep the expert too (a new replica elsewhere).
+                    let tensors = self.expert_from(&mut cache, layer, expert, false)?;
+                    let n = tensors.len();
+                    for (i, t) in tensors.into_iter().enumerate() {
+                        sent += t.values.len() * 4;
+                        let msg = Msg::ExpertMoved { layer, expert, tensors: vec![t], last: i + 1 == n };
+                        self.comm.send(env.src, msg)?;
+                    }
+                    if n == 0 {
+                        self.comm.send(env.src, Msg::ExpertMoved { layer, expert, tensors: Vec::new(), last: true })?;
+                    }
                 }
-                Msg::ExpertMoved { expert, tensors, .. } => {
+                Msg::ExpertMoved { expert, tensors, last, .. } => {
                     if asked != Some((expert, env.src)) {
                         return Err(TrainError::Worker {
                             worker: rank,
@@ -225,19 +257,21 @@ where
                         });
                     }
                     received.extend(tensors);
-                    asked = None;
+                    if last {
+                        asked = None;
+                    }
                 }
                 _ => unreachable!("next_move_message returns moves only"),
             }
         }
         if let Some(&(_, j)) = self.layout.ffn_layers(rank).iter().find(|(l, _)| *l == layer) {
-            self.rebuild_layer(layer, j, next, received)?;
+            self.rebuild_layer(&mut cache, layer, j, next, received)?;
         }
         Ok((moves.len(), sent))
     }
 
     /// The next message of the experts' move of `layer`, from those kept for later or the port;
-    /// any other message is kept for later (the next step's exchange of a worker that is done).
+    /// any other message is kept for later.
     fn next_move_message(&mut self, layer: usize) -> Result<crate::runtime::msg::Envelope> {
         let of_layer = |m: &Msg| matches!(m, Msg::ExpertWanted { layer: l, .. } | Msg::ExpertMoved { layer: l, .. } if *l == layer);
         loop {
@@ -255,8 +289,10 @@ where
         }
     }
 
-    /// The parameters and both moments of expert `expert` of `layer`, which this worker holds.
-    fn expert_to_send(&self, layer: usize, expert: usize) -> Result<Vec<ExpertTensor>> {
+    /// The parameters and both moments of expert `expert` of `layer`, which this worker holds, from
+    /// `cache` (its run's tensors made once, when first asked for): a copy, or taken out of it
+    /// when `take`.
+    fn expert_from(&self, cache: &mut RunCache, layer: usize, expert: usize, take: bool) -> Result<Vec<ExpertTensor>> {
         let stage = self.ffn_index.get(&layer).map(|&s| &self.part().experts[s]);
         let found = stage.and_then(|st| st.runs.iter().position(|r| r.contains(&expert)).map(|r| (st, r)));
         let Some((stage, r)) = found else {
@@ -265,22 +301,27 @@ where
                 cause: format!("asked for expert {expert} of layer {layer}, which it does not hold"),
             });
         };
-        let mut all = self.run_tensors(layer, &stage.experts[r], &stage.runs[r]);
-        Ok(all.remove(&expert).unwrap_or_default())
+        if !cache.runs.contains_key(&r) {
+            let tensors = self.run_tensors(layer, &stage.experts[r], &stage.runs[r])?;
+            cache.runs.insert(r, tensors);
+        }
+        let run = cache.runs.get_mut(&r).expect("made above");
+        Ok(if take { run.remove(&expert) } else { run.get(&expert).cloned() }.unwrap_or_default())
     }
 
     /// The parameters and both moments of every expert of one run of `layer`.
-    fn run_tensors(&self, layer: usize, x: &X, run: &Range<usize>) -> HashMap<usize, Vec<ExpertTensor>> {
+    fn run_tensors(&self, layer: usize, x: &X, run: &Range<usize>) -> Result<HashMap<usize, Vec<ExpertTensor>>> {
         let prefix = format!("model.layers.{layer}.{}.experts", self.ffn_name);
         let e = self.layout.experts;
-        let mut all = expert_tensors::<B, X>(x, run, &prefix, e, 0);
+        let refused = |cause: String| TrainError::option("rebalance_every", cause);
+        let mut all = expert_tensors::<B, X>(x, run, &prefix, e, 0).map_err(refused)?;
         for (which, moment) in [(1, Moment::First), (2, Moment::Second)] {
             let m = self.opt.moments_as(x.clone(), moment);
-            for (expert, t) in expert_tensors::<B, X>(&m, run, &prefix, e, which) {
+            for (expert, t) in expert_tensors::<B, X>(&m, run, &prefix, e, which).map_err(refused)? {
                 all.get_mut(&expert).expect("the same experts").extend(t);
             }
         }
-        all
+        Ok(all)
     }
 
     /// Rebuilds this worker's stage of `layer` (holder `j`) for the experts `next` gives it: the
@@ -288,6 +329,7 @@ where
     /// it replaces are dropped.
     fn rebuild_layer(
         &mut self,
+        cache: &mut RunCache,
         layer: usize,
         j: usize,
         next: &crate::runtime::layout::Layout,
@@ -296,15 +338,9 @@ where
         let s = self.ffn_index[&layer];
         let keep = next.held_experts(layer, j);
         let mut tensors = received;
-        {
-            let stage = &self.part().experts[s];
-            for (x, run) in stage.experts.iter().zip(&stage.runs) {
-                if run.clone().any(|e| keep.contains(&e)) {
-                    let mut of_run = self.run_tensors(layer, x, run);
-                    for e in run.clone().filter(|e| keep.contains(e)) {
-                        tensors.extend(of_run.remove(&e).unwrap_or_default());
-                    }
-                }
+        for e in &keep {
+            if self.part().experts[s].runs.iter().any(|r| r.contains(e)) {
+                tensors.extend(self.expert_from(cache, layer, *e, true)?);
             }
         }
         let mut readers = [CheckpointReader::in_memory(), CheckpointReader::in_memory(), CheckpointReader::in_memory()];
