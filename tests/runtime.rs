@@ -177,22 +177,25 @@ fn disagg_and_ep_reproduce_single_for_every_family() {
 /// 3.3e-6. Over longer runs such differences can tip a router's near-tie (tiny-qwen3-moe's layer 2
 /// routes one token to another expert at step 7 under disagg 2+2 with replicas), as they can for
 /// any placement that is not bit-identical.
+/// The placements the tests of redundant experts run: one attention worker per layer with 3 expert
+/// workers, 2 attention copies sharing 2 expert workers, and ep.
+const REPLICA_PLACEMENTS: [(&str, &[&str]); 3] = [
+    ("disagg 1+3", &["--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "3", "--groups", "1"]),
+    (
+        "disagg 2+2 in one group",
+        &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1"],
+    ),
+    ("ep 4", EP),
+];
+
 #[test]
 fn redundant_experts_reproduce_single() {
     let dir = tempfile::tempdir().unwrap();
     let replicas: &[&str] = &["--redundant-experts", "2", "--expert-load", "zipf:1.2"];
-    let placements: [(&str, &[&str]); 3] = [
-        ("disagg 1+3", &["--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "3", "--groups", "1"]),
-        (
-            "disagg 2+2 in one group",
-            &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1"],
-        ),
-        ("ep 4", EP),
-    ];
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
         let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
         let single = train(preset, &["--placement", "single", "--out", out("single").to_str().unwrap()]);
-        for (name, args) in placements {
+        for (name, args) in REPLICA_PLACEMENTS {
             let run = train(preset, &[args, replicas, &["--out", out(name).to_str().unwrap()]].concat());
             let what = format!("{preset} {name} with 2 redundant experts");
             assert_same_run(&what, &run, &single);
@@ -253,18 +256,10 @@ fn first_routing_difference(a: &std::path::Path, b: &std::path::Path) -> Option<
 #[test]
 fn rebalancing_during_a_run_reproduces_single() {
     let dir = tempfile::tempdir().unwrap();
-    let placements: [(&str, &[&str]); 3] = [
-        ("disagg 1+3", &["--placement", "disagg", "--attn-workers", "1", "--ffn-workers", "3", "--groups", "1"]),
-        (
-            "disagg 2+2 in one group",
-            &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1"],
-        ),
-        ("ep 4", EP),
-    ];
     for preset in ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"] {
         let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
         let single = train_8(preset, &["--placement", "single", "--out", out("single").to_str().unwrap()]);
-        for (name, args) in placements {
+        for (name, args) in REPLICA_PLACEMENTS {
             let run = train_8(preset, &[args, REBALANCE, &["--out", out(name).to_str().unwrap()]].concat());
             let what = format!("{preset} {name} rebalanced every 2 steps");
             assert_same_run_of(&what, &run, &single, 8);
