@@ -350,6 +350,56 @@ impl ExpertMap {
         Ok(ExpertMap { slots, replicas })
     }
 
+    /// This placement with its workers' slot lists relabelled so that as many experts as any
+    /// relabelling allows stay on the worker that held them in `previous` (a placement of the
+    /// same workers): the experts a re-placement has to move. The workers are interchangeable
+    /// bins of EPLB's packing, so every worker's load and slot count are a permutation of this
+    /// placement's: the balance is the same. Solved exactly as the assignment problem's linear
+    /// program (its constraint matrix is totally unimodular, so the optimum is a permutation);
+    /// deterministic for the same inputs. `previous` of another worker count is ignored.
+    pub fn keeping(self, previous: &ExpertMap) -> Result<Self> {
+        use good_lp::{variable, variables, Expression, Solution, SolverModel};
+        let n = self.slots.len();
+        if previous.slots.len() != n || n <= 1 {
+            return Ok(self);
+        }
+        let distinct = |s: &[usize]| {
+            let mut v = s.to_vec();
+            v.dedup();
+            v
+        };
+        let (old, new): (Vec<Vec<usize>>, Vec<Vec<usize>>) =
+            (previous.slots.iter().map(|s| distinct(s)).collect(), self.slots.iter().map(|s| distinct(s)).collect());
+        let kept = |i: usize, j: usize| new[j].iter().filter(|e| old[i].contains(e)).count() as f64;
+        let mut vars = variables!();
+        let x: Vec<Vec<good_lp::Variable>> =
+            (0..n).map(|_| (0..n).map(|_| vars.add(variable().min(0.0).max(1.0))).collect()).collect();
+        let objective: Expression =
+            (0..n).flat_map(|i| (0..n).map(move |j| (i, j))).map(|(i, j)| kept(i, j) * x[i][j]).sum();
+        let mut model = vars.maximise(objective).using(good_lp::microlp);
+        for i in 0..n {
+            model = model.with(x[i].iter().copied().sum::<Expression>().eq(1.0));
+            model = model.with((0..n).map(|j| x[j][i]).sum::<Expression>().eq(1.0));
+        }
+        let solution = model.solve().map_err(|e| CoreError::Solver(format!("keeping experts in place: {e}")))?;
+        // Worker i takes the new slot list j it is assigned.
+        let picks: Vec<Option<usize>> = x.iter().map(|row| row.iter().position(|v| solution.value(*v) > 0.5)).collect();
+        let mut seen = vec![false; n];
+        let mut slots = Vec::with_capacity(n);
+        for j in picks {
+            match j {
+                Some(j) if !seen[j] => {
+                    seen[j] = true;
+                    slots.push(self.slots[j].clone());
+                }
+                _ => {
+                    return Err(CoreError::Solver("keeping experts in place: the solution is not a permutation".into()))
+                }
+            }
+        }
+        Ok(ExpertMap { slots, replicas: self.replicas })
+    }
+
     /// Each worker's share of the layer's routed copies (a replica takes an even part of its
     /// expert's share).
     pub fn worker_loads(&self, shares: &[f64]) -> Vec<f64> {
@@ -441,6 +491,44 @@ impl ExpertBalance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Experts `next` places on a worker that did not hold them in `prev`.
+    fn moved(prev: &ExpertMap, next: &ExpertMap) -> usize {
+        prev.slots.iter().zip(&next.slots).map(|(a, b)| b.iter().filter(|e| !a.contains(e)).count()).sum()
+    }
+
+    #[test]
+    fn keeping_relabels_the_workers_to_move_the_fewest_experts_and_keeps_the_balance() {
+        let shares = ExpertLoad::Zipf(1.2).shares(0, 16).unwrap();
+        let placed = ExpertMap::balanced(&shares, 4, 2).unwrap();
+        // The same placement with its workers listed in another order moves nothing once kept.
+        let mut shuffled = placed.clone();
+        shuffled.slots.rotate_left(1);
+        assert!(moved(&placed, &shuffled) > 0);
+        assert_eq!(shuffled.clone().keeping(&placed).unwrap(), placed);
+        // For another load: the fewest moves over every relabelling (4! of them), the same loads.
+        let other = ExpertMap::balanced(&ExpertLoad::Zipf(0.8).shares(1, 16).unwrap(), 4, 2).unwrap();
+        let kept = other.clone().keeping(&placed).unwrap();
+        let mut fewest = usize::MAX;
+        let mut perm = [0, 1, 2, 3];
+        loop {
+            let relabelled =
+                ExpertMap { slots: perm.iter().map(|&j| other.slots[j].clone()).collect(), ..other.clone() };
+            fewest = fewest.min(moved(&placed, &relabelled));
+            // The next permutation in lexicographic order.
+            let Some(i) = (0..3).rev().find(|&i| perm[i] < perm[i + 1]) else { break };
+            let j = (i + 1..4).rev().find(|&j| perm[j] > perm[i]).unwrap();
+            perm.swap(i, j);
+            perm[i + 1..].reverse();
+        }
+        assert_eq!(moved(&placed, &kept), fewest);
+        let mut a = kept.worker_loads(&shares);
+        let mut b = other.worker_loads(&shares);
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        assert_eq!(a, b);
+        assert_eq!(kept.replicas, other.replicas);
+    }
 
     #[test]
     fn zipf_shares_sum_to_one_and_follow_the_exponent() {

@@ -5,7 +5,8 @@
 //! Every worker keeps the same moving average of each MoE layer's expert shares (from the step's
 //! global expert counts, which every worker has after the step's global sum) and, every
 //! `rebalance_every` steps after the update, computes the same placement from it
-//! (`ExpertMap::balanced`, with the run's redundant replicas). Layer by layer, each new holder of
+//! (`ExpertMap::balanced`, with the run's redundant replicas, its workers relabelled so that as
+//! many experts as can stay where they are: `ExpertMap::keeping`). Layer by layer, each new holder of
 //! an expert asks the expert's first old holder for it (point to point, one expert in transit per
 //! receiver: it asks for the next once the last has arrived) and serves the requests of the
 //! others; then it rebuilds that layer's expert stage from what it kept and what it received,
@@ -135,8 +136,12 @@ where
         for &l in &sparse {
             let Some(avg) = self.loads.get(&l) else { continue };
             let holders = self.layout.ffn_holders(l).len();
-            let map = ExpertMap::balanced(avg, holders, self.settings.redundant_experts)
+            let mut map = ExpertMap::balanced(avg, holders, self.settings.redundant_experts)
                 .map_err(crate::runtime::layout::option_error)?;
+            // The same balance with as many experts as can be left where they are.
+            if let Some(previous) = &self.layout.expert_maps[l] {
+                map = map.keeping(previous).map_err(crate::runtime::layout::option_error)?;
+            }
             next.set_expert_map(l, map).map_err(crate::runtime::layout::option_error)?;
             if next.expert_maps[l] != self.layout.expert_maps[l] {
                 changed.push(l);
