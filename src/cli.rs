@@ -152,6 +152,15 @@ pub struct TrainArgs {
     /// of a micro-batch, the rest are dropped (counted in the metrics) [default: dropless].
     #[arg(long, value_name = "C")]
     pub capacity_factor: Option<f64>,
+    /// Multi-token prediction modules to train after the main model (DeepSeek-V3's MTP, loaded
+    /// from and saved to the checkpoint's layers after the main ones; other families: 0)
+    /// [default: 0].
+    #[arg(long, value_name = "D")]
+    pub mtp_depth: Option<usize>,
+    /// Weight of the multi-token prediction loss: the loss adds C / D times the modules' summed
+    /// cross-entropies [default: 0.1].
+    #[arg(long, value_name = "C")]
+    pub mtp_loss_coef: Option<f64>,
     /// The dtype of the matrix products: f32, bf16 or f16 (mixed precision: products in the low
     /// dtype with f32 accumulation; master weights, optimizer moments, gradients, norms, softmax
     /// and the loss in f32; checkpoints f32; f16 with dynamic loss scaling: a step whose gradients
@@ -327,6 +336,7 @@ impl TrainArgs {
         }
         set!(model_preset => model.preset, bias_update_rate => model.bias_update_rate);
         set!(router_z_loss_coef => model.router_z_loss_coef, capacity_factor => model.capacity_factor);
+        set!(mtp_depth => model.mtp_depth, mtp_loss_coef => model.mtp_loss_coef);
         if self.force_balanced_routing {
             cfg.model.force_balanced_routing = true;
         }

@@ -293,6 +293,40 @@ fn every_preset_learns_within_60_steps() {
     fails_with(&out, "allowed: [\"tiny-qwen3-moe\"");
 }
 
+/// DeepSeek-V3 with its multi-token prediction module (issue 38): the loss (LM + 0.1 x MTP) and
+/// the MTP loss itself fall below 85% of their first values within 60 steps; a family without
+/// MTP modules, and a coefficient without a module, are refused in one line.
+#[test]
+fn deepseek_v3_with_multi_token_prediction_learns_within_60_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = bin()
+        .args(["train", "--quiet", "--model-preset", "tiny-deepseek-v3", "--steps", "60", "--batch", "4"])
+        .args(["--seq", "64", "--mtp-depth", "1", "--out", dir.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = stdout_last_json(&out);
+    let (first, last) = (s["first_loss"].as_f64().unwrap(), s["last_loss"].as_f64().unwrap());
+    assert!(last < 0.85 * first, "loss {first} -> {last} did not fall below 85%");
+    let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mtp = |m: &serde_json::Value| m["mtp_loss"].as_f64().unwrap_or_else(|| panic!("no mtp_loss in {m}"));
+    let (a, b) = (mtp(&steps[0]), mtp(steps.last().unwrap()));
+    assert!(b < 0.85 * a, "MTP loss {a} -> {b} did not fall below 85%");
+    for m in &steps {
+        let (loss, lm) = (m["loss"].as_f64().unwrap(), m["lm_loss"].as_f64().unwrap());
+        assert!((loss - lm - 0.1 * mtp(m)).abs() < 1e-5 * loss, "loss = lm + 0.1 x mtp: {m}");
+    }
+    let train = |args: &[&str]| bin().args(["train", "--quiet", "--steps", "1"]).args(args).output().unwrap();
+    fails_with(
+        &train(&["--model-preset", "tiny-qwen3-moe", "--mtp-depth", "1"]),
+        "qwen3_moe has no multi-token prediction module; allowed: 0",
+    );
+    fails_with(&train(&["--model-preset", "tiny-deepseek-v3", "--mtp-loss-coef", "0.3"]), "mtp_depth is 0");
+    fails_with(&train(&["--model-preset", "tiny-deepseek-v3", "--mtp-depth", "9"]), "must be in 0..=8");
+    fails_with(&train(&["--model-preset", "tiny-deepseek-v3", "--mtp-depth", "3", "--seq", "4"]), "mtp_depth + 2");
+}
+
 /// On a terminal (a pseudo-terminal from `script`) `train` ends with a few lines for people
 /// instead of the JSON line; `--json` brings the JSON back as the last line. (Without a terminal
 /// the JSON is the last line, as every other test here relies on.)

@@ -388,6 +388,45 @@ fn router_z_loss_and_forced_balance_act_alike_under_every_placement() {
     }
 }
 
+/// Multi-token prediction (issue 38): tiny-deepseek-v3 with one MTP module (weighted 0.3; it
+/// lives with the head, on the attention group holding the ends, or on every `ep` worker) gives
+/// single's losses, MTP losses and weights, the MTP layer's included: disagg 2+2 bit for bit,
+/// disagg 4+2 (two copies of the head, their MTP gradients and router counts summed) and ep 4
+/// within the data-parallel rounding of the other tests.
+#[test]
+fn multi_token_prediction_reproduces_single_under_every_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    let preset = "tiny-deepseek-v3";
+    let opts: &[&str] = &["--mtp-depth", "1", "--mtp-loss-coef", "0.3"];
+    let out = |name: &str| dir.path().join(name);
+    let single = train(preset, &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap()]].concat());
+    let want = metrics(&out("single"));
+    for m in &want {
+        let (loss, lm, mtp) =
+            (m["loss"].as_f64().unwrap(), m["lm_loss"].as_f64().unwrap(), m["mtp_loss"].as_f64().unwrap());
+        assert!(mtp > 0.0 && (loss - lm - 0.3 * mtp).abs() < 1e-5 * loss, "{m}");
+    }
+    let saved = saved_tensors(&out("single").join("final"));
+    for name in ["model.layers.4.eh_proj.weight", "model.layers.4.mlp.gate.e_score_correction_bias"] {
+        assert!(saved.contains_key(name), "the final model has the MTP layer's {name}");
+    }
+    for (name, args) in [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[3]] {
+        let run = train(preset, &[opts, args, &["--out", out(name).to_str().unwrap()]].concat());
+        let what = format!("{preset} {name} with MTP");
+        assert_same_run(&what, &run, &single);
+        for (got, want) in metrics(&out(name)).iter().zip(&want) {
+            let (a, b) = (got["mtp_loss"].as_f64().unwrap(), want["mtp_loss"].as_f64().unwrap());
+            assert!(rel(a, b) < 1e-5, "{what}: MTP loss {a} vs single {b}");
+        }
+        let (got, want) = (out(name).join("final"), out("single").join("final"));
+        if name == "disagg 2+2" {
+            assert_bit_identical_weights(&what, &got, &want);
+        } else {
+            assert_same_weights(&what, &got, &want);
+        }
+    }
+}
+
 #[test]
 fn a_capacity_factor_drops_alike_under_every_placement() {
     let dir = tempfile::tempdir().unwrap();

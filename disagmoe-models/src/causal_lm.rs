@@ -12,6 +12,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::balance::AuxLoss;
 use crate::error::{ModelError, Result};
 use crate::moe::{check_token_ids, RouterStats};
+use crate::mtp::MtpOutput;
 use crate::nn::{Embedding, Linear};
 use crate::weights::{write_atomically, CheckpointReader, SaveDtype, TensorSink};
 
@@ -22,6 +23,8 @@ pub struct CausalLmOutput<B: Backend> {
     pub logits: Tensor<B, 3>,
     /// One entry per sparse layer, in layer order.
     pub router_stats: Vec<RouterStats<B>>,
+    /// The multi-token prediction modules' loss and router statistics, when the model has them.
+    pub mtp: Option<MtpOutput<B>>,
 }
 
 /// The parts of the training loss.
@@ -33,7 +36,9 @@ pub struct LossParts<B: Backend> {
     pub aux_loss: Option<Tensor<B, 1>>,
     /// Router z-loss summed over the MoE layers (before its coefficient), when on.
     pub z_loss: Option<Tensor<B, 1>>,
-    /// `lm_loss + coefficient * aux_loss`, `[1]`.
+    /// The multi-token prediction loss `(1 / D) sum_k L_k` (before its coefficient), when trained.
+    pub mtp_loss: Option<Tensor<B, 1>>,
+    /// `lm_loss + coefficient * aux_loss (+ the z-loss and MTP terms)`, `[1]`.
     pub total: Tensor<B, 1>,
 }
 
@@ -110,7 +115,7 @@ pub fn causal_lm_loss<B: Backend>(
     if let Some(z) = &z_loss {
         total = total + z.clone().mul_scalar(z_loss_coef);
     }
-    LossParts { lm_loss, aux_loss, z_loss, total }
+    LossParts { lm_loss, aux_loss, z_loss, mtp_loss: None, total }
 }
 
 /// Writes a Hugging Face checkpoint directory: the weights in `dtype` (sharded past

@@ -16,6 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::families::FamilyConfig;
 use crate::init::Init;
 use crate::kv_cache::{KvCache, LayerCache};
+use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer};
 use crate::moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
@@ -191,14 +192,14 @@ where
         (x + y, stats)
     }
 
-    fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
+    pub(crate) fn load(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()> {
         self.input_layernorm.load(ckpt, &format!("{prefix}.input_layernorm"), device)?;
         self.self_attn.load_attention(ckpt, &format!("{prefix}.self_attn"), device)?;
         self.post_attention_layernorm.load(ckpt, &format!("{prefix}.post_attention_layernorm"), device)?;
         self.mlp.load(ckpt, &format!("{prefix}.{}", self.ffn_name), device)
     }
 
-    fn save(&self, sink: &mut TensorSink, prefix: &str) {
+    pub(crate) fn save(&self, sink: &mut TensorSink, prefix: &str) {
         self.input_layernorm.save(sink, &format!("{prefix}.input_layernorm"));
         self.self_attn.save_attention(sink, &format!("{prefix}.self_attn"));
         self.post_attention_layernorm.save(sink, &format!("{prefix}.post_attention_layernorm"));
@@ -233,6 +234,9 @@ pub struct CausalLm<B: Backend, C, A: Module<B>, R: Module<B>, X: Module<B>> {
     pub norm: RmsNorm<B>,
     /// `lm_head` (absent when tied to the embedding).
     pub lm_head: Option<Linear<B>>,
+    /// The multi-token prediction modules (`model.layers.{L + k - 1}`; none unless the
+    /// configuration's [`FamilyConfig::mtp`] asks for them).
+    pub mtp: Vec<MtpLayer<B, A, R, X>>,
     #[module(skip)]
     config: C,
     #[module(skip)]
@@ -310,8 +314,9 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         let d = config.dims();
         let (embed_tokens, norm, lm_head) = init_ends(&config, init);
         let layers = (0..d.num_hidden_layers).map(|l| init_layer(&config, l, init)).collect();
+        let mtp = init_mtp(&config, init);
         let rope = config.rope();
-        Self { embed_tokens, layers, norm, lm_head, config, rope, routing: RoutingOptions::default() }
+        Self { embed_tokens, layers, norm, lm_head, mtp, config, rope, routing: RoutingOptions::default() }
     }
 
     /// The model's configuration.
@@ -324,6 +329,9 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         self.routing = routing;
         for moe in self.layers.iter_mut().filter_map(|l| l.mlp.moe_mut()) {
             moe.routing = routing;
+        }
+        for m in &mut self.mtp {
+            m.set_routing(routing);
         }
     }
 
@@ -350,9 +358,9 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         let [_, s] = ids.dims();
         let device = ids.device();
         // 1. Embed.
-        let mut x = self.embed_tokens.forward(ids); // [B, S, M]
+        let mut x = self.embed_tokens.forward(ids.clone()); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
-                                                            // 2. (attention block, expert block) pairs.
+        // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
             x = layer.attention_block(x, cos.clone(), sin.clone());
@@ -361,8 +369,11 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
             router_stats.extend(stats);
         }
         // 3. Final norm and head.
-        let logits = lm_logits(self.norm.forward(x), self.lm_head.as_ref(), &self.embed_tokens); // [B, S, V]
-        CausalLmOutput { logits, router_stats }
+        let normed = self.norm.forward(x); // [B, S, M]
+        let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens); // [B, S, V]
+        // 4. The multi-token prediction modules, when trained.
+        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin);
+        CausalLmOutput { logits, router_stats, mtp }
     }
 
     /// An empty cache for [`CausalLm::forward_cached`].
@@ -392,17 +403,27 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     }
 
     /// Next-token cross-entropy (labels = inputs shifted by one), plus the family's coefficient
-    /// times its balance loss when `with_aux` and the family has one.
+    /// times its balance loss when `with_aux` and the family has one, plus the multi-token
+    /// prediction loss times its coefficient when the model trains MTP modules.
     pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
-        causal_lm_loss(out, ids, self.config.aux_loss().filter(|_| with_aux), self.routing.z_loss_coef)
+        let mut parts = causal_lm_loss(out, ids, self.config.aux_loss().filter(|_| with_aux), self.routing.z_loss_coef);
+        if let Some(mtp) = &out.mtp {
+            parts.total = parts.total + mtp.loss.clone().mul_scalar(self.config.mtp().loss_coef);
+            parts.mtp_loss = Some(mtp.loss.clone());
+        }
+        parts
     }
 
     /// Aux-loss-free balancing: each routed layer's router moves its correction bias from its
     /// expert load of the last step (`counts[i]` for the `i`-th routed layer, the order of
     /// [`CausalLmOutput::router_stats`]). Routers without a correction bias ignore it; returns
     /// whether any router changed.
+    ///
+    /// The routed blocks of the multi-token prediction modules follow, in depth order
+    /// ([`CausalLmOutput::mtp`]'s statistics).
     pub fn update_router_biases(&mut self, counts: &[Vec<usize>], rate: f64) -> Result<bool> {
-        let moe_layers = self.layers.iter().filter(|l| l.mlp.moe().is_some()).count();
+        let moe_layers = self.layers.iter().filter(|l| l.mlp.moe().is_some()).count()
+            + self.mtp.iter().filter(|m| m.block.mlp.moe().is_some()).count();
         if counts.len() != moe_layers {
             return Err(ModelError::InvalidInput(format!(
                 "update_router_biases: {} count vectors for {moe_layers} MoE layers",
@@ -410,7 +431,9 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
             )));
         }
         let mut changed = false;
-        let routers = self.layers.iter_mut().filter_map(|l| l.mlp.moe_mut().map(|m| &mut m.gate));
+        let routers = (self.layers.iter_mut().map(|l| &mut l.mlp))
+            .chain(self.mtp.iter_mut().map(|m| &mut m.block.mlp))
+            .filter_map(|f| f.moe_mut().map(|m| &mut m.gate));
         for (router, c) in routers.zip(counts) {
             changed |= router.update_balance_bias(c, rate)?;
         }
@@ -427,7 +450,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         if let Some(head) = &mut self.lm_head {
             head.load(ckpt, "lm_head", device)?;
         }
-        Ok(())
+        load_mtp(&mut self.mtp, ckpt, &self.embed_tokens, self.lm_head.as_ref(), device)
     }
 
     /// Puts every parameter into `sink` under its Hugging Face name.
@@ -440,5 +463,6 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         if let Some(head) = &self.lm_head {
             head.save(sink, "lm_head");
         }
+        save_mtp(&self.mtp, sink, self.lm_head.is_none());
     }
 }

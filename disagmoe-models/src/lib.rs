@@ -52,6 +52,7 @@ pub mod init;
 pub mod kv_cache;
 pub mod mla;
 pub mod moe;
+pub mod mtp;
 pub mod nn;
 pub mod recompute;
 pub mod rope;
@@ -70,6 +71,7 @@ pub use families::{
 };
 pub use init::Init;
 pub use kv_cache::{KvCache, LayerCache};
+pub use mtp::MtpSettings;
 pub use moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluExperts, TopKRouter};
 pub use recompute::{MicroBatchLoss, Recompute};
 pub use rope::RopeScaling;

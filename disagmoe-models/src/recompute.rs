@@ -29,6 +29,7 @@ use crate::causal_lm::{lm_logits, next_token_cross_entropy};
 use crate::decoder::FamilyModel;
 use crate::families::FamilyConfig;
 use crate::moe::RouterStats;
+use crate::mtp::mtp_loss;
 
 /// Which blocks drop their activations in the forward and recompute them in the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -100,8 +101,12 @@ pub struct MicroBatchLoss {
     pub aux: Option<f64>,
     /// Router z-loss summed over the routed layers before its coefficient, when on.
     pub z: Option<f64>,
+    /// The multi-token prediction loss before its coefficient, when trained.
+    pub mtp: Option<f64>,
     /// Routed copies per expert, per routed layer.
     pub counts: Vec<Vec<usize>>,
+    /// Routed copies per expert of each multi-token prediction module's routed block.
+    pub mtp_counts: Vec<Vec<usize>>,
     /// Copies dropped for capacity, per routed layer.
     pub dropped: Vec<usize>,
 }
@@ -187,9 +192,13 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
             }
         }
         // 2. The head: the LM loss and the gradient of the last hidden states.
+        //    The multi-token prediction modules, when trained, keep their graph: they run here,
+        //    from the final hidden states and the shared embedding and head.
         let last = Tensor::<B, 3>::from_inner(h).require_grad();
-        let logits = lm_logits(self.norm.forward(last.clone()), self.lm_head.as_ref(), &self.embed_tokens);
+        let normed = self.norm.forward(last.clone());
+        let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens);
         let lm_loss = next_token_cross_entropy(logits, ids.clone());
+        let mtp = mtp_loss(&self.mtp, normed, ids.clone(), &self.embed_tokens, self.lm_head.as_ref(), cos.clone(), sin.clone());
         // 3. The loss values, and each routed layer's balance coefficients.
         let routed: Vec<&LayerStats<B::InnerBackend>> = stats.iter().flatten().collect();
         let aux = self.config().aux_loss().filter(|_| with_aux && !routed.is_empty());
@@ -201,6 +210,9 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         let with_z = z_parts.len() == routed.len() && !routed.is_empty();
         if with_z {
             parts.push(Tensor::cat(z_parts, 0).sum());
+        }
+        if let Some(m) = &mtp {
+            parts.push(m.loss.clone().inner());
         }
         let values = scalars(parts);
         let lm = values[0];
@@ -214,10 +226,20 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
             })
             .collect();
         let aux_value = aux.map(|a| a.kind.value(&routings, &prob_sums));
-        let z_value = with_z.then(|| *values.last().expect("the z-loss"));
+        let mtp_value = mtp.as_ref().map(|_| *values.last().expect("the MTP loss"));
+        let z_value = with_z.then(|| values[at]);
         let z_coef = self.routing().z_loss_coef;
-        let total = lm + aux.zip(aux_value).map_or(0.0, |(a, v)| a.coef * v) + z_value.map_or(0.0, |z| z_coef * z);
-        let mut grads = lm_loss.mul_scalar(scale).backward();
+        let mtp_coef = self.config().mtp().loss_coef;
+        let total = lm
+            + aux.zip(aux_value).map_or(0.0, |(a, v)| a.coef * v)
+            + z_value.map_or(0.0, |z| z_coef * z)
+            + mtp_value.map_or(0.0, |m| mtp_coef * m);
+        let mtp_counts = mtp.as_ref().map_or_else(Vec::new, |m| m.router_stats.iter().map(|s| s.counts.clone()).collect());
+        let head_loss = match mtp {
+            Some(m) => lm_loss + m.loss.mul_scalar(mtp_coef),
+            None => lm_loss,
+        };
+        let mut grads = head_loss.mul_scalar(scale).backward();
         let mut g = last.grad_remove(&mut grads).expect("the head's input has a gradient");
         on_grads(grads);
         // 4. Backward, last block first.
@@ -262,7 +284,9 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
             lm,
             aux: aux_value,
             z: z_value,
+            mtp: mtp_value,
             counts: routed.iter().map(|s| s.counts.clone()).collect(),
+            mtp_counts,
             dropped: routed.iter().map(|s| s.dropped).collect(),
         }
     }

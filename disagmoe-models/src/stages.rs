@@ -33,6 +33,7 @@ use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedF
 use crate::error::Result;
 use crate::families::FamilyConfig;
 use crate::init::Init;
+use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer, MtpOutput};
 use crate::moe::{Dispatch, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
@@ -43,32 +44,46 @@ fn ffn_prefix(layer: usize, ffn_name: &str) -> String {
     format!("model.layers.{layer}.{ffn_name}")
 }
 
-/// The embedding, final norm and head of a model.
+/// The embedding, final norm and head of a model, and the multi-token prediction modules that
+/// share them.
 #[derive(Module, Debug)]
-pub struct Ends<B: Backend> {
+pub struct Ends<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
     /// `model.embed_tokens`
     pub embed_tokens: Embedding<B>,
     /// `model.norm`
     pub norm: RmsNorm<B>,
     /// `lm_head` (absent when tied to the embedding).
     pub lm_head: Option<Linear<B>>,
+    /// The multi-token prediction modules (none unless trained).
+    pub mtp: Vec<MtpLayer<B, A, R, X>>,
 }
 
-impl<B: Backend> Ends<B> {
-    /// The embedding, final norm and head of a family's model, from `init` (rooted at the model).
-    pub fn init<C: FamilyConfig>(config: &C, init: &Init<B>) -> Self {
+impl<B, A, R, X> Ends<B, A, R, X>
+where
+    B: Backend,
+    A: Module<B> + AttentionLayer<B>,
+    R: Module<B> + Router<B>,
+    X: Module<B> + Experts<B>,
+{
+    /// The embedding, final norm and head of a family's model (and its multi-token prediction
+    /// modules, when trained), from `init` (rooted at the model).
+    pub fn init<C>(config: &C, init: &Init<B>) -> Self
+    where
+        C: FamilyConfig<Attention<B> = A, Router<B> = R, Experts<B> = X>,
+    {
         let (embed_tokens, norm, lm_head) = init_ends(config, init);
-        Self { embed_tokens, norm, lm_head }
+        Self { embed_tokens, norm, lm_head, mtp: init_mtp(config, init) }
     }
 
-    /// Loads `model.embed_tokens`, `model.norm` and `lm_head` (when untied).
+    /// Loads `model.embed_tokens`, `model.norm`, `lm_head` (when untied) and the multi-token
+    /// prediction modules.
     pub fn load(&mut self, ckpt: &mut CheckpointReader, device: &B::Device) -> Result<()> {
         self.embed_tokens.load(ckpt, "model.embed_tokens", device)?;
         self.norm.load(ckpt, "model.norm", device)?;
         if let Some(head) = &mut self.lm_head {
             head.load(ckpt, "lm_head", device)?;
         }
-        Ok(())
+        load_mtp(&mut self.mtp, ckpt, &self.embed_tokens, self.lm_head.as_ref(), device)
     }
 
     /// Saves under the names [`Ends::load`] reads.
@@ -78,6 +93,7 @@ impl<B: Backend> Ends<B> {
         if let Some(head) = &self.lm_head {
             head.save(sink, "lm_head");
         }
+        save_mtp(&self.mtp, sink, self.lm_head.is_none());
     }
 
     /// Hidden states of token ids.
@@ -94,6 +110,25 @@ impl<B: Backend> Ends<B> {
     /// - h: `[B, S, M]` -> `[B, S, V]`
     pub fn logits(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         crate::causal_lm::lm_logits(self.norm.forward(h), self.lm_head.as_ref(), &self.embed_tokens)
+    }
+
+    /// The next-token loss of the last hidden states, and the multi-token prediction modules'
+    /// output when the model trains them ([`crate::mtp::mtp_loss`]).
+    ///
+    /// # Shapes
+    /// - h: `[B, S, M]`; ids: `[B, S]`; cos, sin: `[1, 1, S, rotary dim]`
+    pub fn head_loss(
+        &self,
+        h: Tensor<B, 3>,
+        ids: Tensor<B, 2, Int>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+    ) -> (Tensor<B, 1>, Option<MtpOutput<B>>) {
+        let normed = self.norm.forward(h);
+        let logits = crate::causal_lm::lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens);
+        let lm = crate::causal_lm::next_token_cross_entropy(logits, ids.clone());
+        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin);
+        (lm, mtp)
     }
 }
 
@@ -368,8 +403,8 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> FeedForwar
 /// A model taken apart: ends, one attention stage and one expert stage per layer, the RoPE tables'
 /// source, and the loss settings.
 pub struct Stages<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
-    /// Embedding, final norm, head.
-    pub ends: Ends<B>,
+    /// Embedding, final norm, head (and the multi-token prediction modules).
+    pub ends: Ends<B, A, R, X>,
     /// Attention side of each layer, in order.
     pub attention: Vec<AttentionStage<B, A, R>>,
     /// Expert side of each layer, in order (all experts).
@@ -387,7 +422,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     pub fn into_stages(self) -> Stages<B, C::Attention<B>, C::Router<B>, C::Experts<B>> {
         let (vocab_size, aux_loss, rope) =
             (self.config().dims().vocab_size, self.config().aux_loss(), self.rope().clone());
-        let Self { embed_tokens, layers, norm, lm_head, .. } = self;
+        let Self { embed_tokens, layers, norm, lm_head, mtp, .. } = self;
         let mut attention = Vec::with_capacity(layers.len());
         let mut experts = Vec::with_capacity(layers.len());
         for DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp, .. } in layers {
@@ -395,6 +430,6 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
             attention.push(AttentionStage { input_layernorm, self_attn, post_attention_layernorm, router });
             experts.push(stage);
         }
-        Stages { ends: Ends { embed_tokens, norm, lm_head }, attention, experts, rope, aux_loss, vocab_size }
+        Stages { ends: Ends { embed_tokens, norm, lm_head, mtp }, attention, experts, rope, aux_loss, vocab_size }
     }
 }

@@ -610,6 +610,14 @@ impl TensorSink {
         self.tensors.insert(name, (shape, values));
     }
 
+    /// Adds `name` as a copy of the collected tensor `of` (nothing when `of` was not collected):
+    /// a tensor a checkpoint layout repeats under a second name, which is not a parameter.
+    pub fn put_copy(&mut self, name: String, of: &str) {
+        if let Some(t) = self.tensors.get(of).cloned() {
+            self.tensors.insert(name, t);
+        }
+    }
+
     /// Takes one collected tensor's shape and values out of the sink.
     pub fn take(&mut self, name: &str) -> Option<(Vec<usize>, Vec<f32>)> {
         self.tensors.remove(name)

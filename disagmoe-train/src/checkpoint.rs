@@ -541,18 +541,19 @@ pub fn is_legacy(path: &Path) -> bool {
 /// and the state. Any placement may have written it.
 pub fn load_checkpoint<B: AutodiffBackend>(
     path: &Path,
+    mtp: disagmoe_models::MtpSettings,
     optimizer: &mut AdamW<B>,
     device: &B::Device,
 ) -> Result<(MoeCausalLm<B>, TrainState)> {
     verify_checkpoint(path)?;
-    let model = MoeCausalLm::<B>::from_pretrained(path, device)?;
+    let model = MoeCausalLm::<B>::from_pretrained_with(path, mtp, device)?;
     let state = read_state(path)?;
     if is_legacy(path) {
         let mut reader = CheckpointReader::open_file(path.join(LEGACY_MOMENTS))?;
         optimizer.import_moments(&mut reader, &model.state_dict_names(), device)?;
     } else {
-        let m = MoeCausalLm::<B>::from_pretrained(moment_dir(path, Moment::First), device)?;
-        let v = MoeCausalLm::<B>::from_pretrained(moment_dir(path, Moment::Second), device)?;
+        let m = MoeCausalLm::<B>::from_pretrained_with(moment_dir(path, Moment::First), mtp, device)?;
+        let v = MoeCausalLm::<B>::from_pretrained_with(moment_dir(path, Moment::Second), mtp, device)?;
         optimizer.import_moment_modules(&model, &m, &v)?;
     }
     optimizer.set_steps_taken(state.optimizer_steps);

@@ -104,6 +104,9 @@ pub struct StepMetrics {
     /// Router z-loss summed over the MoE layers, before its coefficient, when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub z_loss: Option<f64>,
+    /// Multi-token prediction loss `(1 / D) sum_k L_k`, before its coefficient, when trained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp_loss: Option<f64>,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm before clipping.

@@ -46,7 +46,7 @@ pub struct SingleDevice<B: AutodiffBackend> {
 /// the seed and its checkpoint name), or loaded from `model.dir`.
 pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> Result<MoeCausalLm<B>> {
     Ok(match &cfg.model.dir {
-        Some(dir) => MoeCausalLm::from_pretrained(dir, device)?,
+        Some(dir) => MoeCausalLm::from_pretrained_with(dir, cfg.model.mtp(), device)?,
         None => cfg.model.resolve()?.init(cfg.seed, device),
     })
 }
@@ -73,7 +73,7 @@ impl<B: AutodiffBackend> SingleDevice<B> {
     pub fn new(cfg: &RunConfig, device: &B::Device, resume: Option<&Path>) -> Result<Self> {
         let mut opt = AdamW::<B>::new(cfg.optimizer.adamw());
         let mut model = match resume {
-            Some(path) => load_checkpoint::<B>(path, &mut opt, device)?.0,
+            Some(path) => load_checkpoint::<B>(path, cfg.model.mtp(), &mut opt, device)?.0,
             None => build_model::<B>(cfg, device)?,
         };
         model.set_routing(cfg.model.routing());
@@ -146,7 +146,9 @@ struct StepSums {
     lm: f64,
     aux: Option<f64>,
     z: Option<f64>,
+    mtp: Option<f64>,
     counts: Vec<Vec<usize>>,
+    mtp_counts: Vec<Vec<usize>>,
     dropped: Vec<usize>,
 }
 
@@ -162,13 +164,22 @@ impl StepSums {
         if let Some(z) = m.z {
             self.z = Some(self.z.unwrap_or(0.0) + z / k);
         }
+        if let Some(x) = m.mtp {
+            self.mtp = Some(self.mtp.unwrap_or(0.0) + x / k);
+        }
+        add_counts(&mut self.mtp_counts, &m.mtp_counts);
         self.dropped.resize(m.dropped.len(), 0);
         self.dropped.iter_mut().zip(&m.dropped).for_each(|(d, x)| *d += x);
-        self.counts.resize(m.counts.len(), Vec::new());
-        for (c, x) in self.counts.iter_mut().zip(&m.counts) {
-            c.resize(x.len(), 0);
-            c.iter_mut().zip(x).for_each(|(a, b)| *a += b);
-        }
+        add_counts(&mut self.counts, &m.counts);
+    }
+}
+
+/// Adds per-layer expert counts into `acc`.
+fn add_counts(acc: &mut Vec<Vec<usize>>, more: &[Vec<usize>]) {
+    acc.resize(more.len(), Vec::new());
+    for (c, x) in acc.iter_mut().zip(more) {
+        c.resize(x.len(), 0);
+        c.iter_mut().zip(x).for_each(|(a, b)| *a += b);
     }
 }
 
@@ -182,7 +193,7 @@ fn whole_model_loss<B: AutodiffBackend>(
     let out = model.forward(ids.clone());
     let loss = model.loss(&out, ids, with_aux);
     let parts: Vec<Tensor<B, 1>> =
-        [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone()]
+        [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone(), loss.mtp_loss.clone()]
             .into_iter()
             .flatten()
             .collect();
@@ -193,7 +204,9 @@ fn whole_model_loss<B: AutodiffBackend>(
         lm: scalars[1],
         aux: loss.aux_loss.as_ref().and_then(|_| rest.next()),
         z: loss.z_loss.as_ref().and_then(|_| rest.next()),
+        mtp: loss.mtp_loss.as_ref().and_then(|_| rest.next()),
         counts: out.router_stats.iter().map(|s| s.counts.clone()).collect(),
+        mtp_counts: out.mtp.iter().flat_map(|m| m.router_stats.iter().map(|s| s.counts.clone())).collect(),
         dropped: out.router_stats.iter().map(|s| s.dropped).collect(),
     };
     (micro, loss.total)
@@ -266,7 +279,8 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             let now = StateBytes { params, grads: grad_bytes, optimizer: self.opt.state_bytes() };
             self.peak_state = self.peak_state.max(now);
             if self.bias_update_rate > 0.0 {
-                model.update_router_biases(&sums.counts, self.bias_update_rate)?;
+                let counts: Vec<Vec<usize>> = sums.counts.iter().chain(&sums.mtp_counts).cloned().collect();
+                model.update_router_biases(&counts, self.bias_update_rate)?;
             }
             self.model = Some(model);
         } else {
@@ -278,6 +292,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             lm_loss: sums.lm,
             aux_loss: sums.aux,
             z_loss: sums.z,
+            mtp_loss: sums.mtp,
             grad_norm: norms.total,
             skipped: !finite,
             expert_counts: sums.counts,

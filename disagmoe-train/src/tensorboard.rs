@@ -9,7 +9,7 @@
 //! after the checkpoint supersede the earlier file's (TensorBoard shows the newest value of a
 //! step).
 //!
-//! Tags: `loss`, `loss/lm`, `loss/aux` and `loss/z` (when on), `lr`, `grad_norm`, `loss_scale`
+//! Tags: `loss`, `loss/lm`, `loss/aux`, `loss/z` and `loss/mtp` (when on), `lr`, `grad_norm`, `loss_scale`
 //! (f16), `throughput/tokens_per_s`, `time/step_s`, `time/compute_s`, `comm/exposed_s`,
 //! `comm/in_flight_wait_s`, `comm/bytes_sent`, `eval/loss` and `eval/perplexity` (at the steps that
 //! evaluate; under a blend also `eval/loss/<source>` for each source and `data/tokens/<source>`,
@@ -101,6 +101,7 @@ impl TensorBoard {
             ("loss/lm", Some(m.lm_loss)),
             ("loss/aux", m.aux_loss),
             ("loss/z", m.z_loss),
+            ("loss/mtp", m.mtp_loss),
             ("lr", Some(m.lr)),
             ("grad_norm", Some(m.grad_norm)),
             ("loss_scale", m.loss_scale),

@@ -28,6 +28,7 @@ use crate::decoder::{AttentionLayer, FamilyModel};
 use crate::error::{ModelError, Result};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
+use crate::mtp::MtpSettings;
 use crate::moe::{Experts, Router};
 use crate::recompute::{MicroBatchLoss, Recompute};
 use crate::rope::Rope;
@@ -104,6 +105,24 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + PartialEq + Send + Sync + 'sta
     fn aux_loss_by_default(&self) -> bool;
     /// The shape the planner in `disagmoe-core` works with.
     fn model_shape(&self, name: &str) -> ModelShape;
+    /// The multi-token prediction the model trains (default: none).
+    fn mtp(&self) -> MtpSettings {
+        MtpSettings::default()
+    }
+    /// Sets the multi-token prediction to train; families without MTP modules refuse a depth
+    /// above 0.
+    fn set_mtp(&mut self, mtp: MtpSettings) -> Result<()> {
+        if mtp.depth == 0 {
+            return Ok(());
+        }
+        Err(ModelError::config(
+            "mtp_depth",
+            format!(
+                "{} has no multi-token prediction module; allowed: 0 (only deepseek_v3 has one)",
+                Self::MODEL_TYPE
+            ),
+        ))
+    }
     /// Reports checkpoint tensors the model did not read (default: one warning).
     fn report_unused(&self, unused: Vec<String>) {
         if let Some(first) = unused.first() {
@@ -239,6 +258,17 @@ macro_rules! families {
                 }
             }
 
+            /// The multi-token prediction the model trains.
+            pub fn mtp(&self) -> MtpSettings {
+                match self { $(Self::$variant(c) => c.mtp(),)* }
+            }
+
+            /// The same configuration training `mtp` (refused by families without MTP modules).
+            pub fn with_mtp(mut self, mtp: MtpSettings) -> Result<Self> {
+                match &mut self { $(Self::$variant(c) => c.set_mtp(mtp)?,)* }
+                Ok(self)
+            }
+
             /// Calls `visitor` with the family's concrete configuration type.
             pub fn visit<B: AutodiffBackend, V: FamilyVisitor<B>>(&self, visitor: V) -> V::Output {
                 match self { $(Self::$variant(c) => visitor.visit(c),)* }
@@ -294,6 +324,24 @@ macro_rules! families {
             /// The training loss of a forward pass.
             pub fn loss(&self, out: &CausalLmOutput<B>, ids: Tensor<B, 2, Int>, with_aux: bool) -> LossParts<B> {
                 match self { $(Self::$variant(m) => m.loss(out, ids, with_aux),)* }
+            }
+        }
+
+        impl<B: Backend> MoeCausalLm<B> {
+            /// Loads a checkpoint directory as [`HfCheckpoint::from_pretrained`] does, with the
+            /// multi-token prediction modules `mtp` asks for read from it too.
+            pub fn from_pretrained_with(dir: impl AsRef<Path>, mtp: MtpSettings, device: &B::Device) -> Result<Self> {
+                let dir = dir.as_ref();
+                let mut model = ModelConfig::from_file(dir.join("config.json"))?.with_mtp(mtp)?.placeholders(device);
+                let mut ckpt = CheckpointReader::open(dir)?;
+                model.load_weights(&mut ckpt, device)?;
+                model.report_unused(ckpt.unused());
+                Ok(model)
+            }
+
+            /// The multi-token prediction the model trains.
+            pub fn mtp(&self) -> MtpSettings {
+                self.config().mtp()
             }
         }
 

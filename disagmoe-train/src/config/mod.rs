@@ -3,7 +3,7 @@
 //! | section | type | keys |
 //! |---|---|---|
 //! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `tensorboard`, `save_dtype`, `log_every`, `progress` |
-//! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor` |
+//! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor`, `mtp_depth`, `mtp_loss_coef` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
@@ -122,6 +122,8 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("router_z_loss_coef", "router_z_loss_coef"),
             ("force_balanced_routing", "force_balanced_routing"),
             ("capacity_factor", "capacity_factor"),
+            ("mtp_depth", "mtp_depth"),
+            ("mtp_loss_coef", "mtp_loss_coef"),
         ],
     ),
     (
@@ -287,6 +289,13 @@ impl RunConfig {
         self.checkpoint.validate(self.steps)?;
         self.parallel.validate(self.data.batch)?;
         self.precision.validate()?;
+        let depth = self.model.mtp_depth;
+        if depth > 0 && self.data.seq < depth + 2 {
+            return Err(TrainError::option(
+                "seq",
+                format!("must be at least mtp_depth + 2 = {} tokens (module D predicts D + 1 tokens ahead), got {}", depth + 2, self.data.seq),
+            ));
+        }
         Ok(())
     }
 

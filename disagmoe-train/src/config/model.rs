@@ -8,6 +8,9 @@ use disagmoe_models::ModelConfig;
 
 use crate::error::{Result, TrainError};
 
+/// The most multi-token prediction modules a run may train.
+pub const MAX_MTP_DEPTH: usize = 8;
+
 /// The embedded preset used when no model is named.
 pub const DEFAULT_PRESET: &str = "tiny-qwen3-moe";
 
@@ -41,6 +44,12 @@ pub struct ModelOptions {
     /// copies, in token order, and the rest are dropped (counted per layer in the metrics).
     /// Default: none, dropless.
     pub capacity_factor: Option<f64>,
+    /// Multi-token prediction modules trained after the main model (DeepSeek-V3's MTP; 0, the
+    /// default, trains none; refused by families without them).
+    pub mtp_depth: usize,
+    /// Weight of the multi-token prediction loss: the loss adds `coef / D * sum_k L_k`. Default
+    /// 0.1 (Megatron-Core's; DeepSeek-V3's report used 0.3 for the first 10T tokens, then 0.1).
+    pub mtp_loss_coef: Option<f64>,
 }
 
 impl ModelOptions {
@@ -56,6 +65,14 @@ impl ModelOptions {
             z_loss_coef: self.router_z_loss_coef,
             force_balanced: self.force_balanced_routing,
             capacity_factor: self.capacity_factor,
+        }
+    }
+
+    /// The multi-token prediction the run trains, the default coefficient filled in.
+    pub fn mtp(&self) -> disagmoe_models::MtpSettings {
+        disagmoe_models::MtpSettings {
+            depth: self.mtp_depth,
+            loss_coef: self.mtp_loss_coef.unwrap_or(disagmoe_models::MtpSettings::DEFAULT_LOSS_COEF),
         }
     }
 
@@ -83,6 +100,22 @@ impl ModelOptions {
                 format!("must be in 0..=1 (ST-MoE uses 1e-3), got {z}"),
             ));
         }
+        if self.mtp_depth > MAX_MTP_DEPTH {
+            return Err(TrainError::option(
+                "mtp_depth",
+                format!("must be in 0..={MAX_MTP_DEPTH} (DeepSeek-V3 trains 1), got {}", self.mtp_depth),
+            ));
+        }
+        let coef = self.mtp().loss_coef;
+        if !(coef.is_finite() && (0.0..=10.0).contains(&coef)) {
+            return Err(TrainError::option(
+                "mtp_loss_coef",
+                format!("must be in 0..=10 (DeepSeek-V3 used 0.3, then 0.1), got {coef}"),
+            ));
+        }
+        if self.mtp_loss_coef.is_some() && self.mtp_depth == 0 {
+            return Err(TrainError::option("mtp_loss_coef", "is set but mtp_depth is 0: no MTP module to weigh"));
+        }
         if let Some(c) = self.capacity_factor {
             if !(c.is_finite() && c > 0.0 && c <= 1e6) {
                 return Err(TrainError::option(
@@ -96,11 +129,19 @@ impl ModelOptions {
 
     /// The configuration of the model the run trains, read without building it: the checkpoint's
     /// `config.json`, the given `config.json`, or the preset.
+    /// The multi-token prediction of [`ModelOptions::mtp`] is set on it (a family without MTP
+    /// modules refuses a depth above 0).
     pub fn resolve(&self) -> Result<ModelConfig> {
-        Ok(match (&self.dir, &self.config) {
+        let config = match (&self.dir, &self.config) {
             (Some(dir), _) => ModelConfig::from_file(dir.join("config.json"))?,
             (None, Some(path)) => ModelConfig::from_file(path)?,
             (None, None) => ModelConfig::preset(self.preset.as_deref().unwrap_or(DEFAULT_PRESET))?,
-        })
+        };
+        self.with_mtp(config)
+    }
+
+    /// `config` with the run's multi-token prediction set.
+    pub fn with_mtp(&self, config: ModelConfig) -> Result<ModelConfig> {
+        config.with_mtp(self.mtp()).map_err(|e| TrainError::option("mtp_depth", e.to_string()))
     }
 }

@@ -253,6 +253,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         own_process: cfg.parallel.transport != TransportKind::Local,
         in_flight,
         routing: cfg.model.routing(),
+        mtp: cfg.model.mtp(),
         recompute: cfg.memory.recompute,
         exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
         device_payloads: false,
@@ -350,7 +351,7 @@ pub fn start<B: AutodiffBackend>(
                     message: "was written by an earlier version (optimizer.safetensors); resume it with --placement single, whose next checkpoint any placement can resume".into(),
                 });
             }
-            ModelConfig::from_file(path.join("config.json"))?
+            cfg.model.with_mtp(ModelConfig::from_file(path.join("config.json"))?)?
         }
         None => cfg.model.resolve()?,
     };

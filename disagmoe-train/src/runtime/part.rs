@@ -23,7 +23,7 @@ use crate::error::Result;
 #[derive(Module, Debug)]
 pub struct WorkerPart<B: Backend, A: Module<B>, R: Module<B>, X: Module<B>> {
     /// Embedding, final norm and head (attention group 0; every `ep` worker).
-    pub ends: Option<Ends<B>>,
+    pub ends: Option<Ends<B, A, R, X>>,
     /// Attention stages of [`Layout::attn_layers`], in order.
     pub attention: Vec<AttentionStage<B, A, R>>,
     /// Expert stages of [`Layout::ffn_layers`], in order, with only this worker's experts.

@@ -76,6 +76,8 @@ pub struct StepReport {
     pub aux_loss: Option<f64>,
     /// Mean router z-loss (summed over the MoE layers, before its coefficient), when on.
     pub z_loss: Option<f64>,
+    /// Mean multi-token prediction loss (before its coefficient), when trained.
+    pub mtp_loss: Option<f64>,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// The update was skipped (non-finite loss or gradient).

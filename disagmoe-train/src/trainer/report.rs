@@ -151,6 +151,7 @@ pub(crate) fn step_metrics(
         lm_loss: report.lm_loss,
         aux_loss: report.aux_loss,
         z_loss: report.z_loss,
+        mtp_loss: report.mtp_loss,
         lr,
         grad_norm: report.grad_norm,
         skipped: report.skipped,

@@ -103,8 +103,13 @@ pub struct DeepseekV3Config {
     pub attention_bias: bool,
     /// Kept for round trips: transformers' deepseek_v3 computes no auxiliary loss either way.
     pub output_router_logits: bool,
-    /// Multi-token-prediction layers stored after the main layers (ignored on load; kept for round trips).
+    /// Multi-token-prediction layers stored after the main layers (what the checkpoint holds; the
+    /// run trains [`DeepseekV3Config::mtp`]'s depth of them, none unless asked).
     pub num_nextn_predict_layers: usize,
+    /// The multi-token prediction this run trains (`--mtp-depth`, `--mtp-loss-coef`; not in
+    /// `config.json`).
+    #[serde(skip)]
+    pub mtp: crate::mtp::MtpSettings,
     /// Standard deviation of the normal initialiser.
     pub initializer_range: f64,
     /// Activation of experts and MLPs (only `silu` is supported).
@@ -294,6 +299,7 @@ impl DeepseekV3Config {
             initializer_range,
             hidden_act,
             torch_dtype: raw.torch_dtype.unwrap_or_else(|| "float32".into()),
+            mtp: Default::default(),
         })
     }
 
@@ -384,7 +390,7 @@ impl DeepseekV3Config {
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "output_router_logits": self.output_router_logits,
-            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers.max(self.mtp.depth),
             "initializer_range": self.initializer_range,
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",

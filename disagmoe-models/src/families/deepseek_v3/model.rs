@@ -18,6 +18,7 @@ use crate::moe::{ExpertNames, SwiGluExperts};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
 use crate::balance::AuxLoss;
+use crate::mtp::MtpSettings;
 
 /// DeepSeek-V3 causal language model.
 pub type DeepseekV3ForCausalLM<B> = FamilyModel<B, DeepseekV3Config>;
@@ -164,8 +165,17 @@ impl FamilyConfig for DeepseekV3Config {
         }
     }
 
-    /// Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*` and beyond) are skipped
-    /// with one log line.
+    fn mtp(&self) -> MtpSettings {
+        self.mtp
+    }
+
+    fn set_mtp(&mut self, mtp: MtpSettings) -> Result<()> {
+        self.mtp = mtp;
+        Ok(())
+    }
+
+    /// Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*` and beyond) the run does
+    /// not train are skipped with one log line.
     fn report_unused(&self, unused: Vec<String>) {
         let layers = self.num_hidden_layers;
         let (mtp, other): (Vec<String>, Vec<String>) = unused.into_iter().partition(|n| is_mtp_tensor(n, layers));

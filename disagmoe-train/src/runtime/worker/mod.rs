@@ -87,6 +87,9 @@ pub struct StepSettings {
     pub in_flight: usize,
     /// Router z-loss, capacity and forced balance, applied to every routed layer's decision.
     pub routing: RoutingOptions,
+    /// The multi-token prediction modules the head workers train (with the head) and their loss
+    /// weight.
+    pub mtp: disagmoe_models::MtpSettings,
     /// Which stages keep only their input in the forward and run it again in the backward.
     pub recompute: Recompute,
     /// Testing: this worker fails at (step, after this many tasks); `true` dies without a word (the
@@ -182,7 +185,7 @@ where
         settings: StepSettings,
         port: Port,
         reducer: Box<dyn AllReduce>,
-        part: WorkerPart<B, A, R, X>,
+        mut part: WorkerPart<B, A, R, X>,
         ffn_name: &'static str,
         rope: (Tensor<B, 4>, Tensor<B, 4>),
         device: B::Device,
@@ -191,6 +194,10 @@ where
         build_experts: ExpertBuilder<B, X>,
     ) -> Self {
         let comm = Comm::new(port, layout.workers, settings.timeout, trace, settings.exchange);
+        // The multi-token prediction modules route inside their block, under the run's options.
+        for m in part.ends.iter_mut().flat_map(|e| &mut e.mtp) {
+            m.set_routing(settings.routing);
+        }
         let settings_loads = settings.expert_loads.clone();
         let rank = comm.rank;
         let replicas = layout.replicas(rank);

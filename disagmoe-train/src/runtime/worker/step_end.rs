@@ -37,13 +37,15 @@ pub(super) struct StepLosses {
     pub(super) aux: f64,
     /// Router z-loss before its coefficient (summed over layers).
     pub(super) z: f64,
+    /// Multi-token prediction loss before its coefficient.
+    pub(super) mtp: f64,
 }
 
 /// What a worker gathers during a step for its end.
 #[derive(Debug, Default)]
 pub(super) struct StepStats {
-    /// LM and balance loss of each micro-batch whose head ran here.
-    pub(super) mb_losses: Vec<(usize, f64, f64)>,
+    /// LM, balance and multi-token prediction loss of each micro-batch whose head ran here.
+    pub(super) mb_losses: Vec<(usize, f64, f64, f64)>,
     /// Routed copies per expert of each routed layer this worker routed.
     pub(super) counts: HashMap<usize, Vec<usize>>,
     /// Routed copies this worker dropped for capacity, by layer.
@@ -88,7 +90,7 @@ type Field = fn(&mut GlobalSums) -> &mut f64;
 impl GlobalSums {
     /// The scalar fields in the order they travel (the expert counts follow). The order is part of
     /// the sums' bits (a ring adds each piece starting at another member), so it stays as it is.
-    const SCALARS: [Field; 18] = [
+    const SCALARS: [Field; 19] = [
         |g| &mut g.grad_sq,
         |g| &mut g.losses.total,
         |g| &mut g.losses.lm,
@@ -107,6 +109,7 @@ impl GlobalSums {
         |g| &mut g.exchange_bytes[4],
         |g| &mut g.exchange_bytes[5],
         |g| &mut g.payload_host_bytes,
+        |g| &mut g.losses.mtp,
     ];
 
     fn into_vec(mut self) -> Vec<f64> {
@@ -364,17 +367,23 @@ where
         }
         // Losses of this worker's micro-batches, added in micro-batch order.
         let mut mb_losses = std::mem::take(&mut self.stats.mb_losses);
-        mb_losses.sort_by_key(|&(mb, _, _)| mb);
+        mb_losses.sort_by_key(|&(mb, ..)| mb);
         let coef = self.settings.aux.map_or(0.0, |a| a.coef);
-        for (_, lm, aux) in mb_losses {
+        let mtp_coef = self.settings.mtp.loss_coef;
+        for (_, lm, aux, mtp) in mb_losses {
             let l = &mut self.stats.losses;
-            l.total += lm + coef * aux;
+            l.total += lm + coef * aux + mtp_coef * mtp;
             l.lm += lm;
             l.aux += aux;
+            l.mtp += mtp;
         }
         let replicas = self.layout.replicas(rank);
         let mut routed: Vec<usize> = self.attn_index.keys().copied().collect();
         routed.sort_unstable();
+        // The multi-token prediction modules' routed blocks, by their layer index (after the
+        // main layers), on the copies that hold the head.
+        let mtp_layers: Vec<usize> = self.part().ends.iter().flat_map(|e| &e.mtp).map(|m| m.layer).collect();
+        routed.extend(&mtp_layers);
         let e = self.layout.experts;
         let (param_bytes, grad_bytes) = if update { weight_and_grad_bytes(self.part(), &grads) } else { (0, 0) };
         // 1. Copies of the attention side add their gradients and their routers' expert counts
@@ -423,6 +432,7 @@ where
             lm_loss: g.losses.lm / mbs,
             aux_loss: self.settings.aux.is_some().then_some(g.losses.aux / mbs),
             z_loss: (self.settings.routing.z_loss_coef > 0.0).then_some(g.losses.z / mbs),
+            mtp_loss: (self.settings.mtp.depth > 0).then_some(g.losses.mtp / mbs),
             grad_norm: norm,
             skipped: !(g.losses.total.is_finite() && norm.is_finite()),
             expert_counts: counts.chunks(e.max(1)).map(|c| c.iter().map(|&x| x.round() as usize).collect()).collect(),
@@ -468,9 +478,11 @@ where
             let mut part = self.part.take().expect("part");
             if self.settings.bias_update_rate > 0.0 {
                 for l in &routed {
-                    if let (Some(c), Some(router)) =
-                        (self.stats.counts.get(l), part.attention[self.attn_index[l]].router.as_mut())
-                    {
+                    let router = match self.attn_index.get(l) {
+                        Some(&i) => part.attention[i].router.as_mut(),
+                        None => part.ends.iter_mut().flat_map(|e| &mut e.mtp).find(|m| m.layer == *l).and_then(|m| m.router_mut()),
+                    };
+                    if let (Some(c), Some(router)) = (self.stats.counts.get(l), router) {
                         router.update_balance_bias(c, self.settings.bias_update_rate)?;
                     }
                 }
@@ -499,7 +511,7 @@ mod tests {
     fn the_global_sums_travel_and_come_back_field_by_field() {
         let g = GlobalSums {
             grad_sq: 1.0,
-            losses: StepLosses { total: 2.0, lm: 3.0, aux: 4.0, z: 11.0 },
+            losses: StepLosses { total: 2.0, lm: 3.0, aux: 4.0, z: 11.0, mtp: 12.0 },
             waits_s: 5.0,
             wire_s: 6.0,
             compute_s: 7.0,

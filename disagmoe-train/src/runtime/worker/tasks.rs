@@ -8,10 +8,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use disagmoe_models::causal_lm::next_token_cross_entropy;
 use disagmoe_models::decoder::AttentionLayer;
 use disagmoe_models::moe::{Experts, Routed, Router};
-use disagmoe_models::stages::{AttentionStage, Ends, ExpertStage};
+use disagmoe_models::nn::Embedding;
+use disagmoe_models::stages::{AttentionStage, ExpertStage};
 use disagmoe_models::TrainModule;
 
 use super::autodiff::{grad_of, index, term_scale, Fork};
@@ -30,7 +30,7 @@ use crate::runtime::msg::{AuxSums, LayerAux, LayerCoefficients, Msg, Packed};
 pub(super) struct AttnGraph<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     stage: AttentionStage<B, A, R>,
     /// Layer 0: the embedding, whose output is the input.
-    ends: Option<Ends<B>>,
+    embed: Option<Embedding<B>>,
     /// The input of layers past the first.
     h: Option<Tensor<B, 3>>,
     residual: Tensor<B, 2>,
@@ -132,10 +132,11 @@ where
         let device = self.device.clone();
         let fork = &mut Fork { device: &device, track };
         let past_first = input.is_some();
-        let (h, ends) = match input {
+        let (h, embed) = match input {
             None => {
-                let ends = self.part().ends.clone().expect("the embedding worker holds the ends").map(fork);
-                (ends.embed(self.ids(mb)?), Some(ends))
+                let ends = self.part().ends.as_ref().expect("the embedding worker holds the ends");
+                let embed = ends.embed_tokens.clone().map(fork);
+                (embed.forward(self.ids(mb)?), Some(embed))
             }
             Some(h) => (self.hidden(&h, track), None),
         };
@@ -148,7 +149,7 @@ where
             _ => None,
         };
         let h = past_first.then_some(h);
-        Ok(AttnGraph { stage, ends, h, residual: out.residual, normed: out.normed, routed })
+        Ok(AttnGraph { stage, embed, h, residual: out.residual, normed: out.normed, routed })
     }
 
     /// Records a routed layer's decision statistics: the load metrics, the aux-loss-free bias
@@ -356,10 +357,25 @@ where
             .clone()
             .expect("the head worker holds the ends")
             .map(&mut Fork { device: &device, track: true });
-        let ce = next_token_cross_entropy(ends.logits(h.clone()), ids);
+        // The next-token loss, and the multi-token prediction modules' (they live with the head).
+        let (ce, mtp) = ends.head_loss(h.clone(), ids, self.rope.0.clone(), self.rope.1.clone());
         let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
         let (aux_loss, aux_coef) = self.balance_loss(&aux);
-        self.stats.mb_losses.push((mb, lm, aux_loss));
+        let ce = match mtp {
+            Some(out) => {
+                for (m, stats) in ends.mtp.iter().zip(&out.router_stats) {
+                    let acc = self.stats.counts.entry(m.layer).or_insert_with(|| vec![0; stats.counts.len()]);
+                    acc.iter_mut().zip(&stats.counts).for_each(|(a, c)| *a += c);
+                }
+                let value: f64 = out.loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+                self.stats.mb_losses.push((mb, lm, aux_loss, value));
+                ce + out.loss.mul_scalar(self.settings.mtp.loss_coef)
+            }
+            None => {
+                self.stats.mb_losses.push((mb, lm, aux_loss, 0.0));
+                ce
+            }
+        };
         let ce = ce.div_scalar(mbs);
         let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
         let shape = h.dims();
@@ -401,8 +417,8 @@ where
         let mut grads = objective.backward();
         let gh = graph.h.as_ref().map(|h| grad_of(&Some(h.clone()), &mut grads, h.dims(), &self.device));
         self.accumulate(&mut grads, &graph.stage);
-        if let Some(ends) = &graph.ends {
-            self.accumulate(&mut grads, ends);
+        if let Some(embed) = &graph.embed {
+            self.accumulate(&mut grads, embed);
         }
         // Layer 0: the embedding's gradient is already in `grads`; the micro-batch is done.
         match gh {
