@@ -54,6 +54,8 @@ pub struct Rebalance {
     pub placement_s: f64,
     /// Seconds of the slowest worker moving experts and rebuilding its expert stages.
     pub move_s: f64,
+    /// Parameters each rank holds under the new placement.
+    pub params_per_rank: Vec<usize>,
 }
 
 /// The re-placements of the experts over a run (`rebalance_every`), in its summary.

@@ -238,10 +238,14 @@ pub fn run(
     if let (Some(dir), true) = (&final_dir, info.primary) {
         copy_tokenizer(cfg, dir)?;
     }
+    // What each rank holds at the end: the last re-placement's count, else the start's.
+    let params_per_rank = (seen.rebalances.last().map(|r| r.params_per_rank.clone()))
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| info.params_per_rank.clone());
     if info.primary && cfg.progress && info.workers > 1 {
         // What each worker held and how much memory its process needed at most.
         for (rank, name) in info.worker_names.iter().enumerate() {
-            let params = info.params_per_rank.get(rank).copied().unwrap_or(0);
+            let params = params_per_rank.get(rank).copied().unwrap_or(0);
             let rss = peak_rss_mb_per_rank.get(rank).copied().unwrap_or(0.0);
             let state = state_per_rank.get(rank).map_or(0.0, |s| s.total() as f64 / 1e6);
             eprintln!(
@@ -265,7 +269,7 @@ pub fn run(
         skipped_steps: seen.skipped,
         backend: crate::BACKEND_NAME.into(),
         params: info.params,
-        params_per_rank: info.params_per_rank.clone(),
+        params_per_rank,
         peak_rss_mb_per_rank,
         state_bytes_per_rank: state_per_rank.iter().map(StateBytes::total).collect(),
         state_per_rank,

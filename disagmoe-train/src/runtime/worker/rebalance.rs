@@ -162,17 +162,18 @@ where
             let groups = self.layout.expert_replica_groups();
             self.reducer.regroup_experts(&mut self.comm, &groups)?;
         }
-        // What it cost (the bytes every worker sent, the slowest worker's seconds), and every
-        // worker's placement, which must be worker 0's.
+        // What it cost (the bytes every worker sent, the slowest worker's seconds), every
+        // worker's placement, which must be worker 0's, and the parameters each now holds.
         let workers = self.layout.workers;
         let rank = self.rank();
-        let mut sums = vec![0.0f64; 1 + 3 * workers];
+        let mut sums = vec![0.0f64; 1 + 4 * workers];
+        sums[1 + 3 * workers + rank] = self.part().param_counts(&self.layout, rank).0 as f64;
         sums[0] = bytes as f64;
         sums[1 + rank] = placement_s;
         sums[1 + workers + rank] = t1.elapsed().as_secs_f64();
         sums[1 + 2 * workers + rank] = f64::from(super::persist::placement_digest(&self.layout));
         self.all_reduce(&self.everyone(), &mut sums)?;
-        let digests = &sums[1 + 2 * workers..];
+        let digests = &sums[1 + 2 * workers..1 + 3 * workers];
         let differ: Vec<usize> = (0..workers).filter(|&w| digests[w] != digests[0]).collect();
         if !differ.is_empty() {
             return Err(TrainError::Worker {
@@ -189,6 +190,7 @@ where
             bytes_moved: sums[0],
             placement_s: slowest(&sums[1..1 + workers]),
             move_s: slowest(&sums[1 + workers..1 + 2 * workers]),
+            params_per_rank: sums[1 + 3 * workers..].iter().map(|&x| x as usize).collect(),
         };
         Ok(Some((rebalance, crate::runtime::explicit_placement(&self.layout))))
     }
