@@ -282,6 +282,40 @@ fn checkpoints_resume_under_any_other_placement() {
     }
 }
 
+/// Multi-token prediction (issue 38): a DeepSeek-V3 run with its MTP module stops and resumes bit
+/// for bit under disagg 2+2 (the module's weights and both moments in the checkpoint, under the
+/// Hub's layer names), and its checkpoint resumes under ep 4 (every worker a copy of the module)
+/// within the resharding bound.
+#[test]
+fn multi_token_prediction_stops_and_resumes_exactly_and_reshards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let preset = "tiny-deepseek-v3";
+    let train = |placement: &[&str], extra: &[&str]| {
+        summary(&Launch::Local.train(preset, 6, placement, &[&["--mtp-depth", "1"][..], extra].concat()))
+    };
+    let straight = train(DISAGG, &["--out", path(&dir("straight"))]);
+    let ck = dir("ck");
+    train(DISAGG, &["--stop-after", "3", "--checkpoint-dir", path(&ck)]);
+    let step = ck.join("step-00000003");
+    for d in [step.clone(), step.join("exp_avg"), step.join("exp_avg_sq")] {
+        assert!(tensors(&d).contains_key("model.layers.4.eh_proj.weight"), "{d:?} holds the MTP layer");
+    }
+    // (Each resume checkpoints elsewhere, so that both start from step 3.)
+    let resumed = train(
+        DISAGG,
+        &["--resume", path(&ck), "--out", path(&dir("resumed")), "--checkpoint-dir", path(&dir("ck-a"))],
+    );
+    assert_eq!(resumed["losses"], straight["losses"]);
+    assert_bit_identical("MTP disagg 2+2", &dir("resumed").join("final"), &dir("straight").join("final"));
+    let ep = train(EP, &["--resume", path(&ck), "--out", path(&dir("ep")), "--checkpoint-dir", path(&dir("ck-b"))]);
+    let (a, b) = (losses(&ep), losses(&straight));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate().skip(3) {
+        assert!((x - y).abs() / y.abs() <= 1e-5, "MTP disagg 2+2 -> ep 4: step {} loss {x} vs {y}", i + 1);
+    }
+    assert_close("MTP disagg 2+2 -> ep 4", &dir("ep").join("final"), &dir("straight").join("final"), 2e-6);
+}
+
 /// A placement with redundant experts (EPLB's balanced placement for a Zipf(1.2) load, two extra
 /// replicas per layer): stopped and resumed the same way, the same run to the bit; its checkpoint
 /// (a replicated expert written once, stacked rows from several runs of one holder) resumes under

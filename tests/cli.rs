@@ -600,6 +600,8 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "comm-timeout-s",
         "redundant-experts",
         "rebalance-every",
+        "mtp-depth",
+        "mtp-loss-coef",
     ];
     let train_other = [
         "run-config",

@@ -235,6 +235,13 @@ fn assert_rebalanced(what: &str, out: &std::path::Path, run: &serde_json::Value)
     }
     let last = m.iter().rev().find_map(|r| r.get("expert_placement")).unwrap();
     assert_eq!(&run["expert_placement"], last, "{what}: the summary's placement is the last one");
+    // The parameters per rank are the last placement's: as many in all (every expert the same
+    // size, the same number of replicas), spread as that placement spreads them.
+    let per_rank = m.iter().rev().find_map(|r| r.get("rebalance")).unwrap()["params_per_rank"].clone();
+    assert_eq!(run["params_per_rank"], per_rank, "{what}: the summary's parameters per rank are the last placement's");
+    let total = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum::<u64>();
+    let first = m.iter().find_map(|r| r.get("rebalance")).unwrap()["params_per_rank"].clone();
+    assert_eq!(total(&per_rank), total(&first), "{what}: {first} -> {per_rank}");
 }
 
 /// The first step at which two runs routed differently (the routed copies per expert of some
@@ -390,21 +397,39 @@ fn router_z_loss_and_forced_balance_act_alike_under_every_placement() {
 
 /// Multi-token prediction (issue 38): tiny-deepseek-v3 with one MTP module (weighted 0.3; it
 /// lives with the head, on the attention group holding the ends, or on every `ep` worker) gives
-/// single's losses, MTP losses and weights, the MTP layer's included: disagg 2+2 bit for bit,
-/// disagg 4+2 (two copies of the head, their MTP gradients and router counts summed) and ep 4
-/// within the data-parallel rounding of the other tests.
+/// single's losses, MTP losses and weights, the MTP layer's included, under disagg 2+2, disagg 4+2
+/// (two copies of the head, their MTP gradients and router counts summed) and ep 4. Not bit for
+/// bit even under disagg 2+2: the shared embedding's gradient gets its MTP part in the head's
+/// backward and its main part in layer 0's, which one device adds micro-batch by micro-batch and
+/// the runtime part by part (after one step the embedding alone differs, by 3.7e-9); within the
+/// data-parallel rounding of the other tests.
 #[test]
 fn multi_token_prediction_reproduces_single_under_every_placement() {
     let dir = tempfile::tempdir().unwrap();
     let preset = "tiny-deepseek-v3";
     let opts: &[&str] = &["--mtp-depth", "1", "--mtp-loss-coef", "0.3"];
     let out = |name: &str| dir.path().join(name);
-    let single = train(preset, &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap()]].concat());
+    let tb = out("tensorboard");
+    let single = train(
+        preset,
+        &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()]]
+            .concat(),
+    );
     let want = metrics(&out("single"));
+    // TensorBoard's `loss/mtp` is metrics.jsonl's `mtp_loss`, step by step.
+    let events = disagmoe::train::tensorboard::read_dir(&tb).unwrap();
+    let logged: Vec<(i64, f32)> = events
+        .iter()
+        .filter_map(|(s, t, v)| match (t.as_str(), v) {
+            ("loss/mtp", disagmoe::train::tensorboard::Value::Scalar(x)) => Some((*s, *x)),
+            _ => None,
+        })
+        .collect();
     for m in &want {
         let (loss, lm, mtp) =
             (m["loss"].as_f64().unwrap(), m["lm_loss"].as_f64().unwrap(), m["mtp_loss"].as_f64().unwrap());
         assert!(mtp > 0.0 && (loss - lm - 0.3 * mtp).abs() < 1e-5 * loss, "{m}");
+        assert!(logged.contains(&(m["step"].as_i64().unwrap(), mtp as f32)), "loss/mtp of {m} in {logged:?}");
     }
     let saved = saved_tensors(&out("single").join("final"));
     for name in ["model.layers.4.eh_proj.weight", "model.layers.4.mlp.gate.e_score_correction_bias"] {
@@ -418,12 +443,7 @@ fn multi_token_prediction_reproduces_single_under_every_placement() {
             let (a, b) = (got["mtp_loss"].as_f64().unwrap(), want["mtp_loss"].as_f64().unwrap());
             assert!(rel(a, b) < 1e-5, "{what}: MTP loss {a} vs single {b}");
         }
-        let (got, want) = (out(name).join("final"), out("single").join("final"));
-        if name == "disagg 2+2" {
-            assert_bit_identical_weights(&what, &got, &want);
-        } else {
-            assert_same_weights(&what, &got, &want);
-        }
+        assert_same_weights(&what, &out(name).join("final"), &out("single").join("final"));
     }
 }
 
@@ -1143,6 +1163,19 @@ mod mpi {
         mpirun_np(4)
     }
 
+    /// `disagmoe train` of `preset` for `steps` steps (batch 8 x 32 in 4 micro-batches) under
+    /// `mpirun` with as many ranks as `placement` has workers, over the MPI transport.
+    fn mpirun_train(steps: usize, preset: &str, placement: &[&str], extra: &[&str]) -> Output {
+        mpirun_np(workers(placement))
+            .arg(env!("CARGO_BIN_EXE_disagmoe"))
+            .args(["train", "--steps", &steps.to_string(), "--batch", "8", "--seq", "32", "--micro-batches", "4"])
+            .args(["--quiet", "--model-preset", preset, "--transport", "mpi"])
+            .args(placement)
+            .args(extra)
+            .output()
+            .unwrap()
+    }
+
     /// Workers of a placement's arguments.
     fn workers(args: &[&str]) -> usize {
         let value = |flag: &str| args.iter().position(|a| *a == flag).map(|i| args[i + 1].parse::<usize>().unwrap());
@@ -1437,14 +1470,7 @@ mod mpi {
             let single = train(preset, &["--placement", "single", "--out", want.to_str().unwrap()]);
             for (name, placement) in [("ep 4", EP), ("disagg 1+3", disagg_1_3)] {
                 let out_dir = dir.path().join(format!("{preset}-{name}"));
-                let out = mpirun_np(workers(placement))
-                    .arg(env!("CARGO_BIN_EXE_disagmoe"))
-                    .args(COMMON)
-                    .args(["--model-preset", preset, "--transport", "mpi", "--out", out_dir.to_str().unwrap()])
-                    .args(placement)
-                    .args(replicas)
-                    .output()
-                    .unwrap();
+                let out = mpirun_train(5, preset, placement, &[replicas, &["--out", out_dir.to_str().unwrap()]].concat());
                 let what = format!("{preset} {name} with 2 redundant experts under mpirun");
                 assert_same_run(&what, &summary(&out), &single);
                 assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
@@ -1470,43 +1496,44 @@ mod mpi {
             let single = train_8(preset, &["--placement", "single", "--out", want.to_str().unwrap()]);
             for (name, placement) in [("ep 4", EP), ("disagg 1+3", disagg_1_3)] {
                 let out_dir = dir.path().join(format!("{preset}-{name}"));
-                let out = mpirun_np(workers(placement))
-                    .arg(env!("CARGO_BIN_EXE_disagmoe"))
-                    .args(["train", "--steps", "8", "--batch", "8", "--seq", "32", "--micro-batches", "4", "--quiet"])
-                    .args(["--model-preset", preset, "--transport", "mpi", "--out", out_dir.to_str().unwrap()])
-                    .args(placement)
-                    .args(REBALANCE)
-                    .output()
-                    .unwrap();
+                let out = mpirun_train(8, preset, placement, &[REBALANCE, &["--out", out_dir.to_str().unwrap()]].concat());
                 let what = format!("{preset} {name} rebalanced every 2 steps under mpirun");
                 let run = summary(&out);
                 assert_same_run_of(&what, &run, &single, 8);
                 let rerun = |extra: &[&str]| {
-                    let out = mpirun_np(workers(placement))
-                        .arg(env!("CARGO_BIN_EXE_disagmoe"))
-                        .args([
-                            "train",
-                            "--steps",
-                            "8",
-                            "--batch",
-                            "8",
-                            "--seq",
-                            "32",
-                            "--micro-batches",
-                            "4",
-                            "--quiet",
-                        ])
-                        .args(["--model-preset", preset, "--transport", "mpi"])
-                        .args(placement)
-                        .args(REBALANCE)
-                        .args(extra)
-                        .output()
-                        .unwrap();
-                    summary(&out);
+                    summary(&mpirun_train(8, preset, placement, &[REBALANCE, extra].concat()));
                 };
                 assert_same_weights_unless_tipped(&what, preset, &out_dir, &want, 1e-5, &rerun);
                 assert_rebalanced(&what, &out_dir, &run);
             }
+        }
+    }
+
+    /// Multi-token prediction under `mpirun` (issue 38): DeepSeek-V3's MTP module with the head, on
+    /// both copies of attention group 0 (disagg 4+2) or on every process (ep 4), their gradients
+    /// and router counts summed by MPI: single's losses, MTP losses and weights within 1e-5.
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_multi_token_prediction_reproduces_single() {
+        let dir = tempfile::tempdir().unwrap();
+        let preset = "tiny-deepseek-v3";
+        let mtp: &[&str] = &["--mtp-depth", "1", "--mtp-loss-coef", "0.3"];
+        let want = dir.path().join("single");
+        let single = train(preset, &[mtp, &["--placement", "single", "--out", want.to_str().unwrap()]].concat());
+        for (name, placement) in [PLACEMENTS[2], PLACEMENTS[3]] {
+            let out_dir = dir.path().join(name);
+            let out = mpirun_train(5, preset, placement, &[mtp, &["--out", out_dir.to_str().unwrap()]].concat());
+            let what = format!("{preset} {name} with MTP under mpirun");
+            assert_same_run(&what, &summary(&out), &single);
+            for (got, want) in metrics(&out_dir).iter().zip(&metrics(&want)) {
+                let (a, b) = (got["mtp_loss"].as_f64().unwrap(), want["mtp_loss"].as_f64().unwrap());
+                assert!(rel(a, b) < 1e-5, "{what}: MTP loss {a} vs single {b}");
+            }
+            assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
         }
     }
 

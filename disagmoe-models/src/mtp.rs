@@ -240,8 +240,10 @@ where
     }
 }
 
-/// The multi-token prediction loss of a micro-batch (`None` without modules): each module on the
-/// positions whose target exists, through the shared embedding and head.
+/// The multi-token prediction loss of a micro-batch: each module on the positions whose target
+/// exists, through the shared embedding and head. `None` without modules, and for sequences too
+/// short for the last module to have a target (fewer than `D + 2` tokens; a run refuses such a
+/// `--seq`).
 ///
 /// # Shapes
 /// - normed: `[B, S, M]` the main model's final normed hidden states; ids: `[B, S]`;
@@ -261,11 +263,10 @@ where
     R: Module<B> + Router<B>,
     X: Module<B> + Experts<B>,
 {
-    if mtp.is_empty() {
+    let [_, s] = ids.dims();
+    if mtp.is_empty() || s < mtp.len() + 2 {
         return None;
     }
-    let [_, s] = ids.dims();
-    assert!(s >= mtp.len() + 2, "multi-token prediction of depth {} needs sequences of {} tokens", mtp.len(), mtp.len() + 2);
     let embedded = embed.forward(ids.clone()); // [B, S, M]
     let (mut prev, mut losses, mut router_stats) = (normed, Vec::new(), Vec::new());
     for (i, m) in mtp.iter().enumerate() {
