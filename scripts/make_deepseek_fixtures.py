@@ -60,25 +60,27 @@ CONFIGS = {
 }
 
 
+def margin_of(gate, logits, config):
+    """Smallest gap over tokens at the group cut and at the expert cut of one router."""
+    e, g, keep, k = config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok
+    m = float("inf")
+    choice = logits.float().sigmoid() + gate.e_score_correction_bias  # [T, E]
+    group = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    if keep < g:
+        top = group.topk(keep + 1, dim=-1).values
+        m = min(m, float((top[:, keep - 1] - top[:, keep]).min()))
+    kept = group.topk(keep, dim=-1).indices
+    mask = torch.zeros_like(group).scatter_(1, kept, 1).bool()
+    mask = mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
+    top = choice.masked_fill(~mask, float("-inf")).topk(k + 1, dim=-1).values
+    return min(m, float((top[:, k - 1] - top[:, k]).min()))
+
+
 def min_routing_margin(model, router_logits, config):
     """Smallest gap, over MoE layers and tokens, at the group cut and at the expert cut."""
     routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     assert len(routers) == len(router_logits)
-    e, g, keep, k = config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok
-    m = float("inf")
-    for gate, logits in zip(routers, router_logits):
-        choice = logits.float().sigmoid() + gate.e_score_correction_bias  # [T, E]
-        group = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [T, G]
-        if keep < g:
-            top = group.topk(keep + 1, dim=-1).values
-            m = min(m, float((top[:, keep - 1] - top[:, keep]).min()))
-        kept = group.topk(keep, dim=-1).indices
-        mask = torch.zeros_like(group).scatter_(1, kept, 1).bool()
-        mask = mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
-        masked = choice.masked_fill(~mask, float("-inf"))
-        top = masked.topk(k + 1, dim=-1).values
-        m = min(m, float((top[:, k - 1] - top[:, k]).min()))
-    return m
+    return min(margin_of(gate, logits, config) for gate, logits in zip(routers, router_logits))
 
 
 def make(name, spec, out_dir, seed):

@@ -41,7 +41,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
 from fixture_common import hub_grads, main, save_fixture
-from make_deepseek_fixtures import CONFIGS as MAIN_CONFIGS, MARGIN
+from make_deepseek_fixtures import CONFIGS as MAIN_CONFIGS, MARGIN, margin_of
 
 MTP_COEF = 0.3  # the report's weight for the first 10T tokens (not our default, so the test sees it used)
 
@@ -64,22 +64,6 @@ class Mtp(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = DeepseekV3DecoderLayer(config, layer)
         self.head_norm = DeepseekV3RMSNorm(h, eps=eps)
-
-
-def margin_of(gate, logits, config):
-    """Smallest gap over tokens at the group cut and at the expert cut of one router."""
-    e, g, keep, k = config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok
-    m = float("inf")
-    choice = logits.float().sigmoid() + gate.e_score_correction_bias
-    group = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)
-    if keep < g:
-        top = group.topk(keep + 1, dim=-1).values
-        m = min(m, float((top[:, keep - 1] - top[:, keep]).min()))
-    kept = group.topk(keep, dim=-1).indices
-    mask = torch.zeros_like(group).scatter_(1, kept, 1).bool()
-    mask = mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
-    top = choice.masked_fill(~mask, float("-inf")).topk(k + 1, dim=-1).values
-    return min(m, float((top[:, k - 1] - top[:, k]).min()))
 
 
 def forward(model, mtp, ids, config):
