@@ -480,7 +480,12 @@ where
                 for l in &routed {
                     let router = match self.attn_index.get(l) {
                         Some(&i) => part.attention[i].router.as_mut(),
-                        None => part.ends.iter_mut().flat_map(|e| &mut e.mtp).find(|m| m.layer == *l).and_then(|m| m.router_mut()),
+                        None => part
+                            .ends
+                            .iter_mut()
+                            .flat_map(|e| &mut e.mtp)
+                            .find(|m| m.layer == *l)
+                            .and_then(|m| m.router_mut()),
                     };
                     if let (Some(c), Some(router)) = (self.stats.counts.get(l), router) {
                         router.update_balance_bias(c, self.settings.bias_update_rate)?;
@@ -511,7 +516,7 @@ mod tests {
     fn the_global_sums_travel_and_come_back_field_by_field() {
         let g = GlobalSums {
             grad_sq: 1.0,
-            losses: StepLosses { total: 2.0, lm: 3.0, aux: 4.0, z: 11.0, mtp: 12.0 },
+            losses: StepLosses { total: 2.0, lm: 3.0, aux: 4.0, z: 11.0, mtp: 19.0 },
             waits_s: 5.0,
             wire_s: 6.0,
             compute_s: 7.0,
@@ -520,13 +525,17 @@ mod tests {
             bytes_sent: 10.0,
             exchange_bytes: [12.0, 13.0, 14.0, 15.0, 16.0, 17.0],
             payload_host_bytes: 18.0,
-            expert_counts: vec![19.0, 20.0],
+            expert_counts: vec![20.0, 21.0],
         };
         let v = g.into_vec();
-        // The order they always travelled in (it is part of a ring sum's bits).
-        assert_eq!(v, (1..=20).map(f64::from).collect::<Vec<_>>());
+        // The order they always travelled in (it is part of a ring sum's bits); the MTP loss,
+        // added last among the scalars, comes before the expert counts.
+        assert_eq!(v, (1..=21).map(f64::from).collect::<Vec<_>>());
         let back = GlobalSums::from_vec(&v);
-        assert_eq!((back.losses.z, back.bytes_sent, &back.expert_counts), (11.0, 10.0, &vec![19.0, 20.0]));
+        assert_eq!(
+            (back.losses.z, back.losses.mtp, back.bytes_sent, &back.expert_counts),
+            (11.0, 19.0, 10.0, &vec![20.0, 21.0])
+        );
         assert_eq!(back.into_vec(), v);
     }
 }
