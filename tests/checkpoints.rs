@@ -302,10 +302,8 @@ fn multi_token_prediction_stops_and_resumes_exactly_and_reshards() {
         assert!(tensors(&d).contains_key("model.layers.4.eh_proj.weight"), "{d:?} holds the MTP layer");
     }
     // (Each resume checkpoints elsewhere, so that both start from step 3.)
-    let resumed = train(
-        DISAGG,
-        &["--resume", path(&ck), "--out", path(&dir("resumed")), "--checkpoint-dir", path(&dir("ck-a"))],
-    );
+    let resumed =
+        train(DISAGG, &["--resume", path(&ck), "--out", path(&dir("resumed")), "--checkpoint-dir", path(&dir("ck-a"))]);
     assert_eq!(resumed["losses"], straight["losses"]);
     assert_bit_identical("MTP disagg 2+2", &dir("resumed").join("final"), &dir("straight").join("final"));
     let ep = train(EP, &["--resume", path(&ck), "--out", path(&dir("ep")), "--checkpoint-dir", path(&dir("ck-b"))]);

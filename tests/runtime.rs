@@ -412,8 +412,11 @@ fn multi_token_prediction_reproduces_single_under_every_placement() {
     let tb = out("tensorboard");
     let single = train(
         preset,
-        &[opts, &["--placement", "single", "--out", out("single").to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()]]
-            .concat(),
+        &[
+            opts,
+            &["--placement", "single", "--out", out("single").to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()],
+        ]
+        .concat(),
     );
     let want = metrics(&out("single"));
     // TensorBoard's `loss/mtp` is metrics.jsonl's `mtp_loss`, step by step.
@@ -1470,7 +1473,8 @@ mod mpi {
             let single = train(preset, &["--placement", "single", "--out", want.to_str().unwrap()]);
             for (name, placement) in [("ep 4", EP), ("disagg 1+3", disagg_1_3)] {
                 let out_dir = dir.path().join(format!("{preset}-{name}"));
-                let out = mpirun_train(5, preset, placement, &[replicas, &["--out", out_dir.to_str().unwrap()]].concat());
+                let out =
+                    mpirun_train(5, preset, placement, &[replicas, &["--out", out_dir.to_str().unwrap()]].concat());
                 let what = format!("{preset} {name} with 2 redundant experts under mpirun");
                 assert_same_run(&what, &summary(&out), &single);
                 assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
@@ -1496,7 +1500,8 @@ mod mpi {
             let single = train_8(preset, &["--placement", "single", "--out", want.to_str().unwrap()]);
             for (name, placement) in [("ep 4", EP), ("disagg 1+3", disagg_1_3)] {
                 let out_dir = dir.path().join(format!("{preset}-{name}"));
-                let out = mpirun_train(8, preset, placement, &[REBALANCE, &["--out", out_dir.to_str().unwrap()]].concat());
+                let out =
+                    mpirun_train(8, preset, placement, &[REBALANCE, &["--out", out_dir.to_str().unwrap()]].concat());
                 let what = format!("{preset} {name} rebalanced every 2 steps under mpirun");
                 let run = summary(&out);
                 assert_same_run_of(&what, &run, &single, 8);

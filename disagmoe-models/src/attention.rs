@@ -210,7 +210,8 @@ impl<B: Backend> GqaAttention<B> {
         let scale = (self.head_dim as f64).powf(-0.5);
         let sinks = self.sinks.as_ref().map(|p| p.val());
         let out = attention_at(q, k.clone(), v.clone(), sinks, scale, self.window, past, start); // [B, S, H, D]
-                                                                                                 // A later query at `p >= past + S` sees keys after `p - window`: the last `window` suffice.
+
+        // A later query at `p >= past + S` sees keys after `p - window`: the last `window` suffice.
         let held = k.dims()[1];
         let drop = self.window.map_or(0, |w| held.saturating_sub(w));
         *cache = LayerCache::Keys {

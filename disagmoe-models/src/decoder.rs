@@ -16,8 +16,8 @@ use crate::error::{ModelError, Result};
 use crate::families::FamilyConfig;
 use crate::init::Init;
 use crate::kv_cache::{KvCache, LayerCache};
-use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer};
 use crate::moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluMlp};
+use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -360,6 +360,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids.clone()); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
+
         // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
@@ -371,6 +372,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 3. Final norm and head.
         let normed = self.norm.forward(x); // [B, S, M]
         let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens); // [B, S, V]
+
         // 4. The multi-token prediction modules, when trained.
         let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin);
         CausalLmOutput { logits, router_stats, mtp }

@@ -71,8 +71,8 @@ pub use families::{
 };
 pub use init::Init;
 pub use kv_cache::{KvCache, LayerCache};
-pub use mtp::MtpSettings;
 pub use moe::{Experts, Router, RouterStats, RoutingOptions, SparseMoeBlock, SwiGluExperts, TopKRouter};
+pub use mtp::MtpSettings;
 pub use recompute::{MicroBatchLoss, Recompute};
 pub use rope::RopeScaling;
 pub use weights::{CheckpointReader, SaveDtype, TensorSink};

@@ -188,8 +188,9 @@ impl<B: Backend> MlaAttention<B> {
         let q = self.queries(x.clone(), cos.clone(), sin.clone()).swap_dims(1, 2); // [B, S, H, Dq]
         let (latent, k_rot) = self.latent(x, cos, sin);
         let (k, v) = self.keys_values(latent, k_rot); // [B, S, H, *]
-                                                      // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
-                                                      //      operation or kernel for this backend, else its reference), merge heads, project.
+
+        // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
+        //      operation or kernel for this backend, else its reference), merge heads, project.
         let scale = self.shape.softmax_scale;
         let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None)
             .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None)); // [B, S, H, Dv]

@@ -277,8 +277,8 @@ where
             cos.clone().narrow(2, 0, n),
             sin.clone().narrow(2, 0, n),
         );
-        let logits = lm_logits(m.head_norm.forward(out.clone()), head, embed); // [B, n, V]
-        // Position i predicts t_{i+k+1}: the next-token loss against the ids shifted by k.
+        // [B, n, V]; position i predicts t_{i+k+1}: the next-token loss against the ids shifted by k.
+        let logits = lm_logits(m.head_norm.forward(out.clone()), head, embed);
         losses.push(next_token_cross_entropy(logits, ids.clone().narrow(1, k, n)));
         router_stats.extend(stats);
         prev = out;

@@ -198,7 +198,15 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         let normed = self.norm.forward(last.clone());
         let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens);
         let lm_loss = next_token_cross_entropy(logits, ids.clone());
-        let mtp = mtp_loss(&self.mtp, normed, ids.clone(), &self.embed_tokens, self.lm_head.as_ref(), cos.clone(), sin.clone());
+        let mtp = mtp_loss(
+            &self.mtp,
+            normed,
+            ids.clone(),
+            &self.embed_tokens,
+            self.lm_head.as_ref(),
+            cos.clone(),
+            sin.clone(),
+        );
         // 3. The loss values, and each routed layer's balance coefficients.
         let routed: Vec<&LayerStats<B::InnerBackend>> = stats.iter().flatten().collect();
         let aux = self.config().aux_loss().filter(|_| with_aux && !routed.is_empty());
@@ -234,7 +242,8 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
             + aux.zip(aux_value).map_or(0.0, |(a, v)| a.coef * v)
             + z_value.map_or(0.0, |z| z_coef * z)
             + mtp_value.map_or(0.0, |m| mtp_coef * m);
-        let mtp_counts = mtp.as_ref().map_or_else(Vec::new, |m| m.router_stats.iter().map(|s| s.counts.clone()).collect());
+        let mtp_counts =
+            mtp.as_ref().map_or_else(Vec::new, |m| m.router_stats.iter().map(|s| s.counts.clone()).collect());
         let head_loss = match mtp {
             Some(m) => lm_loss + m.loss.mul_scalar(mtp_coef),
             None => lm_loss,

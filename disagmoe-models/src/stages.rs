@@ -33,8 +33,8 @@ use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedF
 use crate::error::Result;
 use crate::families::FamilyConfig;
 use crate::init::Init;
-use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer, MtpOutput};
 use crate::moe::{Dispatch, Experts, Router, RouterOutput, SparseMoeBlock, SwiGluMlp};
+use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer, MtpOutput};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};

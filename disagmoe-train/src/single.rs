@@ -192,11 +192,16 @@ fn whole_model_loss<B: AutodiffBackend>(
 ) -> (MicroBatchLoss, Tensor<B, 1>) {
     let out = model.forward(ids.clone());
     let loss = model.loss(&out, ids, with_aux);
-    let parts: Vec<Tensor<B, 1>> =
-        [Some(loss.total.clone()), Some(loss.lm_loss.clone()), loss.aux_loss.clone(), loss.z_loss.clone(), loss.mtp_loss.clone()]
-            .into_iter()
-            .flatten()
-            .collect();
+    let parts: Vec<Tensor<B, 1>> = [
+        Some(loss.total.clone()),
+        Some(loss.lm_loss.clone()),
+        loss.aux_loss.clone(),
+        loss.z_loss.clone(),
+        loss.mtp_loss.clone(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let scalars: Vec<f64> = Tensor::cat(parts, 0).into_data().convert::<f64>().to_vec().expect("f64 scalars");
     let mut rest = scalars[2..].iter().copied();
     let micro = MicroBatchLoss {

@@ -28,8 +28,8 @@ use crate::decoder::{AttentionLayer, FamilyModel};
 use crate::error::{ModelError, Result};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
-use crate::mtp::MtpSettings;
 use crate::moe::{Experts, Router};
+use crate::mtp::MtpSettings;
 use crate::recompute::{MicroBatchLoss, Recompute};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
@@ -117,10 +117,7 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + PartialEq + Send + Sync + 'sta
         }
         Err(ModelError::config(
             "mtp_depth",
-            format!(
-                "{} has no multi-token prediction module; allowed: 0 (only deepseek_v3 has one)",
-                Self::MODEL_TYPE
-            ),
+            format!("{} has no multi-token prediction module; allowed: 0 (only deepseek_v3 has one)", Self::MODEL_TYPE),
         ))
     }
     /// Reports checkpoint tensors the model did not read (default: one warning).

@@ -109,7 +109,8 @@ impl<B: Backend, R: Module<B> + Router<B>, X: Module<B> + Experts<B>> SparseMoeB
         // 2. dispatch (the copies within capacity)
         let dispatch = Dispatch::new(&kept.to_host(), e, k);
         let (xs, shared_in) = dispatch.permute(flat, self.shared_experts.is_some()); // [N, M], [T, M]
-                                                                                     // 3. compute
+
+        // 3. compute
         let ys = self.experts.forward_grouped(xs, &dispatch.counts); // [N, M]
         let shared = self.shared_experts.as_ref().zip(shared_in).map(|(shared, x)| shared.forward(x));
         // 4. combine (with the shared experts' output)

@@ -293,7 +293,11 @@ impl RunConfig {
         if depth > 0 && self.data.seq < depth + 2 {
             return Err(TrainError::option(
                 "seq",
-                format!("must be at least mtp_depth + 2 = {} tokens (module D predicts D + 1 tokens ahead), got {}", depth + 2, self.data.seq),
+                format!(
+                    "must be at least mtp_depth + 2 = {} tokens (module D predicts D + 1 tokens ahead), got {}",
+                    depth + 2,
+                    self.data.seq
+                ),
             ));
         }
         Ok(())
