@@ -180,8 +180,8 @@ impl<B: Backend> GqaAttention<B> {
         //    `disagmoe_kernels::fused` has one, else its reference; 4. merge heads, project.
         let sinks = self.sinks.as_ref().map(|p| p.val());
         let out =
-            disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window)
-                .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window)); // [B, S, H, D]
+            disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window, None)
+                .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window, None)); // [B, S, H, D]
         self.o_proj.forward(out.reshape([b, s, self.heads * self.head_dim]))
     }
 

@@ -192,8 +192,8 @@ impl<B: Backend> MlaAttention<B> {
         // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
         //      operation or kernel for this backend, else its reference), merge heads, project.
         let scale = self.shape.softmax_scale;
-        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None)
-            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None)); // [B, S, H, Dv]
+        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None, None)
+            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None, None)); // [B, S, H, Dv]
         self.o_proj.forward(out.reshape([b, s, h * dv]))
     }
 

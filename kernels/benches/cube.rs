@@ -50,13 +50,13 @@ fn attention(c: &mut Criterion) {
     group.sample_size(10);
     group.bench_function("kernel", |bench| {
         bench.iter(|| {
-            let o = cube::attention(q.clone(), k.clone(), v.clone(), None, scale, None).expect("kernel applies");
+            let o = cube::attention(q.clone(), k.clone(), v.clone(), None, scale, None, None).expect("kernel applies");
             step(o.reshape([b * s, h * d]))
         })
     });
     group.bench_function("reference", |bench| {
         bench.iter(|| {
-            step(reference::attention(q.clone(), k.clone(), v.clone(), None, scale, None).reshape([b * s, h * d]))
+            step(reference::attention(q.clone(), k.clone(), v.clone(), None, scale, None, None).reshape([b * s, h * d]))
         })
     });
     group.finish();

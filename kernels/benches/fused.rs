@@ -43,7 +43,7 @@ fn bench(c: &mut Criterion) {
     let (q, k, v) = (rand([BATCH, SEQ, HEADS, DIM]), rand([BATCH, SEQ, KV, DIM]), rand([BATCH, SEQ, KV, DIM]));
     g.bench_function("attention/fused", |b| {
         b.iter(|| {
-            let o = cpu::attention(q.clone(), k.clone(), v.clone(), None, (DIM as f64).powf(-0.5), None).unwrap();
+            let o = cpu::attention(q.clone(), k.clone(), v.clone(), None, (DIM as f64).powf(-0.5), None, None).unwrap();
             o.sum().backward()
         })
     });

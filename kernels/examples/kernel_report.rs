@@ -203,7 +203,7 @@ mod report {
             (rand([bsz, seq, h, hd], 8, dt), rand([bsz, seq, gq, hd], 9, dt), rand([bsz, seq, gq, hd], 10, dt));
         let scale = 1.0 / (hd as f64).sqrt();
         let s = time(runs, || {
-            cube::attention(q.clone(), kk.clone(), v.clone(), None, scale, None).expect("kernel applies")
+            cube::attention(q.clone(), kk.clone(), v.clone(), None, scale, None, None).expect("kernel applies")
         });
         let flops = 4.0 * bsz as f64 * h as f64 * (seq as f64).powi(2) * hd as f64 / 2.0;
         rows.push(Row {
@@ -217,7 +217,7 @@ mod report {
         });
         if args.small {
             // The reference beside it, for scale.
-            let s = time(runs, || reference::attention(q.clone(), kk.clone(), v.clone(), None, scale, None));
+            let s = time(runs, || reference::attention(q.clone(), kk.clone(), v.clone(), None, scale, None, None));
             rows.push(Row {
                 name: "attention fwd, reference".into(),
                 shape: format!("B{bsz} S{seq} H{h} G{gq} D{hd}"),

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub mod cpu;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
+pub mod documents;
 pub mod order;
 pub mod precision;
 pub mod reference;
@@ -199,8 +200,9 @@ pub mod fused {
         };
     }
 
-    /// Causal (optionally windowed) grouped-query attention with optional per-head sinks: q
-    /// `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]` -> `[B, S, H, E]`
+    /// Causal (optionally windowed, optionally within documents) grouped-query attention with
+    /// optional per-head sinks: q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]`, sinks `[H]`,
+    /// docs over `[B, S]` -> `[B, S, H, E]`
     /// (`crate::cpu::attention` on flex, `crate::cube::attention` on CubeCL backends; under a
     /// low [`crate::precision`], the CubeCL kernel on operands in the low dtype where it measured
     /// faster than the composition, `crate::cube::probe::attention_where_faster`).
@@ -212,19 +214,20 @@ pub mod fused {
         sinks: Option<Tensor<B, 1>>,
         scale: f64,
         window: Option<usize>,
+        docs: Option<&crate::documents::Documents>,
     ) -> Option<Tensor<B, 4>> {
         let low = crate::precision::low();
         let out = (|| {
             if low {
                 // The CPU operation is f32 only; the CubeCL kernel runs on operands in the low
                 // dtype where it measured faster than the composition (`crate::cube::probe`).
-                return cube_or_none!(probe::attention_where_faster(q, k, v, sinks, scale, window));
+                return cube_or_none!(probe::attention_where_faster(q, k, v, sinks, scale, window, docs));
             }
             #[cfg(feature = "flex")]
             if cpu_available::<B>() {
-                return crate::cpu::attention(q, k, v, sinks, scale, window);
+                return crate::cpu::attention(q, k, v, sinks, scale, window, docs);
             }
-            cube_or_none!(attention(q, k, v, sinks, scale, window))
+            cube_or_none!(attention(q, k, v, sinks, scale, window, docs))
         })();
         let how = if low { Implementation::Flash } else { ours::<B>(Implementation::Flash) };
         tally(Family::Attention, how, out)

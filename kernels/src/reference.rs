@@ -4,16 +4,19 @@
 //! benchmarked beside them. Their matrix products go through [`crate::precision::matmul`] (the
 //! low precision of a mixed-precision run, f32 otherwise).
 
+use crate::documents::Documents;
 use crate::precision::matmul;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 /// Causal (optionally windowed: query `i` sees keys `i - window < j <= i`) grouped-query
-/// attention with optional per-head sinks (one more logit per head, its probability dropped).
+/// attention with optional per-head sinks (one more logit per head, its probability dropped),
+/// optionally within documents (query `i` of row `b` also needs `j >= docs.start(b, i)`).
 ///
 /// # Shapes
-/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]`, sinks: `[H]` -> `[B, S, H, E]`
+/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]`, sinks: `[H]` -> `[B, S, H, E]`;
+///   docs over `[B, S]`
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -21,8 +24,9 @@ pub fn attention<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
+    docs: Option<&Documents>,
 ) -> Tensor<B, 4> {
-    attention_at(q, k, v, sinks, scale, window, 0, 0)
+    masked(q, k, v, sinks, scale, window, 0, 0, docs)
 }
 
 /// [`attention`] of queries at positions `q_start..` over keys at positions `k_start..` (a query
@@ -42,6 +46,21 @@ pub fn attention_at<B: Backend>(
     q_start: usize,
     k_start: usize,
 ) -> Tensor<B, 4> {
+    masked(q, k, v, sinks, scale, window, q_start, k_start, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn masked<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    window: Option<usize>,
+    q_start: usize,
+    k_start: usize,
+    docs: Option<&Documents>,
+) -> Tensor<B, 4> {
     let [b, s, h, _] = q.dims();
     let [_, t, g, _] = k.dims();
     let device = q.device();
@@ -53,14 +72,17 @@ pub fn attention_at<B: Backend>(
     let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
     let scores = matmul(q, k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T], f32
     let w = window.unwrap_or(usize::MAX);
-    let mask: Vec<bool> = (0..s * t)
-        .map(|ij| {
+    let rows = if docs.is_some() { b } else { 1 };
+    let mask: Vec<bool> = (0..rows * s * t)
+        .map(|bij| {
+            let (bi, ij) = (bij / (s * t), bij % (s * t));
             let (qp, kp) = (q_start + ij / t, k_start + ij % t);
-            kp > qp || qp - kp >= w
+            let other_document = docs.is_some_and(|d| kp < d.start(bi, qp));
+            kp > qp || qp - kp >= w || other_document
         })
         .collect();
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, t]), &device);
-    let scores = scores.mask_fill(mask.unsqueeze::<4>().expand([b, h, s, t]), -1.0e9);
+    let mask = Tensor::<B, 4, Bool>::from_data(TensorData::new(mask, [rows, 1, s, t]), &device);
+    let scores = scores.mask_fill(mask.expand([b, h, s, t]), -1.0e9);
     let probs = match sinks {
         Some(sinks) => {
             let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);

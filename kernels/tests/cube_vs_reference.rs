@@ -12,6 +12,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::{cube, reference};
 
 #[cfg(feature = "cuda")]
@@ -119,9 +120,9 @@ fn attention_matches_the_reference_with_gradients() {
         let scale = 1.0 / (d as f64).sqrt();
         let probe = rand([b, s, h, e], seed + 4);
         let what = format!("case {i} {:?}", cases[i]);
-        let got = cube::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window).unwrap();
+        let got = cube::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window, None).unwrap();
         let gk = (got.clone() * probe.clone()).sum().backward();
-        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window);
+        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window, None);
         let gr = (want.clone() * probe).sum().backward();
         assert_close(&format!("{what} output"), &values(got.clone()), &values(want.clone()), 1e-4);
         for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
@@ -134,6 +135,47 @@ fn attention_matches_the_reference_with_gradients() {
                 &values(sk.grad(&gr).unwrap()),
                 2e-4,
             );
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(
+    all(disagmoe_no_vulkan, not(feature = "cuda")),
+    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+)]
+fn attention_within_documents_matches_the_masked_reference_with_gradients() {
+    let _one = runtime_present("attention_within_documents_matches_the_masked_reference_with_gradients");
+    // The masked reference is checked against each document run alone in `fused_vs_reference`.
+    // (batch, seq, heads, kv heads, qk dim, v dim, window, sinks, each row's document cuts):
+    // documents across and inside the kernels' tiles, a one-token document, windows.
+    let cases: [(usize, usize, usize, usize, usize, usize, Option<usize>, bool, Vec<Vec<usize>>); 4] = [
+        (2, 70, 4, 2, 8, 8, None, false, vec![vec![5, 6, 40], vec![]]),
+        (1, 137, 4, 4, 6, 10, None, true, vec![vec![64, 65, 128]]),
+        (2, 70, 8, 2, 8, 8, Some(5), true, vec![vec![3, 33], vec![69]]),
+        (1, 131, 4, 1, 16, 12, Some(40), false, vec![vec![1, 70, 100]]),
+    ];
+    for (i, (b, s, h, g, d, e, window, with_sinks, cuts)) in cases.iter().cloned().enumerate() {
+        let docs = Documents::new(s, &cuts).unwrap();
+        let seed = 100 + 10 * i as u64;
+        let q = rand([b, s, h, d], seed).require_grad();
+        let k = rand([b, s, g, d], seed + 1).require_grad();
+        let v = rand([b, s, g, e], seed + 2).require_grad();
+        let sinks = with_sinks.then(|| rand([h], seed + 3).require_grad());
+        let scale = 1.0 / (d as f64).sqrt();
+        let probe = rand([b, s, h, e], seed + 4);
+        let what = format!("documents case {i} {:?}", cases[i]);
+        let got = cube::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window, Some(&docs)).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
+        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, window, Some(&docs));
+        let gr = (want.clone() * probe).sum().backward();
+        assert_close(&format!("{what} output"), &values(got.clone()), &values(want.clone()), 1e-4);
+        for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            assert_close(&format!("{what} {name}"), &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 2e-4);
+        }
+        if let Some(sk) = &sinks {
+            let (a, r) = (sk.grad(&gk).unwrap(), sk.grad(&gr).unwrap());
+            assert_close(&format!("{what} dsinks"), &values(a), &values(r), 2e-4);
         }
     }
 }
@@ -154,10 +196,10 @@ fn attention_in_half_precision_accumulates_in_f32() {
     // rounding (its f16 output and f16 intermediates; it accumulates in f32).
     let full = |t: &Tensor<B, 4>| t.clone().cast(FloatDType::F32).detach().require_grad();
     let (q32, k32, v32) = (full(&q), full(&k), full(&v));
-    let got = cube::attention(q.clone(), k.clone(), v.clone(), None, 0.25, Some(9)).unwrap();
+    let got = cube::attention(q.clone(), k.clone(), v.clone(), None, 0.25, Some(9), None).unwrap();
     let grads = got.clone().sum().backward();
     assert_eq!(got.dtype(), DType::F16);
-    let want = reference::attention(q32.clone(), k32.clone(), v32.clone(), None, 0.25, Some(9));
+    let want = reference::attention(q32.clone(), k32.clone(), v32.clone(), None, 0.25, Some(9), None);
     let want_grads = want.clone().sum().backward();
     assert_close("f16 attention", &values(got.clone()), &values(want.clone()), F16_OUTPUT_TOL);
     for (name, x, x32) in [("dq", &q, &q32), ("dk", &k, &k32), ("dv", &v, &v32)] {
@@ -177,10 +219,10 @@ fn attention_refuses_what_it_does_not_handle() {
     let _one = runtime_present("attention_refuses_what_it_does_not_handle");
     let q = rand([1, 4, 3, 8], 1);
     let k = rand([1, 4, 2, 8], 2); // 3 heads over 2 kv heads
-    assert!(cube::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None).is_none());
+    assert!(cube::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None, None).is_none());
     let k = rand([1, 4, 1, 300], 3); // head dim over the register budget
     let q = rand([1, 4, 1, 300], 4);
-    assert!(cube::attention(q, k.clone(), k, None, 1.0, None).is_none());
+    assert!(cube::attention(q, k.clone(), k, None, 1.0, None, None).is_none());
 }
 
 fn ints(t: Tensor<B, 1, Int>) -> Vec<usize> {
@@ -473,11 +515,11 @@ fn the_switches_turn_the_kernels_off() {
     let _one = runtime_present("the_switches_turn_the_kernels_off");
     let q = rand([1, 4, 2, 8], 1);
     disagmoe_kernels::set_enabled_for_thread(Some(false));
-    assert!(cube::attention(q.clone(), q.clone(), q.clone(), None, 1.0, None).is_none());
+    assert!(cube::attention(q.clone(), q.clone(), q.clone(), None, 1.0, None, None).is_none());
     assert!(!disagmoe_kernels::fused::available::<B>());
     disagmoe_kernels::set_enabled_for_thread(None);
     assert!(disagmoe_kernels::fused::available::<B>());
-    assert!(cube::attention(q.clone(), q.clone(), q, None, 1.0, None).is_some());
+    assert!(cube::attention(q.clone(), q.clone(), q, None, 1.0, None, None).is_some());
 }
 
 #[test]
@@ -568,8 +610,8 @@ fn products_are_chosen_by_measurement(
         let (q, k, v) = (rand([b, s, h, d], 51), rand([b, s, g, d], 52), rand([b, s, g, d], 53));
         let sinks = Some(rand([h], 54));
         let attend =
-            || disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9));
-        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9));
+            || disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9), None);
+        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.25, Some(9), None);
         disagmoe_kernels::precision::set_precision_for_thread(Some(disagmoe_kernels::precision::Precision::F16));
         let got = attend();
         let measured = cube::probe::measured();

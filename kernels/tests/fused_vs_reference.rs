@@ -16,6 +16,7 @@ use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use disagmoe_kernels::cpu;
+use disagmoe_kernels::documents::Documents;
 
 type B = Autodiff<Flex>;
 
@@ -68,9 +69,9 @@ fn attention_matches_the_reference_with_gradients() {
         let probe = rand([b, s, h, e], seed + 3);
         let scale = 0.37;
         let fused =
-            cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window).expect("applies to Autodiff<Flex>");
+            cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None).expect("applies to Autodiff<Flex>");
         let gf = (fused.clone() * probe.clone()).sum().backward();
-        let reference = disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window);
+        let reference = disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None);
         let gr = (reference.clone() * probe).sum().backward();
         let what = format!("case {i} {:?}", cases[i]);
         assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
@@ -91,15 +92,99 @@ fn attention_matches_the_reference_with_gradients() {
     }
 }
 
+/// Attention within documents computed the independent way: each document of each row alone
+/// (plain causal attention over its own slice), put back in place.
+fn each_document_alone(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    window: Option<usize>,
+    docs: &Documents,
+) -> Tensor<B, 4> {
+    let s = docs.seq();
+    let rows = (0..docs.batch())
+        .map(|b| {
+            let edges: Vec<usize> = std::iter::once(0).chain(docs.cuts(b)).chain(std::iter::once(s)).collect();
+            let parts = edges
+                .windows(2)
+                .map(|w| {
+                    let part = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).narrow(1, w[0], w[1] - w[0]);
+                    disagmoe_kernels::reference::attention(part(&q), part(&k), part(&v), sinks.clone(), scale, window, None)
+                })
+                .collect();
+            Tensor::cat(parts, 1)
+        })
+        .collect();
+    Tensor::cat(rows, 0)
+}
+
+#[test]
+fn attention_within_documents_matches_each_document_alone_with_gradients() {
+    let _serial = serial();
+    // (batch, seq, heads, kv heads, qk dim, v dim, window, sinks, each row's document cuts):
+    // documents shorter and longer than the 64-row tile, cuts on and off its edges, a one-token
+    // document, a row of one document, windows shorter than a document.
+    let cases: [(usize, usize, usize, usize, usize, usize, Option<usize>, bool, Vec<Vec<usize>>); 6] = [
+        (2, 70, 4, 2, 8, 8, None, false, vec![vec![5, 6, 40], vec![]]),
+        (1, 137, 4, 4, 6, 10, None, false, vec![vec![64, 65, 128]]),
+        (2, 70, 8, 2, 8, 8, Some(5), true, vec![vec![3, 33], vec![69]]),
+        (1, 131, 4, 1, 16, 12, Some(40), false, vec![vec![1, 70, 100]]),
+        (1, 67, 8, 2, 6, 6, Some(3), true, vec![vec![10, 11, 12, 50]]),
+        (3, 33, 2, 1, 4, 4, None, true, vec![vec![16], vec![1, 2, 3], vec![32]]),
+    ];
+    for (i, (b, s, h, g, d, e, window, with_sinks, cuts)) in cases.iter().cloned().enumerate() {
+        let docs = Documents::new(s, &cuts).unwrap();
+        let seed = 100 + 10 * i as u64;
+        let q = rand([b, s, h, d], seed).require_grad();
+        let k = rand([b, s, g, d], seed + 1).require_grad();
+        let v = rand([b, s, g, e], seed + 2).require_grad();
+        let sinks = rand([h], seed + 4).require_grad();
+        let sinks_arg = || with_sinks.then(|| sinks.clone());
+        let probe = rand([b, s, h, e], seed + 3);
+        let scale = 0.37;
+        let what = format!("case {i} (b {b}, s {s}, h {h}/{g}, d {d}/{e}, window {window:?}, sinks {with_sinks}, cuts {cuts:?})");
+        let alone = each_document_alone(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, &docs);
+        let ga = (alone.clone() * probe.clone()).sum().backward();
+        let fused = cpu::attention(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, Some(&docs))
+            .expect("applies to Autodiff<Flex>");
+        let gf = (fused.clone() * probe.clone()).sum().backward();
+        let masked =
+            disagmoe_kernels::reference::attention(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, Some(&docs));
+        let gm = (masked.clone() * probe).sum().backward();
+        for (path, out, grads) in [("fused", &fused, &gf), ("masked reference", &masked, &gm)] {
+            assert_close(&format!("{what} {path} output"), &values(out.clone()), &values(alone.clone()), 2e-5);
+            for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+                let (got, want) = (x.grad(grads).unwrap(), x.grad(&ga).unwrap());
+                assert_close(&format!("{what} {path} {name}"), &values(got), &values(want), 5e-5);
+            }
+            if with_sinks {
+                let (got, want) = (sinks.grad(grads).unwrap(), sinks.grad(&ga).unwrap());
+                assert_close(&format!("{what} {path} dsinks"), &values(got), &values(want), 5e-5);
+            }
+        }
+    }
+    // A mask of whole rows is no mask.
+    let (q, k) = (rand([2, 9, 2, 4], 1), rand([2, 9, 1, 4], 2));
+    let whole = Documents::whole(2, 9);
+    let with = cpu::attention(q.clone(), k.clone(), k.clone(), None, 0.5, None, Some(&whole)).unwrap();
+    let without = cpu::attention(q.clone(), k.clone(), k.clone(), None, 0.5, None, None).unwrap();
+    assert_eq!(values(with), values(without));
+    // A mask of another shape is refused (the caller falls back to the reference, which panics
+    // on it: a bug, not input).
+    assert!(cpu::attention(q, k.clone(), k, None, 0.5, None, Some(&Documents::whole(2, 8))).is_none());
+}
+
 #[test]
 fn attention_refuses_what_it_does_not_handle() {
     let _serial = serial();
     let q = rand([1, 4, 3, 8], 1);
     let k = rand([1, 4, 2, 8], 2); // 3 heads over 2 kv heads
-    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None).is_none());
+    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None, None).is_none());
     let k = rand([1, 4, 1, 8], 2);
-    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, Some(0)).is_none());
-    assert!(cpu::attention(q, k.clone(), k, Some(rand([2], 3)), 1.0, None).is_none(), "sinks of the wrong length");
+    assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, Some(0), None).is_none());
+    assert!(cpu::attention(q, k.clone(), k, Some(rand([2], 3)), 1.0, None, None).is_none(), "sinks of the wrong length");
 }
 
 #[test]

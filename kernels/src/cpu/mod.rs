@@ -39,6 +39,7 @@ pub use vector::AdamWScalars;
 type Ad = Autodiff<Flex>;
 
 use crate::{cast, Kind};
+use crate::documents::Documents;
 pub use crate::{enabled, set_enabled, set_enabled_for_thread};
 
 /// The one place that decides whether a backend gets the fused operations.
@@ -211,8 +212,9 @@ pub fn gpt_oss_experts<B: Backend>(
 /// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`; sinks: `[H]`
 /// - output: `[B, S, H, E]`
 ///
-/// `softmax(q k^T * scale)` over keys `q - window < k <= q` (all earlier keys without a window);
-/// with sinks, head `h`'s logit `sinks[h]` joins every row's softmax and its mass is dropped.
+/// `softmax(q k^T * scale)` over keys `q - window < k <= q` (all earlier keys without a window),
+/// within the query's document with `docs`; with sinks, head `h`'s logit `sinks[h]` joins every
+/// row's softmax and its mass is dropped.
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -220,22 +222,31 @@ pub fn attention<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
+    docs: Option<&Documents>,
 ) -> Option<Tensor<B, 4>> {
     let kind = kind::<B>()?;
     let ([b, s, h, d], [kb, ks, g, kd], [vb, vs, vg, e]) = (q.dims(), k.dims(), v.dims());
     if g == 0 || h % g != 0 || (kb, ks, kd) != (b, s, d) || (vb, vs, vg) != (b, s, g) || window == Some(0) {
         return None;
     }
-    if sinks.as_ref().is_some_and(|t| t.dims() != [h]) {
+    if sinks.as_ref().is_some_and(|t| t.dims() != [h]) || docs.is_some_and(|d| (d.batch(), d.seq()) != (b, s)) {
         return None;
     }
+    let starts: Option<Vec<u32>> = docs.filter(|d| !d.is_whole()).map(|d| d.bounds()[..b * s].to_vec());
     let shape = AttnShape { batch: b, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, window, scale: scale as f32 };
     let (q, k, v) = (take(kind, q)?, take(kind, k)?, take(kind, v)?);
     let sinks = match sinks {
         Some(t) => Some(take(kind, t)?),
         None => None,
     };
-    let (out, probs) = ops::attention_forward(q.data(), k.data(), v.data(), sinks.as_ref().map(Input::data), shape);
+    let (out, probs) = ops::attention_forward(
+        q.data(),
+        k.data(),
+        v.data(),
+        sinks.as_ref().map(Input::data),
+        starts.as_deref(),
+        shape,
+    );
     let out = flex(out, &[b, s, h, e]);
     let (qv, kv, vv) = (q.values.clone(), k.values.clone(), v.values.clone());
     let backward = move |dout: &[f32]| {
@@ -245,6 +256,7 @@ pub fn attention<B: Backend>(
             vv.as_slice::<f32>().expect("f32"),
             &probs,
             dout,
+            starts.as_deref(),
             shape,
         )
     };

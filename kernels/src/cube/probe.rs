@@ -26,6 +26,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
+use crate::documents::Documents;
 
 /// The implementation of the grouped expert products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -356,18 +357,20 @@ pub fn attention_where_faster<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
+    docs: Option<&Documents>,
 ) -> Option<Tensor<B, 4>> {
     let low = crate::precision::precision().dtype()?;
     let run = |q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, sinks: Option<Tensor<B, 1>>| {
         let sinks = sinks.map(|x| x.cast(low));
-        super::attention(q.cast(low), k.cast(low), v.cast(low), sinks, scale, window).map(|y| y.cast(DType::F32))
+        super::attention(q.cast(low), k.cast(low), v.cast(low), sinks, scale, window, docs).map(|y| y.cast(DType::F32))
     };
     let ([b, s, h, d], [_, _, g, _], e) = (q.dims(), k.dims(), v.dims()[3]);
     let device = q.device();
     let sizes = format!(
-        "{h} heads of {d}, {g} key/value heads of {e}, window {}, sinks {}, batch {b}, up to {} positions",
+        "{h} heads of {d}, {g} key/value heads of {e}, window {}, sinks {}, documents {}, batch {b}, up to {} positions",
         window.map_or_else(|| "none".to_owned(), |w| w.to_string()),
         if sinks.is_some() { "yes" } else { "no" },
+        if docs.is_some_and(|x| !x.is_whole()) { "yes" } else { "no" },
         rows_bucket(s)
     );
     let class = class_of::<B>("attention", &device, Some(low), &sizes);
@@ -377,7 +380,7 @@ pub fn attention_where_faster<B: Backend>(
         class,
         &device,
         || run(qd.clone(), kd.clone(), vd.clone(), sd.clone()),
-        || crate::reference::attention(qd.clone(), kd.clone(), vd.clone(), sd.clone(), scale, window),
+        || crate::reference::attention(qd.clone(), kd.clone(), vd.clone(), sd.clone(), scale, window, docs),
     );
     match choice {
         ExpertProducts::Grouped => run(q, k, v, sinks),

@@ -25,14 +25,18 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
-    /// Keys row `i` sees: `[lo, i + 1)`.
-    fn row_keys(&self, i: usize) -> (usize, usize) {
-        (self.window.map_or(0, |w| (i + 1).saturating_sub(w)), i + 1)
+    /// Keys row `i` of batch row `b` sees: `[lo, i + 1)`, `lo` the later of the window's start
+    /// and (with `starts`, each token's document start `[B * S]`) the document's.
+    fn row_keys(&self, starts: Option<&[u32]>, b: usize, i: usize) -> (usize, usize) {
+        let lo = self.window.map_or(0, |w| (i + 1).saturating_sub(w));
+        let doc = starts.map_or(0, |st| st[b * self.seq + i] as usize);
+        (lo.max(doc), i + 1)
     }
 
-    /// Keys the tile of rows `[i0, i1)` touches.
-    fn tile_keys(&self, i0: usize, i1: usize) -> (usize, usize) {
-        (self.row_keys(i0).0, i1)
+    /// Keys the tile of rows `[i0, i1)` touches (both bounds grow with the row, so the first
+    /// row's is the lowest: tiles before it, wholly masked, are skipped).
+    fn tile_keys(&self, starts: Option<&[u32]>, b: usize, i0: usize, i1: usize) -> (usize, usize) {
+        (self.row_keys(starts, b, i0).0, i1)
     }
 }
 
@@ -40,8 +44,16 @@ impl AttnShape {
 /// each row's keys), which the backward reuses.
 ///
 /// With `sinks` (`[H]`), each head's sink logit joins every row's softmax and its probability
-/// mass is dropped (GPT-OSS).
-pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: AttnShape) -> (Vec<f32>, Vec<f32>) {
+/// mass is dropped (GPT-OSS). With `starts` (`[B * S]`, each token's document start), a row sees
+/// only keys of its own document.
+pub fn attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    sinks: Option<&[f32]>,
+    starts: Option<&[u32]>,
+    a: AttnShape,
+) -> (Vec<f32>, Vec<f32>) {
     let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
     let n = h / g;
     let mut out = vec![0f32; batch * s * h * e];
@@ -55,7 +67,7 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>,
         let v0 = (bi * s * g + gi) * e;
         for i0 in (0..s).step_by(BLOCK) {
             let i1 = (i0 + BLOCK).min(s);
-            let (lo, hk) = a.tile_keys(i0, i1);
+            let (lo, hk) = a.tile_keys(starts, bi, i0, i1);
             // SAFETY: all offsets stay inside the buffers (shapes checked by the caller); this
             // task alone writes rows of head `hi` in batch `bi` of `out`, and its own `p`.
             unsafe {
@@ -71,7 +83,7 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>,
             }
             for i in i0..i1 {
                 let row = &mut p[i * s..(i + 1) * s];
-                let (rl, rh) = a.row_keys(i);
+                let (rl, rh) = a.row_keys(starts, bi, i);
                 row[lo..rl].fill(0.0);
                 row[rh..hk].fill(0.0);
                 let sink = sinks.map(|x| x[hi]);
@@ -101,13 +113,14 @@ pub fn attention_forward(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>,
 /// Backward: from the forward's inputs, its probabilities and the output gradient `[B, S, H, E]`,
 /// the gradients of q, k and v (in their layouts) and of the sink logits `[H]` (whose
 /// probability in row `i` is `1 - sum_j p[i, j]`; their gradient is `-sum_i p_sink(i) * sum_j
-/// p[i, j] dp[i, j]`).
+/// p[i, j] dp[i, j]`). `starts` as in [`attention_forward`].
 pub fn attention_backward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     probs: &[f32],
     dout: &[f32],
+    starts: Option<&[u32]>,
     a: AttnShape,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnShape { batch, seq: s, heads: h, kv_heads: g, qk_dim: d, v_dim: e, scale, .. } = a;
@@ -130,7 +143,7 @@ pub fn attention_backward(
             for i0 in (0..s).step_by(BLOCK) {
                 let i1 = (i0 + BLOCK).min(s);
                 let rows = i1 - i0;
-                let (lo, hk) = a.tile_keys(i0, i1);
+                let (lo, hk) = a.tile_keys(starts, bi, i0, i1);
                 // SAFETY: offsets inside the buffers; this task alone writes the dq rows of the
                 // heads of group `gi` in batch `bi`, and the dk/dv rows of that group.
                 unsafe {
@@ -146,7 +159,7 @@ pub fn attention_backward(
                     );
                 }
                 for i in i0..i1 {
-                    let (rl, rh) = a.row_keys(i);
+                    let (rl, rh) = a.row_keys(starts, bi, i);
                     let row = &mut ds[i * s..(i + 1) * s];
                     row[lo..rl].fill(0.0);
                     row[rh..hk].fill(0.0);

@@ -35,14 +35,17 @@ fn stage_row<F: Float>(src: &Tensor<F>, base: usize, dst: &mut SharedMemory<f32>
 /// One cube per `(query tile, head, batch)`, one unit per query row; key/value tiles of `tile`
 /// rows are staged in shared memory; each row keeps its running max, sum and output in registers
 /// (online softmax), so nothing of size `S x S` exists. Keys visible to query `i`:
-/// `i - window < j <= i` (`window = 0`: all `j <= i`). With sinks, head `h`'s sink logit joins
-/// the softmax denominator (the running state starts at `m = sink, l = 1`).
+/// `i - window < j <= i` (`window = 0`: all `j <= i`), and with `has_docs` also `j >=
+/// docs[b S + i]` (`docs`: every token's document start `[B * S]`, then its end `[B * S]`; key
+/// tiles before the query tile's first start are skipped). With sinks, head `h`'s sink logit
+/// joins the softmax denominator (the running state starts at `m = sink, l = 1`).
 #[cube(launch)]
 pub fn flash_fwd<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
     sinks: &Tensor<F>,
+    docs: &Tensor<u32>,
     o: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     shape: Heads,
@@ -50,6 +53,7 @@ pub fn flash_fwd<F: Float>(
     #[comptime] e: usize,
     #[comptime] tile: usize,
     #[comptime] has_sinks: bool,
+    #[comptime] has_docs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let neg = f32::new(-1.0e30);
@@ -96,6 +100,14 @@ pub fn flash_fwd<F: Float>(
     if window > 0 && first + 1 > window {
         lo = first + 1 - window;
     }
+    let mut doc_i = 0usize;
+    if has_docs {
+        let doc_first = docs[b * s_len + first] as usize;
+        if doc_first > lo {
+            lo = doc_first;
+        }
+        doc_i = docs[b * s_len + ic] as usize;
+    }
     let mut kt = lo / tile;
     let kt_end = (hi + tile - 1) / tile;
     while kt < kt_end {
@@ -110,7 +122,7 @@ pub fn flash_fwd<F: Float>(
             let mut tmax = neg;
             for jt in 0..tile {
                 let j = kt * tile + jt;
-                let visible = j <= i && (window == 0 || i < j + window);
+                let visible = j <= i && (window == 0 || i < j + window) && j >= doc_i;
                 let mut s = neg;
                 if visible {
                     s = 0.0f32;
@@ -192,6 +204,7 @@ pub fn flash_bwd_q<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     sinks: &Tensor<F>,
+    docs: &Tensor<u32>,
     d_o: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -202,6 +215,7 @@ pub fn flash_bwd_q<F: Float>(
     #[comptime] e: usize,
     #[comptime] tile: usize,
     #[comptime] has_sinks: bool,
+    #[comptime] has_docs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let s_len = shape.seq as usize;
@@ -246,6 +260,14 @@ pub fn flash_bwd_q<F: Float>(
     if window > 0 && first + 1 > window {
         lo = first + 1 - window;
     }
+    let mut doc_i = 0usize;
+    if has_docs {
+        let doc_first = docs[b * s_len + first] as usize;
+        if doc_first > lo {
+            lo = doc_first;
+        }
+        doc_i = docs[b * s_len + ic] as usize;
+    }
     let mut kt = lo / tile;
     let kt_end = (hi + tile - 1) / tile;
     while kt < kt_end {
@@ -259,7 +281,7 @@ pub fn flash_bwd_q<F: Float>(
         if valid {
             for jt in 0..tile {
                 let j = kt * tile + jt;
-                let visible = j <= i && (window == 0 || i < j + window);
+                let visible = j <= i && (window == 0 || i < j + window) && j >= doc_i;
                 if visible {
                     let mut s = 0.0f32;
                     for c in 0..d {
@@ -295,12 +317,15 @@ pub fn flash_bwd_q<F: Float>(
 /// Flash-attention backward for the keys and values: one cube per `(key tile, group, batch)`,
 /// one unit per key row, looping over the group's heads and the query tiles that can see the
 /// key tile (staged in shared memory with their `lse` and `delta`):
-/// `dv_j = sum_i p_ij do_i`, `dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`.
+/// `dv_j = sum_i p_ij do_i`, `dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`. With
+/// `has_docs`, only queries of key `j`'s document (`i < docs[B S + b S + j]`, its end) see it, and
+/// query tiles past the key tile's last document end are skipped.
 #[cube(launch)]
 pub fn flash_bwd_kv<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    docs: &Tensor<u32>,
     d_o: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -310,6 +335,7 @@ pub fn flash_bwd_kv<F: Float>(
     #[comptime] d: usize,
     #[comptime] e: usize,
     #[comptime] tile: usize,
+    #[comptime] has_docs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let s_len = shape.seq as usize;
@@ -355,6 +381,19 @@ pub fn flash_bwd_kv<F: Float>(
             hi = last_key + window;
         }
     }
+    let ends = docs.len() / 2;
+    let mut doc_end_j = s_len;
+    if has_docs {
+        let mut last = first + tile - 1;
+        if last >= s_len {
+            last = s_len - 1;
+        }
+        let tile_end = docs[ends + b * s_len + last] as usize;
+        if tile_end < hi {
+            hi = tile_end;
+        }
+        doc_end_j = docs[ends + b * s_len + jc] as usize;
+    }
     let qt_end = (hi + tile - 1) / tile;
     for hh in 0..per_group {
         let h = g * per_group + hh;
@@ -373,7 +412,7 @@ pub fn flash_bwd_kv<F: Float>(
             if valid {
                 for it in 0..tile {
                     let i = qt * tile + it;
-                    let visible = i < s_len && j <= i && (window == 0 || i < j + window);
+                    let visible = i < s_len && j <= i && (window == 0 || i < j + window) && i < doc_end_j;
                     if visible {
                         let mut s = 0.0f32;
                         for c in 0..d {

@@ -6,7 +6,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{elemwise, empty, finish, on_cube, prim, take, wrap, Cube, Input, Kind};
+use super::{elemwise, empty, finish, on_cube, prim, take, upload_u32, wrap, Cube, Input, Kind};
+use crate::documents::Documents;
 
 /// Largest head dim the kernels keep per unit in registers.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -14,10 +15,12 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Causal grouped-query attention in the projection layout, optionally windowed and with
 /// per-head sinks; value head dim may differ from the query/key head dim. Same contract as
 /// `crate::cpu::attention`: query `i` sees keys `i - window < j <= i`; the sink is one more logit
-/// per head in the softmax's denominator, with no value.
+/// per head in the softmax's denominator, with no value; with `docs`, a query sees only keys of
+/// its own document (key tiles wholly outside it are skipped).
 ///
 /// # Shapes
-/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`; sinks: `[H]`
+/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]` with `H % G == 0`; sinks: `[H]`;
+///   docs over `[B, S]`
 /// - output: `[B, S, H, E]`
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
@@ -26,11 +29,12 @@ pub fn attention<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
+    docs: Option<&Documents>,
 ) -> Option<Tensor<B, 4>> {
-    on_cube!(B, attention_on(q, k, v, sinks, scale, window))
+    on_cube!(B, attention_on(q, k, v, sinks, scale, window, docs))
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Dims {
     b: usize,
     s: usize,
@@ -41,6 +45,8 @@ struct Dims {
     window: usize,
     tile: usize,
     scale: f32,
+    /// Every token's document start, then end (`Documents::bounds`), when masked.
+    docs: Option<std::sync::Arc<[u32]>>,
 }
 
 impl Dims {
@@ -58,8 +64,12 @@ fn attention_on<B: Backend, C: Cube>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     window: Option<usize>,
+    docs: Option<&Documents>,
 ) -> Option<Tensor<B, 4>> {
     let [b, s, h, d] = q.dims();
+    if docs.is_some_and(|x| (x.batch(), x.seq()) != (b, s)) {
+        return None;
+    }
     let [kb, ks, g, kd] = k.dims();
     let [vb, vs, vg, e] = v.dims();
     if [kb, ks, kd] != [b, s, d] || [vb, vs, vg] != [b, s, g] || g == 0 || h % g != 0 {
@@ -86,7 +96,8 @@ fn attention_on<B: Backend, C: Cube>(
     if tile * (d + e + 2) * 4 > shared || tile > props.max_units_per_cube as usize {
         return None; // even the smallest tile does not fit this device
     }
-    let dims = Dims { b, s, h, g, d, e, window, tile, scale: scale as f32 };
+    let docs = docs.filter(|x| !x.is_whole()).map(|x| x.bounds().into());
+    let dims = Dims { b, s, h, g, d, e, window, tile, scale: scale as f32, docs };
     match sinks {
         Some(sinks) => {
             let sinks = take::<B, C, 1>(kind, sinks)?;
@@ -103,6 +114,8 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
     let has_sinks = N == 4;
     let (q, k, v) = (inputs[0].t.clone(), inputs[1].t.clone(), inputs[2].t.clone());
     let sinks = if has_sinks { inputs[3].t.clone() } else { q.clone() };
+    let has_docs = x.docs.is_some();
+    let docs = upload_u32(&q, x.docs.as_deref().unwrap_or(&[]));
     let dtype = q.dtype;
     let client = q.client.clone();
     let o = empty(&q, &[x.b, x.s, x.h, x.e], dtype);
@@ -117,6 +130,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
         sinks.clone().into_tensor_arg(),
+        docs.clone().into_tensor_arg(),
         o.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         x.heads(),
@@ -124,6 +138,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
         x.e,
         x.tile,
         has_sinks,
+        has_docs,
         dtype.into(),
     );
     let o_saved = o.clone();
@@ -156,6 +171,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
                 sinks.clone().into_tensor_arg(),
+                docs.clone().into_tensor_arg(),
                 d_o.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 delta.clone().into_tensor_arg(),
@@ -166,6 +182,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 x.e,
                 x.tile,
                 has_sinks,
+                has_docs,
                 dtype.into(),
             );
             if wanted[0] {
@@ -189,6 +206,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 q.into_tensor_arg(),
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
+                docs.into_tensor_arg(),
                 d_o.into_tensor_arg(),
                 lse.into_tensor_arg(),
                 delta.into_tensor_arg(),
@@ -198,6 +216,7 @@ fn run<B: Backend, C: Cube, const N: usize>(kind: Kind, inputs: [Input<C>; N], x
                 x.d,
                 x.e,
                 x.tile,
+                has_docs,
                 dtype.into(),
             );
             grads[1] = wanted[1].then_some(dk);
