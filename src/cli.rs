@@ -795,7 +795,7 @@ pub fn run_forward(args: &ForwardArgs) -> anyhow::Result<f64> {
         bail!("{}: sequences need at least 2 tokens for a next-token loss, got {s}", args.input_ids.display());
     }
     let out = model.forward(ids.clone());
-    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(out.logits.clone(), ids).into_scalar() as f64;
+    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(out.logits.clone(), ids, None).into_scalar() as f64;
     let mut sink = TensorSink::new();
     sink.put("logits".into(), out.logits);
     let (shape, values) = sink.get("logits").map(|(s, v)| (s.to_vec(), v.to_vec())).expect("just put");

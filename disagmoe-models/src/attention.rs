@@ -169,19 +169,34 @@ impl<B: Backend> GqaAttention<B> {
         (rope(q), rope(k), v)
     }
 
+    /// Within each document of `docs` when given.
+    ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]`
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, D]`; docs over `[B, S]`
     /// - output: `[B, S, M]`
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (q, k, v) = self.qkv(x, cos, sin);
         let scale = (self.head_dim as f64).powf(-0.5);
         // 3. Causal (windowed) attention with sinks: the fused operation or kernel where
         //    `disagmoe_kernels::fused` has one, else its reference; 4. merge heads, project.
         let sinks = self.sinks.as_ref().map(|p| p.val());
-        let out =
-            disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), scale, self.window, None)
-                .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window, None)); // [B, S, H, D]
+        let out = disagmoe_kernels::fused::attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            sinks.clone(),
+            scale,
+            self.window,
+            docs,
+        )
+        .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window, docs)); // [B, S, H, D]
         self.o_proj.forward(out.reshape([b, s, self.heads * self.head_dim]))
     }
 

@@ -9,6 +9,8 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use disagmoe_kernels::documents::Documents;
+
 use crate::balance::AuxLoss;
 use crate::error::{ModelError, Result};
 use crate::moe::{check_token_ids, RouterStats};
@@ -25,6 +27,9 @@ pub struct CausalLmOutput<B: Backend> {
     pub router_stats: Vec<RouterStats<B>>,
     /// The multi-token prediction modules' loss and router statistics, when the model has them.
     pub mtp: Option<MtpOutput<B>>,
+    /// The documents attention stayed within (`None`: each row is one sequence); the loss
+    /// ignores the targets that begin another document.
+    pub documents: Option<Documents>,
 }
 
 /// The parts of the training loss.
@@ -71,11 +76,16 @@ pub fn lm_logits<B: Backend>(x: Tensor<B, 3>, head: Option<&Linear<B>>, embed: &
     }
 }
 
-/// Mean cross-entropy of `logits[:, :-1]` against `ids[:, 1:]`.
+/// Mean cross-entropy of `logits[:, :-1]` against `ids[:, 1:]`, over the targets `ignore` does
+/// not mark (a document mask's [`Documents::crosses`]; with every target ignored, zero).
 ///
 /// # Shapes
-/// - logits: `[B, S, V]`; ids: `[B, S]` -> `[1]`
-pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+/// - logits: `[B, S, V]`; ids: `[B, S]`; ignore: `B * (S - 1)` marks, row-major -> `[1]`
+pub fn next_token_cross_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    ids: Tensor<B, 2, Int>,
+    ignore: Option<&[bool]>,
+) -> Tensor<B, 1> {
     let [b, s, v] = logits.dims();
     if disagmoe_kernels::fused::cpu_available::<B>() && s >= 2 {
         let labels: Option<Vec<usize>> = ids
@@ -86,14 +96,26 @@ pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, ids: Tensor<B,
             .to_vec::<i64>()
             .ok()
             .map(|l| l.into_iter().map(|t| t as usize).collect());
-        if let Some(loss) = labels.and_then(|l| disagmoe_kernels::fused::next_token_cross_entropy(logits.clone(), &l)) {
+        if let Some(loss) =
+            labels.and_then(|l| disagmoe_kernels::fused::next_token_cross_entropy(logits.clone(), &l, ignore))
+        {
             return loss;
         }
     }
     let n = b * (s - 1);
     let logp = log_softmax(logits.narrow(1, 0, s - 1).reshape([n, v]), 1); // [N, V]
     let labels = ids.narrow(1, 1, s - 1).reshape([n, 1]);
-    logp.gather(1, labels).mean().neg()
+    let picked = logp.gather(1, labels); // [N, 1]
+    match ignore {
+        None => picked.mean().neg(),
+        Some(ignore) => {
+            assert_eq!(ignore.len(), n, "one ignore mark per target");
+            let keep: Vec<f32> = ignore.iter().map(|&i| if i { 0.0 } else { 1.0 }).collect();
+            let counted = keep.iter().filter(|&&k| k > 0.0).count().max(1);
+            let keep = Tensor::<B, 2>::from_data(TensorData::new(keep, [n, 1]), &picked.device());
+            (picked * keep).sum().div_scalar(counted as f64).neg()
+        }
+    }
 }
 
 /// Cross-entropy plus the coefficient times the balance loss (when `aux` is given and there are
@@ -105,7 +127,8 @@ pub fn causal_lm_loss<B: Backend>(
     aux: Option<AuxLoss>,
     z_loss_coef: f64,
 ) -> LossParts<B> {
-    let lm_loss = next_token_cross_entropy(out.logits.clone(), ids);
+    let ignore = out.documents.as_ref().map(Documents::crosses);
+    let lm_loss = next_token_cross_entropy(out.logits.clone(), ids, ignore.as_deref());
     let aux_loss = aux.and_then(|a| a.kind.loss(&out.router_stats));
     let mut total = match (&aux_loss, aux) {
         (Some(loss), Some(a)) => lm_loss.clone() + loss.clone().mul_scalar(a.coef),

@@ -9,6 +9,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use disagmoe_kernels::documents::Documents;
 
 use crate::attention::GqaAttention;
 use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, CausalLmOutput, LossParts};
@@ -24,9 +25,11 @@ use crate::weights::{CheckpointReader, TensorSink};
 
 /// A self-attention layer of a decoder.
 pub trait AttentionLayer<B: Backend> {
+    /// Causal self-attention; within each document of `docs` when given.
+    ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` -> `[B, S, M]`
-    fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3>;
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]` -> `[B, S, M]`
+    fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>, docs: Option<&Documents>) -> Tensor<B, 3>;
     /// [`AttentionLayer::attend`] of new tokens at positions `past..past + S` over them and every
     /// earlier token, through what `cache` holds of those (the new tokens join it): incremental
     /// decoding. The default keeps the layer's inputs and reruns [`AttentionLayer::attend`] over
@@ -50,7 +53,7 @@ pub trait AttentionLayer<B: Backend> {
         };
         let t = all.dims()[1];
         debug_assert_eq!(t, past + s, "the inputs kept are every position so far");
-        let out = self.attend(all.clone(), cos, sin);
+        let out = self.attend(all.clone(), cos, sin, None);
         *cache = LayerCache::Inputs(all);
         out.narrow(1, t - s, s)
     }
@@ -61,8 +64,8 @@ pub trait AttentionLayer<B: Backend> {
 }
 
 impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
-    fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
-        self.forward(x, cos, sin)
+    fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>, docs: Option<&Documents>) -> Tensor<B, 3> {
+        self.forward(x, cos, sin, docs)
     }
     fn attend_cached(
         &self,
@@ -160,12 +163,18 @@ where
     R: Module<B> + Router<B>,
     X: Module<B> + Experts<B>,
 {
-    /// The attention half: `x + attn(norm(x))`.
+    /// The attention half: `x + attn(norm(x))`, within each document of `docs` when given.
     ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` -> `[B, S, M]`
-    pub fn attention_block(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
-        x.clone() + self.self_attn.attend(self.input_layernorm.forward(x), cos, sin)
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]` -> `[B, S, M]`
+    pub fn attention_block(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        docs: Option<&Documents>,
+    ) -> Tensor<B, 3> {
+        x.clone() + self.self_attn.attend(self.input_layernorm.forward(x), cos, sin, docs)
     }
 
     /// [`DecoderLayer::attention_block`] of new tokens at positions `past..`, through `cache`.
@@ -355,7 +364,23 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
     /// # Shapes
     /// - ids: `[B, S]` -> logits `[B, S, V]`
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> CausalLmOutput<B> {
-        let [_, s] = ids.dims();
+        self.forward_documents(ids, None)
+    }
+
+    /// The forward pass of packed rows: attention stays within each document of `docs` (when
+    /// given), and [`CausalLm::loss`] then ignores the targets that begin another document.
+    /// Positions do not restart per document (Megatron's default).
+    ///
+    /// # Shapes
+    /// - ids: `[B, S]`; docs over `[B, S]` -> logits `[B, S, V]`
+    ///
+    /// # Panics
+    /// If `docs` is not over `[B, S]` (data loading builds them from the same windows).
+    pub fn forward_documents(&self, ids: Tensor<B, 2, Int>, docs: Option<&Documents>) -> CausalLmOutput<B> {
+        let [b, s] = ids.dims();
+        if let Some(d) = docs {
+            assert_eq!([d.batch(), d.seq()], [b, s], "a document mask over the batch's rows");
+        }
         let device = ids.device();
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids.clone()); // [B, S, M]
@@ -364,7 +389,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();
         for layer in &self.layers {
-            x = layer.attention_block(x, cos.clone(), sin.clone());
+            x = layer.attention_block(x, cos.clone(), sin.clone(), docs);
             let (y, stats) = layer.expert_block(x);
             x = y;
             router_stats.extend(stats);
@@ -374,8 +399,8 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens); // [B, S, V]
 
         // 4. The multi-token prediction modules, when trained.
-        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin);
-        CausalLmOutput { logits, router_stats, mtp }
+        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin, docs);
+        CausalLmOutput { logits, router_stats, mtp, documents: docs.cloned() }
     }
 
     /// An empty cache for [`CausalLm::forward_cached`].

@@ -62,6 +62,7 @@ pub mod weights;
 pub use balance::{AuxLoss, BalanceLoss, LayerRouting};
 pub use causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
 pub use decoder::{CausalLm, FamilyModel};
+pub use disagmoe_kernels::documents::Documents;
 pub use error::{ModelError, Result};
 pub use families::deepseek_v3::{DeepseekV3Config, DeepseekV3ForCausalLM};
 pub use families::gpt_oss::{GptOssConfig, GptOssForCausalLM};

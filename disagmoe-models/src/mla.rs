@@ -177,10 +177,18 @@ impl<B: Backend> MlaAttention<B> {
         (Tensor::cat(vec![k_nope, k_rot], 3), v)
     }
 
+    /// Within each document of `docs` when given.
+    ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]`
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, Dr]`; docs over `[B, S]`
     /// - output: `[B, S, M]`
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
         // 1. Queries; 2-3. the compressed latent and the shared rotary key, rotated; 4. per-head
@@ -192,8 +200,8 @@ impl<B: Backend> MlaAttention<B> {
         // 5-6. Causal attention with the per-head dims (fused where `disagmoe_kernels::fused` has an
         //      operation or kernel for this backend, else its reference), merge heads, project.
         let scale = self.shape.softmax_scale;
-        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None, None)
-            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None, None)); // [B, S, H, Dv]
+        let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None, docs)
+            .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None, docs)); // [B, S, H, Dv]
         self.o_proj.forward(out.reshape([b, s, h * dv]))
     }
 

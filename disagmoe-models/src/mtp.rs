@@ -25,6 +25,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use disagmoe_kernels::documents::Documents;
 
 use crate::causal_lm::{lm_logits, next_token_cross_entropy};
 use crate::decoder::{init_layer, AttentionLayer, DecoderLayer};
@@ -105,18 +106,22 @@ where
     /// The module's hidden states at positions `0..n` from the previous depth's and the embedding
     /// of the tokens `k` places ahead, with its router statistics.
     ///
+    /// Attention stays within each document of `docs` when given.
+    ///
     /// # Shapes
-    /// - prev, next_embed: `[B, n, M]`; cos, sin: `[1, 1, n, rotary dim]` -> `[B, n, M]`
+    /// - prev, next_embed: `[B, n, M]`; cos, sin: `[1, 1, n, rotary dim]`; docs over `[B, n]`
+    /// - output: `[B, n, M]`
     pub fn forward(
         &self,
         prev: Tensor<B, 3>,
         next_embed: Tensor<B, 3>,
         cos: Tensor<B, 4>,
         sin: Tensor<B, 4>,
+        docs: Option<&Documents>,
     ) -> (Tensor<B, 3>, Option<RouterStats<B>>) {
         let x = Tensor::cat(vec![self.enorm.forward(next_embed), self.hnorm.forward(prev)], 2); // [B, n, 2M]
         let x = self.eh_proj.forward(x); // [B, n, M]
-        let x = self.block.attention_block(x, cos, sin);
+        let x = self.block.attention_block(x, cos, sin, docs);
         self.block.expert_block(x)
     }
 
@@ -245,9 +250,12 @@ where
 /// short for the last module to have a target (fewer than `D + 2` tokens; a run refuses such a
 /// `--seq`).
 ///
+/// With `docs`, each module attends within the documents of the positions it covers, and its
+/// loss ignores the targets in another document than their position ([`Documents::crosses_ahead`]).
+///
 /// # Shapes
 /// - normed: `[B, S, M]` the main model's final normed hidden states; ids: `[B, S]`;
-///   cos, sin: `[1, 1, S, rotary dim]`
+///   cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]`
 pub fn mtp_loss<B, A, R, X>(
     mtp: &[MtpLayer<B, A, R, X>],
     normed: Tensor<B, 3>,
@@ -256,6 +264,7 @@ pub fn mtp_loss<B, A, R, X>(
     head: Option<&Linear<B>>,
     cos: Tensor<B, 4>,
     sin: Tensor<B, 4>,
+    docs: Option<&Documents>,
 ) -> Option<MtpOutput<B>>
 where
     B: Backend,
@@ -271,15 +280,18 @@ where
     let (mut prev, mut losses, mut router_stats) = (normed, Vec::new(), Vec::new());
     for (i, m) in mtp.iter().enumerate() {
         let (k, n) = (i + 1, s - i - 1); // module k covers positions 0..S-k
+        let covered = docs.map(|d| d.prefix(n));
         let (out, stats) = m.forward(
             prev.narrow(1, 0, n),
             embedded.clone().narrow(1, k, n), // embed(t_{i+k})
             cos.clone().narrow(2, 0, n),
             sin.clone().narrow(2, 0, n),
+            covered.as_ref(),
         );
         // [B, n, V]; position i predicts t_{i+k+1}: the next-token loss against the ids shifted by k.
         let logits = lm_logits(m.head_norm.forward(out.clone()), head, embed);
-        losses.push(next_token_cross_entropy(logits, ids.clone().narrow(1, k, n)));
+        let ignore = docs.map(|d| d.crosses_ahead(k));
+        losses.push(next_token_cross_entropy(logits, ids.clone().narrow(1, k, n), ignore.as_deref()));
         router_stats.extend(stats);
         prev = out;
     }

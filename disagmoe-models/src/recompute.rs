@@ -22,6 +22,7 @@
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
+use disagmoe_kernels::documents::Documents;
 use serde::{Deserialize, Serialize};
 
 use crate::balance::LayerRouting;
@@ -149,12 +150,16 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
     /// a tied embedding, comes twice: add them). `inner` is this model on the inner backend
     /// (`valid()`), which computes the forward of the recomputed blocks without a graph.
     ///
+    /// With `docs`, attention stays within each document and the losses ignore the targets in
+    /// another document ([`FamilyModel::forward_documents`]).
+    ///
     /// # Shapes
-    /// - ids: `[B, S]`
+    /// - ids: `[B, S]`; docs over `[B, S]`
     pub fn backward_recomputed(
         &self,
         inner: &FamilyModel<B::InnerBackend, C>,
         ids: Tensor<B, 2, Int>,
+        docs: Option<&Documents>,
         with_aux: bool,
         recompute: Recompute,
         scale: f64,
@@ -171,10 +176,10 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         for (layer, inner_layer) in self.layers.iter().zip(&inner.layers) {
             if recompute.attention() {
                 saved.push(Saved::Input(h.clone()));
-                h = inner_layer.attention_block(h, inner_cos.clone(), inner_sin.clone());
+                h = inner_layer.attention_block(h, inner_cos.clone(), inner_sin.clone(), docs);
             } else {
                 let input = Tensor::from_inner(h).require_grad();
-                let output = layer.attention_block(input.clone(), cos.clone(), sin.clone());
+                let output = layer.attention_block(input.clone(), cos.clone(), sin.clone(), docs);
                 h = output.clone().inner();
                 saved.push(Saved::Graph { input, output, stats: None });
             }
@@ -197,7 +202,8 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         let last = Tensor::<B, 3>::from_inner(h).require_grad();
         let normed = self.norm.forward(last.clone());
         let logits = lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens);
-        let lm_loss = next_token_cross_entropy(logits, ids.clone());
+        let ignore = docs.map(Documents::crosses);
+        let lm_loss = next_token_cross_entropy(logits, ids.clone(), ignore.as_deref());
         let mtp = mtp_loss(
             &self.mtp,
             normed,
@@ -206,6 +212,7 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
             self.lm_head.as_ref(),
             cos.clone(),
             sin.clone(),
+            docs,
         );
         // 3. The loss values, and each routed layer's balance coefficients.
         let routed: Vec<&LayerStats<B::InnerBackend>> = stats.iter().flatten().collect();
@@ -264,7 +271,7 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
                         let (output, s) = layer.expert_block(input.clone());
                         (input, output, s)
                     } else {
-                        (input.clone(), layer.attention_block(input, cos.clone(), sin.clone()), None)
+                        (input.clone(), layer.attention_block(input, cos.clone(), sin.clone(), docs), None)
                     }
                 }
             };

@@ -27,6 +27,7 @@ use std::ops::Range;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use disagmoe_kernels::documents::Documents;
 
 use crate::balance::AuxLoss;
 use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
@@ -113,21 +114,24 @@ where
     }
 
     /// The next-token loss of the last hidden states, and the multi-token prediction modules'
-    /// output when the model trains them ([`crate::mtp::mtp_loss`]).
+    /// output when the model trains them ([`crate::mtp::mtp_loss`]); with `docs`, the losses
+    /// ignore the targets in another document and the modules attend within documents.
     ///
     /// # Shapes
-    /// - h: `[B, S, M]`; ids: `[B, S]`; cos, sin: `[1, 1, S, rotary dim]`
+    /// - h: `[B, S, M]`; ids: `[B, S]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]`
     pub fn head_loss(
         &self,
         h: Tensor<B, 3>,
         ids: Tensor<B, 2, Int>,
         cos: Tensor<B, 4>,
         sin: Tensor<B, 4>,
+        docs: Option<&Documents>,
     ) -> (Tensor<B, 1>, Option<MtpOutput<B>>) {
         let normed = self.norm.forward(h);
         let logits = crate::causal_lm::lm_logits(normed.clone(), self.lm_head.as_ref(), &self.embed_tokens);
-        let lm = crate::causal_lm::next_token_cross_entropy(logits, ids.clone());
-        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin);
+        let ignore = docs.map(Documents::crosses);
+        let lm = crate::causal_lm::next_token_cross_entropy(logits, ids.clone(), ignore.as_deref());
+        let mtp = mtp_loss(&self.mtp, normed, ids, &self.embed_tokens, self.lm_head.as_ref(), cos, sin, docs);
         (lm, mtp)
     }
 }
@@ -208,11 +212,19 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
         }
     }
 
+    /// Attention stays within each document of `docs` when given.
+    ///
     /// # Shapes
-    /// - h: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`
-    pub fn forward(&self, h: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> AttentionStageOutput<B> {
+    /// - h: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]`
+    pub fn forward(
+        &self,
+        h: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        docs: Option<&Documents>,
+    ) -> AttentionStageOutput<B> {
         let [b, s, m] = h.dims();
-        let x = h.clone() + self.self_attn.attend(self.input_layernorm.forward(h), cos, sin); // [B, S, M]
+        let x = h.clone() + self.self_attn.attend(self.input_layernorm.forward(h), cos, sin, docs); // [B, S, M]
         let residual = x.reshape([b * s, m]); // [T, M]
         let normed = self.post_attention_layernorm.forward(residual.clone()); // [T, M]
         let route = self.router.as_ref().map(|r| r.route(normed.clone()));

@@ -66,7 +66,7 @@ fn recomputation_gives_the_same_mtp_gradients() {
         let inner = model.valid();
         let mut grads: HashMap<burn::module::ParamId, Vec<f32>> = HashMap::new();
         let micro = model
-            .backward_recomputed(&inner, ids, true, Recompute::Full, 1.0, &mut |g| {
+            .backward_recomputed(&inner, ids, None, true, Recompute::Full, 1.0, &mut |g| {
                 for (id, v) in collect_grads(&model, &g) {
                     let acc = grads.entry(id).or_insert_with(|| vec![0.0; v.len()]);
                     acc.iter_mut().zip(&v).for_each(|(a, b)| *a += b);

@@ -69,7 +69,7 @@ fn every_setting_gives_the_whole_model_gradients_for_every_family() {
         for recompute in [Recompute::None, Recompute::Experts, Recompute::Attention, Recompute::Full] {
             let mut acc = GradientsAccumulator::<MoeCausalLm<B>>::new();
             let got = model
-                .backward_recomputed(&inner, ids.clone(), true, recompute, scale, &mut |g| {
+                .backward_recomputed(&inner, ids.clone(), None, true, recompute, scale, &mut |g| {
                     acc.accumulate(&model, GradientsParams::from_grads(g, &model))
                 })
                 .unwrap();

@@ -60,7 +60,7 @@ pub fn evaluate_rows<B: burn::tensor::backend::Backend>(
 ) -> Result<f64> {
     let ids = model.input_ids(rows, device)?;
     let logits = model.forward(ids.clone()).logits;
-    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(logits, ids);
+    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(logits, ids, None);
     Ok(loss.into_data().convert::<f64>().to_vec::<f64>().map_err(|e| TrainError::Worker {
         worker: 0,
         cause: format!("the evaluation loss cannot be read back: {e:?}"),
@@ -239,7 +239,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
             let ids = model.input_ids(chunk, &self.device)?;
             let micro = match &inner {
                 Some(inner) => {
-                    model.backward_recomputed(inner, ids, self.with_aux, self.recompute, scale, &mut |g| {
+                    model.backward_recomputed(inner, ids, None, self.with_aux, self.recompute, scale, &mut |g| {
                         acc.accumulate(model, GradientsParams::from_grads(g, model))
                     })?
                 }

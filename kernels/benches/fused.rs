@@ -74,7 +74,7 @@ fn bench(c: &mut Criterion) {
         &Default::default(),
     );
     g.bench_function("cross_entropy/fused", |b| {
-        b.iter(|| cpu::next_token_cross_entropy(logits.clone(), &labels).unwrap().backward())
+        b.iter(|| cpu::next_token_cross_entropy(logits.clone(), &labels, None).unwrap().backward())
     });
     g.bench_function("cross_entropy/reference", |b| {
         b.iter(|| {

@@ -121,8 +121,26 @@ impl Documents {
     /// Whether token `i + 1` of row `b` begins another document, so that predicting it from
     /// token `i` is no training signal (`[B * (S - 1)]`, row-major: the next-token loss's mask).
     pub fn crosses(&self) -> Vec<bool> {
-        let s = self.seq;
-        (0..self.batch).flat_map(|b| (0..s.saturating_sub(1)).map(move |i| (b, i + 1))).map(|(b, j)| self.start(b, j) == j).collect()
+        self.crosses_ahead(0)
+    }
+
+    /// Whether token `i + k + 1` of row `b` lies in another document than token `i`
+    /// (`[B * (S - k - 1)]`, row-major): the mask of a loss where position `i` predicts the token
+    /// `k + 1` places ahead (multi-token prediction's depth `k`).
+    pub fn crosses_ahead(&self, k: usize) -> Vec<bool> {
+        let n = self.seq.saturating_sub(k + 1);
+        (0..self.batch).flat_map(|b| (0..n).map(move |i| self.start(b, i + k + 1) > i)).collect()
+    }
+
+    /// The documents of each row's first `n` tokens (a document cut short ends at `n`).
+    ///
+    /// # Panics
+    /// If `n` is 0 or longer than the rows.
+    pub fn prefix(&self, n: usize) -> Self {
+        assert!(n >= 1 && n <= self.seq, "a prefix of {n} tokens of rows of {}", self.seq);
+        let cuts: Vec<Vec<usize>> =
+            (0..self.batch).map(|b| self.cuts(b).into_iter().filter(|&c| c < n).collect()).collect();
+        Self::new(n, &cuts).expect("cuts of a valid mask")
     }
 }
 
@@ -141,6 +159,11 @@ mod tests {
         assert_eq!(d.cuts(0), [2, 5]);
         assert_eq!(d.positions()[..6], [0, 1, 0, 1, 2, 0]);
         assert_eq!(d.crosses()[..5], [false, true, false, false, true]);
+        // Two ahead: 0 -> 2 and 1 -> 3 cross the cut at 2, 2 -> 4 does not, 3 -> 5 crosses 5.
+        assert_eq!(d.crosses_ahead(1)[..4], [true, true, false, true]);
+        assert_eq!(d.crosses_ahead(1).len(), 2 * 4);
+        assert_eq!(d.prefix(5).cuts(0), [2]);
+        assert_eq!((d.prefix(5).seq(), d.prefix(5).end(0, 4)), (5, 5));
         assert!(!d.is_whole());
         assert!(d.rows(1..2).is_whole());
         assert_eq!(d.rows(0..1).cuts(0), [2, 5]);

@@ -475,6 +475,6 @@ pub mod fused {
     forward!(
         Family::Loss,
         /// See [`crate::cpu::next_token_cross_entropy`].
-        fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[usize]) -> Tensor<B, 1>
+        fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[usize], ignore: Option<&[bool]>) -> Tensor<B, 1>
     );
 }

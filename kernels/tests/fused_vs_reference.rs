@@ -68,10 +68,11 @@ fn attention_matches_the_reference_with_gradients() {
         let sinks_arg = || with_sinks.then(|| sinks.clone());
         let probe = rand([b, s, h, e], seed + 3);
         let scale = 0.37;
-        let fused =
-            cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None).expect("applies to Autodiff<Flex>");
+        let fused = cpu::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None)
+            .expect("applies to Autodiff<Flex>");
         let gf = (fused.clone() * probe.clone()).sum().backward();
-        let reference = disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None);
+        let reference =
+            disagmoe_kernels::reference::attention(q.clone(), k(), v.clone(), sinks_arg(), scale, window, None);
         let gr = (reference.clone() * probe).sum().backward();
         let what = format!("case {i} {:?}", cases[i]);
         assert_close(&format!("{what} output"), &values(fused.clone()), &values(reference.clone()), 2e-5);
@@ -111,7 +112,15 @@ fn each_document_alone(
                 .windows(2)
                 .map(|w| {
                     let part = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).narrow(1, w[0], w[1] - w[0]);
-                    disagmoe_kernels::reference::attention(part(&q), part(&k), part(&v), sinks.clone(), scale, window, None)
+                    disagmoe_kernels::reference::attention(
+                        part(&q),
+                        part(&k),
+                        part(&v),
+                        sinks.clone(),
+                        scale,
+                        window,
+                        None,
+                    )
                 })
                 .collect();
             Tensor::cat(parts, 1)
@@ -144,14 +153,23 @@ fn attention_within_documents_matches_each_document_alone_with_gradients() {
         let sinks_arg = || with_sinks.then(|| sinks.clone());
         let probe = rand([b, s, h, e], seed + 3);
         let scale = 0.37;
-        let what = format!("case {i} (b {b}, s {s}, h {h}/{g}, d {d}/{e}, window {window:?}, sinks {with_sinks}, cuts {cuts:?})");
+        let what = format!(
+            "case {i} (b {b}, s {s}, h {h}/{g}, d {d}/{e}, window {window:?}, sinks {with_sinks}, cuts {cuts:?})"
+        );
         let alone = each_document_alone(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, &docs);
         let ga = (alone.clone() * probe.clone()).sum().backward();
         let fused = cpu::attention(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, Some(&docs))
             .expect("applies to Autodiff<Flex>");
         let gf = (fused.clone() * probe.clone()).sum().backward();
-        let masked =
-            disagmoe_kernels::reference::attention(q.clone(), k.clone(), v.clone(), sinks_arg(), scale, window, Some(&docs));
+        let masked = disagmoe_kernels::reference::attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            sinks_arg(),
+            scale,
+            window,
+            Some(&docs),
+        );
         let gm = (masked.clone() * probe).sum().backward();
         for (path, out, grads) in [("fused", &fused, &gf), ("masked reference", &masked, &gm)] {
             assert_close(&format!("{what} {path} output"), &values(out.clone()), &values(alone.clone()), 2e-5);
@@ -184,7 +202,10 @@ fn attention_refuses_what_it_does_not_handle() {
     assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, None, None).is_none());
     let k = rand([1, 4, 1, 8], 2);
     assert!(cpu::attention(q.clone(), k.clone(), k.clone(), None, 1.0, Some(0), None).is_none());
-    assert!(cpu::attention(q, k.clone(), k, Some(rand([2], 3)), 1.0, None, None).is_none(), "sinks of the wrong length");
+    assert!(
+        cpu::attention(q, k.clone(), k, Some(rand([2], 3)), 1.0, None, None).is_none(),
+        "sinks of the wrong length"
+    );
 }
 
 #[test]
@@ -250,7 +271,7 @@ fn cross_entropy_matches_the_reference_with_gradients() {
         TensorData::new(labels.iter().map(|&l| l as i64).collect::<Vec<_>>(), [b, s - 1]),
         &Default::default(),
     );
-    let fused = cpu::next_token_cross_entropy(logits.clone(), &labels).unwrap();
+    let fused = cpu::next_token_cross_entropy(logits.clone(), &labels, None).unwrap();
     let gf = fused.clone().mul_scalar(2.5).backward();
     let n = b * (s - 1);
     let logp = log_softmax(logits.clone().narrow(1, 0, s - 1).reshape([n, v]), 1);
@@ -259,10 +280,33 @@ fn cross_entropy_matches_the_reference_with_gradients() {
     assert_close("ce loss", &values(fused.clone()), &values(reference.clone()), 1e-6);
     // A scaled loss checks that the incoming gradient is applied.
     assert_close("ce dlogits", &values(logits.grad(&gf).unwrap()), &values(logits.grad(&gr).unwrap()), 1e-6);
-    assert!(cpu::next_token_cross_entropy(logits.clone(), &labels[1..]).is_none(), "wrong label count");
+    assert!(cpu::next_token_cross_entropy(logits.clone(), &labels[1..], None).is_none(), "wrong label count");
     let mut bad = labels.clone();
     bad[0] = v;
-    assert!(cpu::next_token_cross_entropy(logits, &bad).is_none(), "label outside the vocabulary");
+    assert!(cpu::next_token_cross_entropy(logits.clone(), &bad, None).is_none(), "label outside the vocabulary");
+
+    // Ignored targets (a document mask's): the mean is over the others, their logits get no
+    // gradient; a mask of the wrong length is refused; nothing counted is a zero loss.
+    let ignore: Vec<bool> = (0..n).map(|i| i % 3 == 1 || i == 4).collect();
+    let fused = cpu::next_token_cross_entropy(logits.clone(), &labels, Some(&ignore)).unwrap();
+    let gf = fused.clone().mul_scalar(2.5).backward();
+    let keep: Vec<f32> = ignore.iter().map(|&i| if i { 0.0 } else { 1.0 }).collect();
+    let kept = keep.iter().sum::<f32>() as f64;
+    let keep = Tensor::<B, 2>::from_data(TensorData::new(keep, [n, 1]), &Default::default());
+    let ids = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(labels.iter().map(|&l| l as i64).collect::<Vec<_>>(), [n, 1]),
+        &Default::default(),
+    );
+    let logp = log_softmax(logits.clone().narrow(1, 0, s - 1).reshape([n, v]), 1);
+    let reference = (logp.gather(1, ids) * keep).sum().div_scalar(kept).neg();
+    let gr = reference.clone().mul_scalar(2.5).backward();
+    assert_close("masked ce loss", &values(fused), &values(reference), 1e-6);
+    assert_close("masked ce dlogits", &values(logits.grad(&gf).unwrap()), &values(logits.grad(&gr).unwrap()), 1e-6);
+    assert!(cpu::next_token_cross_entropy(logits.clone(), &labels, Some(&ignore[1..])).is_none(), "mask length");
+    let all = cpu::next_token_cross_entropy(logits.clone(), &labels, Some(&vec![true; n])).unwrap();
+    let g = all.clone().backward();
+    assert_eq!(values(all), [0.0]);
+    assert!(values(logits.grad(&g).unwrap()).iter().all(|&x| x == 0.0), "no gradient where nothing counts");
 }
 
 #[test]

@@ -21,6 +21,7 @@ use burn::module::{AutodiffModule, Module, ModuleDisplay};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 use disagmoe_core::model_shape::ModelShape;
+use disagmoe_kernels::documents::Documents;
 
 use crate::balance::AuxLoss;
 use crate::causal_lm::{CausalLmOutput, HfCheckpoint, LossParts};
@@ -301,6 +302,12 @@ macro_rules! families {
                 match self { $(Self::$variant(m) => m.forward(ids),)* }
             }
 
+            /// The forward pass of packed rows, attention within each document of `docs`
+            /// ([`FamilyModel::forward_documents`]).
+            pub fn forward_documents(&self, ids: Tensor<B, 2, Int>, docs: Option<&Documents>) -> CausalLmOutput<B> {
+                match self { $(Self::$variant(m) => m.forward_documents(ids, docs),)* }
+            }
+
             /// Sets the router options (z-loss, capacity, forced balance) of every MoE layer.
             pub fn set_routing(&mut self, routing: crate::moe::RoutingOptions) {
                 match self { $(Self::$variant(m) => m.set_routing(routing),)* }
@@ -350,6 +357,7 @@ macro_rules! families {
                 &self,
                 inner: &MoeCausalLm<B::InnerBackend>,
                 ids: Tensor<B, 2, Int>,
+                docs: Option<&Documents>,
                 with_aux: bool,
                 recompute: Recompute,
                 scale: f64,
@@ -357,7 +365,7 @@ macro_rules! families {
             ) -> Result<MicroBatchLoss> {
                 match (self, inner) {
                     $((Self::$variant(m), MoeCausalLm::$variant(i)) => {
-                        Ok(m.backward_recomputed(i, ids, with_aux, recompute, scale, on_grads))
+                        Ok(m.backward_recomputed(i, ids, docs, with_aux, recompute, scale, on_grads))
                     })*
                     _ => Err(ModelError::InvalidInput(
                         "backward_recomputed: `inner` is a model of another family".into(),

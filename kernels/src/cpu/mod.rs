@@ -38,8 +38,8 @@ pub use vector::AdamWScalars;
 
 type Ad = Autodiff<Flex>;
 
-use crate::{cast, Kind};
 use crate::documents::Documents;
+use crate::{cast, Kind};
 pub use crate::{enabled, set_enabled, set_enabled_for_thread};
 
 /// The one place that decides whether a backend gets the fused operations.
@@ -239,14 +239,8 @@ pub fn attention<B: Backend>(
         Some(t) => Some(take(kind, t)?),
         None => None,
     };
-    let (out, probs) = ops::attention_forward(
-        q.data(),
-        k.data(),
-        v.data(),
-        sinks.as_ref().map(Input::data),
-        starts.as_deref(),
-        shape,
-    );
+    let (out, probs) =
+        ops::attention_forward(q.data(), k.data(), v.data(), sinks.as_ref().map(Input::data), starts.as_deref(), shape);
     let out = flex(out, &[b, s, h, e]);
     let (qv, kv, vv) = (q.values.clone(), k.values.clone(), v.values.clone());
     let backward = move |dout: &[f32]| {
@@ -335,20 +329,26 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -
 }
 
 /// Mean next-token cross-entropy: position `t` of each sequence predicts `labels[b][t]` (the
-/// token at `t + 1`); the last position predicts nothing.
+/// token at `t + 1`); the last position predicts nothing, nor do the positions `ignore` marks
+/// (the mean is over the others).
 ///
 /// # Shapes
-/// - logits: `[B, S, V]`; labels: `B * (S - 1)` token ids, row-major
+/// - logits: `[B, S, V]`; labels, ignore: `B * (S - 1)` token ids and marks, row-major
 /// - output: `[1]`
-pub fn next_token_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[usize]) -> Option<Tensor<B, 1>> {
+pub fn next_token_cross_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    labels: &[usize],
+    ignore: Option<&[bool]>,
+) -> Option<Tensor<B, 1>> {
     let kind = kind::<B>()?;
     let shape = logits.dims();
     let [b, s, v] = shape;
-    if s < 2 || labels.len() != b * (s - 1) || labels.iter().any(|&l| l >= v) {
+    let n = b * s.saturating_sub(1);
+    if s < 2 || labels.len() != n || labels.iter().any(|&l| l >= v) || ignore.is_some_and(|m| m.len() != n) {
         return None;
     }
     let logits = take(kind, logits)?;
-    let (loss, grad) = ops::cross_entropy(logits.data(), labels, b, s, v);
+    let (loss, grad) = ops::cross_entropy(logits.data(), labels, ignore, b, s, v);
     let out = flex(vec![loss as f32], &[1]);
     Some(finish::<B, 1, 1>(kind, [&logits], out, move |dl, _| {
         let mut grad = grad;

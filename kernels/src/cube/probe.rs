@@ -24,9 +24,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
+use crate::documents::Documents;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-use crate::documents::Documents;
 
 /// The implementation of the grouped expert products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,8 +24,14 @@ use crate::mtp::MtpSettings;
 pub type DeepseekV3ForCausalLM<B> = FamilyModel<B, DeepseekV3Config>;
 
 impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
-    fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
-        self.forward(x, cos, sin)
+    fn attend(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
+        self.forward(x, cos, sin, docs)
     }
     fn attend_cached(
         &self,

@@ -116,17 +116,29 @@ pub fn rope(x: &[f32], cos: &[f32], sin: &[f32], seq: usize, heads: usize, inver
 }
 
 /// Mean next-token cross-entropy over `logits` `[B, S, V]` with `labels` `[B, S - 1]` (the token
-/// after each position); returns the loss and the gradient of the loss w.r.t. the logits
-/// (`(softmax - onehot) / N` on the first `S - 1` positions, zero on the last).
-pub fn cross_entropy(logits: &[f32], labels: &[usize], batch: usize, seq: usize, vocab: usize) -> (f64, Vec<f32>) {
-    let n = batch * (seq - 1);
+/// after each position), over the targets `ignore` (`[B, S - 1]`) does not mark; returns the loss
+/// and the gradient of the loss w.r.t. the logits (`(softmax - onehot) / N` on the `N` counted
+/// positions, zero elsewhere). With nothing counted, the loss and its gradient are zero.
+pub fn cross_entropy(
+    logits: &[f32],
+    labels: &[usize],
+    ignore: Option<&[bool]>,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+) -> (f64, Vec<f32>) {
+    let counted = |i: usize| ignore.is_none_or(|m| !m[i]);
+    let n = (0..batch * (seq - 1)).filter(|&i| counted(i)).count();
     let mut grad = vec![0f32; logits.len()];
+    if n == 0 {
+        return (0.0, grad);
+    }
     let losses: Vec<f64> = grad
         .par_chunks_mut(vocab)
         .enumerate()
         .map(|(row, gr)| {
             let (b, t) = (row / seq, row % seq);
-            if t + 1 == seq {
+            if t + 1 == seq || !counted(b * (seq - 1) + t) {
                 return 0.0;
             }
             let label = labels[b * (seq - 1) + t];
