@@ -1,41 +1,15 @@
 //! Activation recomputation gives the whole-model step's loss and gradients: every family, every
 //! setting, with the balance loss and the router z-loss on.
 
-use std::collections::HashMap;
-
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::Tensor;
 use disagmoe_models::{model_presets, ModelConfig, MoeCausalLm, Recompute, RoutingOptions};
 
+mod common;
+use common::{collect_params as collect, rel_err as rel};
+
 type B = Autodiff<Flex>;
-
-/// Every parameter's gradient, by id, as f32 values.
-struct Collect<'a> {
-    grads: &'a GradientsParams,
-    out: HashMap<ParamId, Vec<f32>>,
-}
-
-impl ModuleVisitor<B> for Collect<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<Flex, D>(param.id) {
-            self.out.insert(param.id, g.into_data().convert::<f32>().to_vec().unwrap());
-        }
-    }
-}
-
-fn collect(model: &MoeCausalLm<B>, grads: &GradientsParams) -> HashMap<ParamId, Vec<f32>> {
-    let mut c = Collect { grads, out: HashMap::new() };
-    model.visit(&mut c);
-    c.out
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (d / n.max(1e-30)).sqrt()
-}
 
 #[test]
 fn every_setting_gives_the_whole_model_gradients_for_every_family() {

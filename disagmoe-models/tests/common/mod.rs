@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use safetensors::SafeTensors;
@@ -80,6 +81,29 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
 /// The gradient of every parameter that has one, by parameter id.
 pub fn collect_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &B::Gradients) -> HashMap<ParamId, Vec<f32>> {
     let mut collector = GradCollector::<B> { grads, out: HashMap::new() };
+    model.visit(&mut collector);
+    collector.out
+}
+
+struct ParamsCollector<'a> {
+    grads: &'a GradientsParams,
+    out: HashMap<ParamId, Vec<f32>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ParamsCollector<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.out.insert(param.id, values(g));
+        }
+    }
+}
+
+/// The gradient of every parameter in `grads` (an accumulator's), by parameter id.
+pub fn collect_params<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> HashMap<ParamId, Vec<f32>> {
+    let mut collector = ParamsCollector { grads, out: HashMap::new() };
     model.visit(&mut collector);
     collector.out
 }
