@@ -72,6 +72,15 @@ pub struct TrainArgs {
     /// Batches of held-out windows per evaluation, at most [default: 8].
     #[arg(long, value_name = "N")]
     pub eval_batches: Option<usize>,
+    /// Attention within each document of a packed window, and no loss on the token after an
+    /// end-of-document: auto (on for token shards, which have a document index; off for text),
+    /// on (text refused), or off [default: auto].
+    #[arg(long, value_name = "auto|on|off")]
+    pub document_mask: Option<disagmoe_train::DocumentMask>,
+    /// Rotary positions under a document mask: continue (counted from each window's start) or
+    /// restart (from each document's start; needs the mask) [default: continue].
+    #[arg(long, value_name = "continue|restart")]
+    pub document_positions: Option<disagmoe_train::DocumentPositions>,
     /// Peak learning rate [default: 3e-3].
     #[arg(long)]
     pub lr: Option<f64>,
@@ -352,6 +361,7 @@ impl TrainArgs {
         }
         set!(tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
         set!(eval_fraction => data.eval_fraction, eval_every => data.eval_every, eval_batches => data.eval_batches);
+        set!(document_mask => data.document_mask, document_positions => data.document_positions);
         set!(
             lr => optimizer.lr, min_lr => optimizer.min_lr, warmup_steps => optimizer.warmup_steps,
             weight_decay => optimizer.weight_decay, grad_clip => optimizer.grad_clip,

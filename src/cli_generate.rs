@@ -198,6 +198,13 @@ pub struct EvalArgs {
     /// Every window of the corpus instead of the held-out ones (e.g. a separate test file).
     #[arg(long)]
     pub whole: bool,
+    /// Attention within each document of a window, no loss on the token after an
+    /// end-of-document, as `train --document-mask` [default: auto, on for token shards].
+    #[arg(long, value_name = "auto|on|off", default_value = "auto")]
+    pub document_mask: disagmoe_train::DocumentMask,
+    /// Rotary positions under the mask, as `train --document-positions`: continue or restart.
+    #[arg(long, value_name = "continue|restart", default_value = "continue")]
+    pub document_positions: disagmoe_train::DocumentPositions,
 }
 
 /// What `eval` measured.
@@ -207,7 +214,8 @@ pub struct EvalReport {
     pub loss: f64,
     /// `exp(loss)`.
     pub perplexity: f64,
-    /// Tokens predicted (`seq - 1` per window).
+    /// Tokens predicted (`seq - 1` per window, less those that begin another document under a
+    /// document mask).
     pub tokens: usize,
     /// Windows read.
     pub windows: usize,
@@ -245,11 +253,13 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
         vec![(1.0, args.data.as_ref().and_then(|v| v.first().cloned()))]
     };
     let (mut loss, mut windows, mut split, mut per_source) = (0.0, 0, "held-out", std::collections::BTreeMap::new());
+    let mut predicted = 0;
     for (weight, path) in &sources {
         let data = PackedDataset::open(path.as_deref(), tokenizer_path.as_deref(), tokenizer.as_ref(), packing)?;
-        let rows = if args.whole {
+        let data = data.with_document_mask(args.document_mask)?.with_document_positions(args.document_positions)?;
+        let batches = if args.whole {
             split = "whole";
-            data.window_rows(0..data.all_windows())?
+            data.window_batch(0..data.all_windows())
         } else {
             let data = data.hold_out(args.eval_fraction)?;
             let full = data.eval_windows() / args.batch * args.batch;
@@ -264,15 +274,21 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
                     args.batch
                 );
             }
-            data.eval_rows(full)?
+            data.eval_batch(0..full)
         };
-        let mut sum = 0.0;
-        for chunk in rows.chunks(args.batch) {
-            sum += disagmoe_train::single::evaluate_rows(&model, chunk, &device)? * chunk.len() as f64;
+        let (mut sum, n) = (0.0, batches.len());
+        for start in (0..n).step_by(args.batch) {
+            let range = start..(start + args.batch).min(n);
+            let (rows, docs) = (batches.rows(range.clone())?, batches.documents(range)?);
+            predicted += match &docs {
+                Some(d) => d.crosses().iter().filter(|&&c| !c).count(),
+                None => rows.len() * (args.seq - 1),
+            };
+            sum += disagmoe_train::single::evaluate_rows(&model, &rows, docs.as_ref(), &device)? * rows.len() as f64;
         }
-        let source_loss = sum / rows.len() as f64;
+        let source_loss = sum / n as f64;
         loss += weight * source_loss;
-        windows += rows.len();
+        windows += n;
         per_source.insert(
             path.as_ref().map_or_else(|| BUNDLED_CORPUS_NAME.to_string(), |p| p.display().to_string()),
             source_loss,
@@ -287,7 +303,7 @@ pub fn run_eval(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     let report = EvalReport {
         loss,
         perplexity: loss.exp(),
-        tokens: windows * (args.seq - 1),
+        tokens: predicted,
         windows,
         split,
         corpus,

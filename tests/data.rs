@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use disagmoe::train::data::indexed::{IndexedWriter, TokenDtype};
 use disagmoe::train::data::{ByteTokenizer, HfTokenizer, PackedDataset, Packing, Tokenizer, Tokens};
+use disagmoe::train::DocumentMask;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_disagmoe"))
@@ -234,6 +235,8 @@ fn a_megatron_pair_gives_the_windows_of_our_own_shards_of_the_same_tokens() {
         .unwrap()
         .hold_out(0.1)
         .unwrap()
+        .with_document_mask(DocumentMask::On)
+        .unwrap()
     };
     for megatron in [pair.clone(), pair.with_extension("idx"), pair.with_extension("bin")] {
         let (mut a, mut b) = (open(&megatron), open(&ours));
@@ -241,9 +244,16 @@ fn a_megatron_pair_gives_the_windows_of_our_own_shards_of_the_same_tokens() {
         assert!(a.eval_windows() > 0 && a.windows() > 100);
         assert_eq!(a.eval_rows(usize::MAX).unwrap(), b.eval_rows(usize::MAX).unwrap());
         assert_eq!(a.window_rows(0..a.all_windows()).unwrap(), b.window_rows(0..b.all_windows()).unwrap());
+        // The same documents too (our shards end where documents do).
+        let mut cuts = 0;
         for _ in 0..100 {
-            assert_eq!(a.next_batch(4).unwrap(), b.next_batch(4).unwrap());
+            let (x, y) = (a.next_windows(4), b.next_windows(4));
+            assert_eq!(x.rows(0..4).unwrap(), y.rows(0..4).unwrap());
+            let (dx, dy) = (x.documents(0..4).unwrap().unwrap(), y.documents(0..4).unwrap().unwrap());
+            assert_eq!(dx, dy);
+            cuts += (0..4).map(|r| dx.cuts(r).len()).sum::<usize>();
         }
+        assert!(cuts > 0, "some windows hold two documents");
     }
     // Training on either gives the same run.
     let run = |data: &Path| {

@@ -352,6 +352,74 @@ fn evaluation_under_every_placement_equals_single_and_changes_nothing() {
     }
 }
 
+/// A `disagmoe tokenize` directory (bytes, several shards) of short JSONL documents: 2 to 6 words
+/// of the bundled corpus each, so that most windows of 32 tokens hold several documents.
+fn short_documents(dir: &std::path::Path) -> std::path::PathBuf {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/disagmoe-train/data/kjv-genesis-leviticus.txt"))
+            .unwrap();
+    let words: Vec<&str> = text.split_whitespace().take(12_000).collect();
+    let (mut lines, mut at) = (Vec::new(), 0);
+    while at + 6 <= words.len() {
+        let n = 2 + lines.len() % 5;
+        lines.push(serde_json::json!({ "text": words[at..at + n].join(" ") }).to_string());
+        at += n;
+    }
+    std::fs::write(dir.join("docs.jsonl"), lines.join("\n")).unwrap();
+    let out = dir.join("tokens");
+    let run = bin()
+        .args(["tokenize", "--quiet", "--shard-tokens", "20000", "--input"])
+        .arg(dir.join("docs.jsonl"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "tokenize: {}", String::from_utf8_lossy(&run.stderr));
+    out
+}
+
+/// Packed windows of token shards attend within their documents by default (`--document-mask
+/// auto`), which changes the run (`off` differs), and every placement trains and evaluates with
+/// the mask as single does: disagg 2+2 in two groups (the second group's attention worker holds
+/// no rows, only the batch's document boundaries) and ep 4; GPT-OSS (sliding windows, sinks) and
+/// DeepSeek-V3 (MLA, and a multi-token prediction module whose loss is masked too). Trained 60
+/// steps with the mask, a tiny Qwen3-MoE learns (the loss falls below 85% of the first).
+#[test]
+fn document_masks_train_alike_under_every_placement_and_learn() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = short_documents(dir.path());
+    let data = data.to_str().unwrap();
+    let eval: &[&str] = &["--eval-every", "2", "--eval-batches", "2"];
+    for (preset, extra) in [("tiny-gpt-oss", &[][..]), ("tiny-deepseek-v3", &["--mtp-depth", "1"][..])] {
+        let out = |name: &str| dir.path().join(format!("{preset}-{name}"));
+        let run = |name: &str, args: &[&str]| {
+            let dir = out(name);
+            train(preset, &[&["--data", data], eval, extra, args, &["--out", dir.to_str().unwrap()]].concat())
+        };
+        let single = run("single", &["--placement", "single"]);
+        let unmasked = run("unmasked", &["--placement", "single", "--document-mask", "off"]);
+        let last = |s: &serde_json::Value| s["losses"][4].as_f64().unwrap();
+        let moved = rel(last(&unmasked), last(&single));
+        assert!(moved > 1e-4, "{preset}: the mask moves the fifth loss only {moved:.1e}: {unmasked} vs {single}");
+        let want = eval_losses(&out("single"));
+        for (name, args) in [PLACEMENTS[0], PLACEMENTS[3]] {
+            let got = run(name, args);
+            assert_same_run(&format!("{preset} {name} with document masks"), &got, &single);
+            assert_same_evals(&format!("{preset} {name} with document masks"), &eval_losses(&out(name)), &want);
+        }
+    }
+    // Packed training on shards with the mask learns.
+    let s = summary(
+        &bin()
+            .args(["train", "--quiet", "--model-preset", "tiny-qwen3-moe", "--steps", "60", "--batch", "4"])
+            .args(["--seq", "64", "--document-mask", "on", "--data", data])
+            .output()
+            .unwrap(),
+    );
+    let (first, last) = (s["first_loss"].as_f64().unwrap(), s["last_loss"].as_f64().unwrap());
+    assert!(last < 0.85 * first, "loss {first} -> {last} did not fall below 85% with document masks");
+}
+
 /// A metrics line's expert load as routing decides it: every record without the expert workers'
 /// balance (`worker_imbalance`, which only a distributed run has and its placement decides).
 fn routed_load(m: &serde_json::Value) -> serde_json::Value {
@@ -1540,6 +1608,29 @@ mod mpi {
             }
             assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
         }
+    }
+
+    /// Document masks under `mpirun`: disagg 2+2 in two groups (rank 1, the second group's
+    /// attention, reads only the batch's document boundaries) gives the local single run.
+    #[test]
+    #[cfg_attr(not(feature = "mpi"), ignore = "built without --features mpi (the MPI transport)")]
+    #[cfg_attr(
+        all(feature = "mpi", disagmoe_no_mpi),
+        ignore = "no mpirun on this machine (apt-get install openmpi-bin)"
+    )]
+    fn mpi_document_masks_reproduce_single() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = short_documents(dir.path());
+        let args: &[&str] = &["--data", data.to_str().unwrap(), "--eval-every", "2", "--eval-batches", "1"];
+        let preset = "tiny-gpt-oss";
+        let want = dir.path().join("single");
+        let single = train(preset, &[args, &["--placement", "single", "--out", want.to_str().unwrap()]].concat());
+        let (name, placement) = PLACEMENTS[0];
+        let out_dir = dir.path().join(name);
+        let out = mpirun_train(5, preset, placement, &[args, &["--out", out_dir.to_str().unwrap()]].concat());
+        let what = format!("{preset} {name} with document masks under mpirun");
+        assert_same_run(&what, &summary(&out), &single);
+        assert_same_evals(&what, &eval_losses(&out_dir), &eval_losses(&want));
     }
 
     /// The exchange packed under `--exchange-dtype fp8` (the dispatch in fp8, the rest in bf16)

@@ -28,7 +28,8 @@ pub trait AttentionLayer<B: Backend> {
     /// Causal self-attention; within each document of `docs` when given.
     ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]` -> `[B, S, M]`
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` (`[B, 1, S, rotary dim]` when positions
+    ///   restart per document); docs over `[B, S]` -> `[B, S, M]`
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>, docs: Option<&Documents>) -> Tensor<B, 3>;
     /// [`AttentionLayer::attend`] of new tokens at positions `past..past + S` over them and every
     /// earlier token, through what `cache` holds of those (the new tokens join it): incremental
@@ -166,7 +167,8 @@ where
     /// The attention half: `x + attn(norm(x))`, within each document of `docs` when given.
     ///
     /// # Shapes
-    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]`; docs over `[B, S]` -> `[B, S, M]`
+    /// - x: `[B, S, M]`; cos, sin: `[1, 1, S, rotary dim]` (`[B, 1, S, rotary dim]` when positions
+    ///   restart per document); docs over `[B, S]` -> `[B, S, M]`
     pub fn attention_block(
         &self,
         x: Tensor<B, 3>,
@@ -369,7 +371,8 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
 
     /// The forward pass of packed rows: attention stays within each document of `docs` (when
     /// given), and [`CausalLm::loss`] then ignores the targets that begin another document.
-    /// Positions do not restart per document (Megatron's default).
+    /// Rotary positions count from each row's start (Megatron's default), or from each document's
+    /// when `docs` says so ([`Documents::restarting_positions`]).
     ///
     /// # Shapes
     /// - ids: `[B, S]`; docs over `[B, S]` -> logits `[B, S, V]`
@@ -385,6 +388,7 @@ impl<B: Backend, C: FamilyConfig> FamilyModel<B, C> {
         // 1. Embed.
         let mut x = self.embed_tokens.forward(ids.clone()); // [B, S, M]
         let (cos, sin) = self.rope.tables::<B>(s, &device); // [1, 1, S, rotary dim]
+        let (cos, sin) = crate::rope::document_tables(cos, sin, docs); // [B or 1, 1, S, rotary dim]
 
         // 2. (attention block, expert block) pairs.
         let mut router_stats = Vec::new();

@@ -168,6 +168,7 @@ impl<B: AutodiffBackend, C: FamilyConfig> FamilyModel<B, C> {
         let [_, s] = ids.dims();
         let device = ids.device();
         let (cos, sin) = self.rope().tables::<B>(s, &device); // [1, 1, S, rotary dim]
+        let (cos, sin) = crate::rope::document_tables(cos, sin, docs); // [B or 1, 1, S, rotary dim]
         let (inner_cos, inner_sin) = (cos.clone().inner(), sin.clone().inner());
         // 1. Forward: block by block, keeping each block's graph or only its input.
         let mut h = inner.embed_tokens.forward(ids.clone().inner()); // [B, S, M]

@@ -231,6 +231,27 @@ impl Rope {
     }
 }
 
+/// The rotary tables of `docs`' rows: when their positions restart at each document
+/// ([`Documents::restarting_positions`]), the rows of `cos`, `sin` (`[1, 1, S, D]`, positions
+/// `0..S`) at each token's position within its document, `[B, 1, S, D]`; else the tables as they
+/// are (every row counts positions from its start).
+///
+/// # Panics
+/// If `docs` covers rows of another length than the tables.
+pub fn document_tables<B: Backend>(
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+    docs: Option<&disagmoe_kernels::documents::Documents>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let Some(d) = docs.filter(|d| d.restarts_positions()) else { return (cos, sin) };
+    let [_, _, s, dim] = cos.dims();
+    assert_eq!(d.seq(), s, "documents over rows of the tables' length");
+    let positions: Vec<i64> = d.positions().into_iter().map(|p| p as i64).collect();
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [d.batch() * s]), &cos.device());
+    let at = |t: Tensor<B, 4>| t.reshape([s, dim]).select(0, idx.clone()).reshape([d.batch(), 1, s, dim]);
+    (at(cos), at(sin))
+}
+
 /// `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x[.., d/2..], x[.., ..d/2])`.
 ///
 /// # Shapes

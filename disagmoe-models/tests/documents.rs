@@ -1,15 +1,17 @@
 //! Document masks in the models: attention within each document of a packed row, the loss over
 //! the targets inside documents. Every family (GQA with q/k norms, sliding windows and sinks,
-//! MLA, multi-token prediction), the whole-model step and the recomputed one.
-
-use std::collections::HashMap;
+//! MLA, multi-token prediction), the whole-model step and the recomputed one, and parity with
+//! transformers run with a block-diagonal mask.
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 use disagmoe_models::{model_presets, Documents, ModelConfig, MoeCausalLm, MtpSettings, Recompute};
+
+mod common;
+use common::{collect_params as collect, rel_err as rel};
 
 type B = Autodiff<Flex>;
 
@@ -87,6 +89,35 @@ fn attention_stays_within_each_document_for_every_family() {
     }
 }
 
+/// Every document of a packed row is that document run alone (from position 0), for every family,
+/// whether rotary positions continue over the row or restart at each document: rotary embeddings
+/// make a score depend on `i - j` only, which shifting a whole document keeps, so the two differ by
+/// rounding alone (transformers measures the same: `scripts/make_document_fixtures.py`).
+#[test]
+fn every_document_is_its_own_sequence_whether_positions_restart_or_not() {
+    let device = Default::default();
+    for (name, config) in cases() {
+        let model = config.init::<B>(7, &device);
+        let vocab = config.vocab_size() as i64;
+        let rows = rows(vocab, 0);
+        let ids = model.input_ids(&rows, &device).unwrap();
+        let continuing = model.forward_documents(ids.clone(), Some(&documents())).logits;
+        let restarting = model.forward_documents(ids, Some(&documents().restarting_positions())).logits;
+        for (row, range) in [(0, 0..5), (0, 5..SEQ), (1, 0..3), (1, 3..8), (1, 8..SEQ)] {
+            if name.contains("MTP") && range.len() <= 3 {
+                continue; // too short for the second MTP module to predict anything alone
+            }
+            let alone = model.forward(model.input_ids(&[rows[row][range.clone()].to_vec()], &device).unwrap()).logits;
+            let alone = values(alone);
+            for (how, packed) in [("continuing", &continuing), ("restarting", &restarting)] {
+                let pick = values(packed.clone().narrow(0, row, 1).narrow(1, range.start, range.len()));
+                let d = pick.iter().zip(&alone).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                assert!(d <= 1e-5, "{name}: positions {how}, row {row} document {range:?} vs alone: {d:.2e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_loss_counts_only_the_targets_inside_documents() {
     let device = Default::default();
@@ -111,32 +142,6 @@ fn the_loss_counts_only_the_targets_inside_documents() {
         let all = model.loss(&model.forward(ids.clone()), ids, false).lm_loss.into_scalar() as f64;
         assert!((all - got).abs() > 1e-4, "{name}: the mask should change the loss ({all} vs {got})");
     }
-}
-
-/// Every parameter's gradient, by id.
-struct Collect<'a> {
-    grads: &'a GradientsParams,
-    out: HashMap<ParamId, Vec<f32>>,
-}
-
-impl ModuleVisitor<B> for Collect<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<Flex, D>(param.id) {
-            self.out.insert(param.id, g.into_data().convert::<f32>().to_vec().unwrap());
-        }
-    }
-}
-
-fn collect(model: &MoeCausalLm<B>, grads: &GradientsParams) -> HashMap<ParamId, Vec<f32>> {
-    let mut c = Collect { grads, out: HashMap::new() };
-    model.visit(&mut c);
-    c.out
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (d / n.max(1e-30)).sqrt()
 }
 
 #[test]
@@ -191,4 +196,65 @@ fn the_mtp_loss_ignores_targets_past_a_document_end() {
     let parts = model.loss(&out, ids, false);
     assert_eq!(parts.mtp_loss.unwrap().into_scalar(), 0.0, "no MTP target lies inside a 2-token document");
     assert!(parts.lm_loss.into_scalar() > 0.0);
+}
+
+/// The committed `documents.safetensors` of the parity fixtures (`scripts/make_document_fixtures.py`:
+/// transformers, eager attention, a block-diagonal causal mask, the targets that begin a document
+/// ignored): our logits within the parity tests' 5e-6 and the loss within 1e-5, relative. GQA
+/// (Qwen3-MoE, OLMoE), a window on every layer (Mixtral), windows and sinks (GPT-OSS), MLA
+/// (DeepSeek-V3).
+#[test]
+fn transformers_gives_the_same_logits_and_loss_under_a_document_mask() {
+    use disagmoe_models::HfCheckpoint;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .flat_map(|family| std::fs::read_dir(family.unwrap().path()).into_iter().flatten())
+        .map(|d| d.unwrap().path())
+        .filter(|d| d.join("documents.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 5, "document fixtures: {dirs:?}");
+    let device = Default::default();
+    for dir in dirs {
+        let name = dir.strip_prefix(&root).unwrap().display().to_string();
+        let bytes = std::fs::read(dir.join("documents.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let ints = |k: &str| -> (Vec<usize>, Vec<i64>) {
+            let v = st.tensor(k).unwrap();
+            (v.shape().to_vec(), v.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect())
+        };
+        let floats = |k: &str| -> Vec<f32> {
+            st.tensor(k).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        };
+        let (shape, ids) = ints("input_ids");
+        let (_, starts) = ints("doc_starts");
+        let s = shape[1];
+        let cuts: Vec<Vec<usize>> =
+            starts.chunks(s).map(|row| (1..s).filter(|&i| row[i] == i as i64).collect()).collect();
+        assert!(cuts.iter().filter(|c| !c.is_empty()).count() >= 1, "{name}: {cuts:?}");
+        let docs = Documents::new(s, &cuts).unwrap();
+        let model = MoeCausalLm::<B>::from_pretrained(&dir, &device).expect("fixture loads");
+        let rows: Vec<Vec<i64>> = ids.chunks(s).map(<[i64]>::to_vec).collect();
+        let ids = model.input_ids(&rows, &device).unwrap();
+        let out = model.forward_documents(ids.clone(), Some(&docs));
+        let err = rel(&values(out.logits.clone()), &floats("logits"));
+        assert!(err <= common::LOGITS_TOL, "{name}: logits relative error {err:.3e} > {:e}", common::LOGITS_TOL);
+        let ours = values(model.loss(&out, ids.clone(), false).lm_loss)[0];
+        let theirs = floats("lm_loss")[0];
+        let loss_err = ((ours - theirs) / theirs).abs();
+        assert!(loss_err <= 1e-5, "{name}: loss {ours} vs transformers {theirs} ({loss_err:.2e})");
+        // Positions restarting at each document (transformers' position_ids from each start).
+        let restart = docs.clone().restarting_positions();
+        let out = model.forward_documents(ids.clone(), Some(&restart));
+        let restart_err = rel(&values(out.logits.clone()), &floats("logits_restart"));
+        assert!(restart_err <= common::LOGITS_TOL, "{name}: restarting positions, logits error {restart_err:.3e}");
+        let ours = values(model.loss(&out, ids, false).lm_loss)[0];
+        let theirs = floats("lm_loss_restart")[0];
+        assert!(((ours - theirs) / theirs).abs() <= 1e-5, "{name}: restarting positions, loss {ours} vs {theirs}");
+        println!(
+            "{name}: cuts {cuts:?}, logits rel err {err:.2e} (restarting positions {restart_err:.2e}), loss rel err \
+             {loss_err:.2e}"
+        );
+    }
 }

@@ -151,6 +151,13 @@ pub struct RunSettings {
     /// `--optimizer-state-dtype` (checkpoints from before it kept f32 moments).
     #[serde(default)]
     pub optimizer_state_dtype: crate::config::StateDtype,
+    /// Whether windows were masked by document, `--document-mask` resolved (checkpoints from
+    /// before it trained unmasked).
+    #[serde(default)]
+    pub document_mask: bool,
+    /// `--document-positions` (checkpoints from before it continued positions).
+    #[serde(default)]
+    pub document_positions: crate::config::DocumentPositions,
 }
 
 /// Settings a resume may change on request, as `--allow-change` takes them.
@@ -180,6 +187,8 @@ impl RunSettings {
             model: serde_json::json!({"model_type": model.model_type(), "shape": shape}),
             micro_batches: cfg.micro_batches(),
             optimizer_state_dtype: o.state_dtype,
+            document_mask: cfg.data.masks_documents(),
+            document_positions: cfg.data.document_positions,
         })
     }
 
@@ -188,6 +197,7 @@ impl RunSettings {
     pub fn check_resume(&self, now: &Self, allowed: &[String], checkpoint: &Path) -> Result<()> {
         let allows = |name: &str| allowed.iter().any(|a| a == name);
         let show = |v: &dyn std::fmt::Display| v.to_string();
+        let on_off = |b: bool| if b { "on" } else { "off" };
         // (allow-change name, flag, checkpoint's value, this run's value)
         let pairs: Vec<(&str, &str, String, String)> = vec![
             ("seed", "--seed", show(&self.seed), show(&now.seed)),
@@ -196,6 +206,13 @@ impl RunSettings {
             ("data", "--data", self.data.clone(), now.data.clone()),
             ("data", "--tokenizer", self.tokenizer.clone(), now.tokenizer.clone()),
             ("data", "--eval-fraction", show(&self.eval_fraction), show(&now.eval_fraction)),
+            ("data", "--document-mask", on_off(self.document_mask).into(), on_off(now.document_mask).into()),
+            (
+                "data",
+                "--document-positions",
+                self.document_positions.name().into(),
+                now.document_positions.name().into(),
+            ),
             ("steps", "--steps", show(&self.steps), show(&now.steps)),
             ("schedule", "--lr", show(&self.lr), show(&now.lr)),
             ("schedule", "--min-lr", show(&self.min_lr), show(&now.min_lr)),
@@ -627,6 +644,8 @@ mod tests {
             model: serde_json::json!({"model_type": "qwen3_moe", "shape": {"layers": 2}}),
             micro_batches: 4,
             optimizer_state_dtype: crate::config::StateDtype::F32,
+            document_mask: false,
+            document_positions: crate::config::DocumentPositions::Continue,
         }
     }
 
@@ -647,6 +666,19 @@ mod tests {
         now.model = serde_json::json!({"model_type": "qwen3_moe", "shape": {"layers": 3}});
         let err = check(&was, &now, &["seed", "seq", "batch", "data", "steps", "schedule"]).unwrap_err();
         assert!(err.contains("layers 2") && err.contains("layers 3"), "{err}");
+        // Masking by document, or restarting positions, is another run too.
+        let mut now = settings(400, 40);
+        now.document_mask = true;
+        let err = check(&was, &now, &[]).unwrap_err();
+        assert!(err.contains("--document-mask off") && err.contains("--allow-change data"), "{err}");
+        assert!(check(&was, &now, &["data"]).is_ok());
+        now.document_positions = crate::config::DocumentPositions::Restart;
+        let err = check(&was, &now, &["seed"]).unwrap_err();
+        assert!(err.contains("--document-mask off"), "{err}");
+        // A checkpoint from before the settings trained unmasked.
+        let mut old = serde_json::to_value(&was).unwrap();
+        old.as_object_mut().unwrap().retain(|k, _| !k.starts_with("document_"));
+        assert_eq!(serde_json::from_value::<RunSettings>(old).unwrap(), was);
     }
 
     #[test]

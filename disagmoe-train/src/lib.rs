@@ -27,8 +27,8 @@ pub mod trainer;
 
 pub use backend::{DefaultBackend, TrainBackend, BACKEND_NAME};
 pub use config::{
-    AllocationMode, ExchangeDtype, ExchangePayloads, ExpertPlacement, FaultInjection, FaultPlan, NonFinitePolicy,
-    Placement, Precision, Recompute, RunConfig, TransportKind, WorkerFault,
+    AllocationMode, DocumentMask, DocumentPositions, ExchangeDtype, ExchangePayloads, ExpertPlacement, FaultInjection,
+    FaultPlan, NonFinitePolicy, Placement, Precision, Recompute, RunConfig, TransportKind, WorkerFault,
 };
 pub use error::{Result, TrainError};
 pub use launch::{train, train_family, train_on, train_until};

@@ -13,6 +13,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
+use disagmoe_kernels::documents::Documents;
 use disagmoe_models::{HfCheckpoint, MicroBatchLoss, MoeCausalLm, Recompute, SaveDtype};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
@@ -51,16 +52,19 @@ pub fn build_model<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device) -> R
     })
 }
 
-/// Mean next-token cross-entropy of `model` over `rows` (equal-length token rows), without
-/// gradients: what an evaluation reports.
+/// Mean next-token cross-entropy of `model` over `rows` (equal-length token rows; attention
+/// within each document of `docs` and the targets that begin another one ignored, when given),
+/// without gradients: what an evaluation reports.
 pub fn evaluate_rows<B: burn::tensor::backend::Backend>(
     model: &MoeCausalLm<B>,
     rows: &[Vec<i64>],
+    docs: Option<&Documents>,
     device: &B::Device,
 ) -> Result<f64> {
     let ids = model.input_ids(rows, device)?;
-    let logits = model.forward(ids.clone()).logits;
-    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(logits, ids, None);
+    let logits = model.forward_documents(ids.clone(), docs).logits;
+    let ignore = docs.map(Documents::crosses);
+    let loss = disagmoe_models::causal_lm::next_token_cross_entropy(logits, ids, ignore.as_deref());
     Ok(loss.into_data().convert::<f64>().to_vec::<f64>().map_err(|e| TrainError::Worker {
         worker: 0,
         cause: format!("the evaluation loss cannot be read back: {e:?}"),
@@ -188,9 +192,10 @@ fn add_counts(acc: &mut Vec<Vec<usize>>, more: &[Vec<usize>]) {
 fn whole_model_loss<B: AutodiffBackend>(
     model: &MoeCausalLm<B>,
     ids: burn::tensor::Tensor<B, 2, burn::tensor::Int>,
+    docs: Option<&Documents>,
     with_aux: bool,
 ) -> (MicroBatchLoss, Tensor<B, 1>) {
-    let out = model.forward(ids.clone());
+    let out = model.forward_documents(ids.clone(), docs);
     let loss = model.loss(&out, ids, with_aux);
     let parts: Vec<Tensor<B, 1>> = [
         Some(loss.total.clone()),
@@ -223,6 +228,7 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
     }
 
     fn step(&mut self, step: usize, batch: &Batch, lr: f64, loss_scale: f64, stop: &AtomicBool) -> Result<StepReport> {
+        let docs = batch.documents(0..batch.len())?;
         let batch = batch.rows(0..batch.len())?;
         let t0 = std::time::Instant::now();
         let mbs = self.micro_batches;
@@ -234,17 +240,22 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         let scale = loss_scale / mbs as f64;
         // Recomputation runs the dropped blocks' first forward on the inner backend.
         let inner = (self.recompute != Recompute::None).then(|| self.model().valid());
-        for chunk in batch.chunks(per) {
+        for (i, chunk) in batch.chunks(per).enumerate() {
             let model = self.model();
             let ids = model.input_ids(chunk, &self.device)?;
+            let docs = docs.as_ref().map(|d| d.rows(i * per..i * per + chunk.len()));
             let micro = match &inner {
-                Some(inner) => {
-                    model.backward_recomputed(inner, ids, None, self.with_aux, self.recompute, scale, &mut |g| {
-                        acc.accumulate(model, GradientsParams::from_grads(g, model))
-                    })?
-                }
+                Some(inner) => model.backward_recomputed(
+                    inner,
+                    ids,
+                    docs.as_ref(),
+                    self.with_aux,
+                    self.recompute,
+                    scale,
+                    &mut |g| acc.accumulate(model, GradientsParams::from_grads(g, model)),
+                )?,
                 None => {
-                    let (micro, total) = whole_model_loss(model, ids, self.with_aux);
+                    let (micro, total) = whole_model_loss(model, ids, docs.as_ref(), self.with_aux);
                     let total = if mbs > 1 { total.div_scalar(mbs as f64) } else { total };
                     let total = if loss_scale != 1.0 { total.mul_scalar(loss_scale) } else { total };
                     acc.accumulate(model, GradientsParams::from_grads(total.backward(), model));
@@ -313,8 +324,19 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
         self.opt.steps_taken()
     }
 
-    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64> {
-        evaluate_rows(&self.model().valid(), rows, &self.device)
+    fn evaluate(&mut self, batch: &Batch) -> Result<f64> {
+        // The mean of the micro-batches' means, as the step's loss (under a document mask the
+        // micro-batches count different numbers of targets).
+        let model = self.model().valid();
+        let per = batch.len().div_ceil(self.micro_batches).max(1);
+        let (mut sum, mut n) = (0.0, 0);
+        for start in (0..batch.len()).step_by(per) {
+            let range = start..(start + per).min(batch.len());
+            let docs = batch.documents(range.clone())?;
+            sum += evaluate_rows(&model, &batch.rows(range)?, docs.as_ref(), &self.device)?;
+            n += 1;
+        }
+        Ok(sum / n.max(1) as f64)
     }
 
     fn save_checkpoint(&mut self, dir: &Path, state: &TrainState, keep: usize) -> Result<PathBuf> {

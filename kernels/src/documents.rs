@@ -18,12 +18,18 @@ pub struct Documents {
     seq: usize,
     /// Starts of every token (`[B * S]`), then ends (`[B * S]`), row-major.
     bounds: Arc<[u32]>,
+    /// Whether rotary positions restart at each document ([`Documents::restarting_positions`]).
+    restart: bool,
 }
 
 impl fmt::Debug for Documents {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let cuts: Vec<Vec<usize>> = (0..self.batch).map(|b| self.cuts(b)).collect();
-        f.debug_struct("Documents").field("seq", &self.seq).field("cuts", &cuts).finish()
+        f.debug_struct("Documents")
+            .field("seq", &self.seq)
+            .field("cuts", &cuts)
+            .field("restart", &self.restart)
+            .finish()
     }
 }
 
@@ -59,12 +65,24 @@ impl Documents {
                 }
             }
         }
-        Ok(Self { batch, seq, bounds: bounds.into() })
+        Ok(Self { batch, seq, bounds: bounds.into(), restart: false })
     }
 
     /// Rows that are each one document (the mask changes nothing).
     pub fn whole(batch: usize, seq: usize) -> Self {
         Self::new(seq, &vec![Vec::new(); batch]).expect("no cuts")
+    }
+
+    /// The same documents, with each token's rotary position counted from its document's start
+    /// ([`Documents::positions`]) instead of the row's (Megatron's `--reset-position-ids`).
+    pub fn restarting_positions(mut self) -> Self {
+        self.restart = true;
+        self
+    }
+
+    /// Whether rotary positions restart at each document.
+    pub fn restarts_positions(&self) -> bool {
+        self.restart
     }
 
     /// Rows in the batch.
@@ -109,7 +127,7 @@ impl Documents {
     pub fn rows(&self, range: std::ops::Range<usize>) -> Self {
         assert!(range.end <= self.batch, "rows {range:?} of a batch of {}", self.batch);
         let cuts: Vec<Vec<usize>> = range.map(|b| self.cuts(b)).collect();
-        Self::new(self.seq, &cuts).expect("cuts of a valid mask")
+        Self { restart: self.restart, ..Self::new(self.seq, &cuts).expect("cuts of a valid mask") }
     }
 
     /// Each token's position within its document (`[B * S]`, row-major): the rotary positions
@@ -140,7 +158,7 @@ impl Documents {
         assert!(n >= 1 && n <= self.seq, "a prefix of {n} tokens of rows of {}", self.seq);
         let cuts: Vec<Vec<usize>> =
             (0..self.batch).map(|b| self.cuts(b).into_iter().filter(|&c| c < n).collect()).collect();
-        Self::new(n, &cuts).expect("cuts of a valid mask")
+        Self { restart: self.restart, ..Self::new(n, &cuts).expect("cuts of a valid mask") }
     }
 }
 

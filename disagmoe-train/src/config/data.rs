@@ -59,6 +59,89 @@ pub struct DataOptions {
     pub eval_every: usize,
     /// Batches of held-out windows one evaluation reads at most (fewer when the split is smaller).
     pub eval_batches: usize,
+    /// Attention within each document of a packed window, and no loss on the token after an
+    /// end-of-document: `auto` (on for data with a document index: a `disagmoe tokenize`
+    /// directory or a Megatron pair; off for text), `on`, or `off`.
+    pub document_mask: DocumentMask,
+    /// Rotary positions under a document mask: `continue` (counted from each window's start, as
+    /// Megatron packs by default) or `restart` (from each document's start, Megatron's
+    /// `--reset-position-ids`; needs the mask).
+    pub document_positions: DocumentPositions,
+}
+
+/// Where rotary positions count from in a window masked by document
+/// ([`DataOptions::document_positions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DocumentPositions {
+    /// From the window's start.
+    #[default]
+    Continue,
+    /// From each document's start.
+    Restart,
+}
+
+impl DocumentPositions {
+    /// The names the option accepts.
+    pub const NAMES: [&'static str; 2] = ["continue", "restart"];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Continue => "continue",
+            Self::Restart => "restart",
+        }
+    }
+}
+
+impl std::str::FromStr for DocumentPositions {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "continue" => Ok(Self::Continue),
+            "restart" => Ok(Self::Restart),
+            _ => Err(format!("unknown document positions {s:?} (allowed: {})", Self::NAMES.join(", "))),
+        }
+    }
+}
+
+/// Whether packed windows are masked by document ([`DataOptions::document_mask`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DocumentMask {
+    /// On where the data has a document index (token shards), off for text.
+    #[default]
+    Auto,
+    /// On: data without a document index (text) is refused.
+    On,
+    /// Off: windows attend across documents, as packed text always does.
+    Off,
+}
+
+impl DocumentMask {
+    /// The names the option accepts.
+    pub const NAMES: [&'static str; 3] = ["auto", "on", "off"];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl std::str::FromStr for DocumentMask {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            _ => Err(format!("unknown document mask {s:?} (allowed: {})", Self::NAMES.join(", "))),
+        }
+    }
 }
 
 /// Default [`DataOptions::eval_fraction`]: 2% of the windows.
@@ -75,6 +158,8 @@ impl Default for DataOptions {
             eval_fraction: DEFAULT_EVAL_FRACTION,
             eval_every: 0,
             eval_batches: 8,
+            document_mask: DocumentMask::Auto,
+            document_positions: DocumentPositions::Continue,
         }
     }
 }
@@ -112,6 +197,12 @@ impl DataOptions {
         if self.eval_every > 0 && self.eval_fraction == 0.0 {
             return Err(TrainError::option("eval_every", "needs held-out data: eval_fraction must be above 0"));
         }
+        if self.document_positions == DocumentPositions::Restart && self.document_mask == DocumentMask::Off {
+            return Err(TrainError::option(
+                "document_positions",
+                "restart needs document masks: set document_mask to auto or on (or positions to continue)",
+            ));
+        }
         if self.eval_batches == 0 {
             return Err(TrainError::option("eval_batches", "must be at least 1"));
         }
@@ -138,6 +229,20 @@ impl DataOptions {
             _ if !self.blend.is_empty() => describe_blend(&self.blend),
             Some(p) => p.display().to_string(),
             None => crate::data::BUNDLED_CORPUS_NAME.into(),
+        }
+    }
+
+    /// Whether the run's windows will be masked by document: `on`, or `auto` with a source that
+    /// has a document index (token shards; text, the bundled corpus included, has none).
+    pub fn masks_documents(&self) -> bool {
+        use crate::data::{data_kind, DataKind};
+        let indexed = |p: &std::path::Path| data_kind(p) != DataKind::Text;
+        match self.document_mask {
+            DocumentMask::Off => false,
+            DocumentMask::On => true,
+            DocumentMask::Auto => {
+                self.path.as_deref().is_some_and(indexed) || self.blend.iter().any(|s| indexed(&s.path))
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `tensorboard`, `save_dtype`, `log_every`, `progress` |
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor`, `mtp_depth`, `mtp_loss_coef` |
-//! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches` |
+//! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches`, `document_mask`, `document_positions` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
 //! | `[checkpoint]` | [`CheckpointOptions`] | `dir`, `every`, `keep`, `resume`, `stop_after`, `allow_change` |
 //! | `[parallel]` | [`ParallelOptions`] | `placement`, `attn_workers`, `ffn_workers`, `groups`, `allocation`, `workers`, `micro_batches`, `in_flight`, `threads_per_worker`, `devices`, `transport`, `link_gbps`, `link_latency_us`, `trace`, `comm_timeout_s`, `exchange_dtype`, `exchange_grad_dtype`, `exchange_payloads`, `distributed_optimizer`, `redundant_experts`, `expert_placement`, `expert_load`, `rebalance_every` |
@@ -36,7 +36,7 @@ use disagmoe_models::SaveDtype;
 use serde::{Deserialize, Serialize};
 
 pub use self::checkpoint::CheckpointOptions;
-pub use self::data::DataOptions;
+pub use self::data::{DataOptions, DocumentMask, DocumentPositions};
 pub use self::faults::{CheckpointKill, CheckpointMoment, FaultInjection, FaultPlan, WorkerFault};
 pub use self::memory::{MemoryOptions, Recompute};
 pub use self::model::ModelOptions;
@@ -137,6 +137,8 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("eval_fraction", "eval_fraction"),
             ("eval_every", "eval_every"),
             ("eval_batches", "eval_batches"),
+            ("document_mask", "document_mask"),
+            ("document_positions", "document_positions"),
         ],
     ),
     (
@@ -410,5 +412,13 @@ mod tests {
         let mut c = RunConfig::default();
         c.checkpoint.stop_after = Some(301);
         assert!(c.validate().unwrap_err().to_string().contains("stop_after"));
+        let c =
+            RunConfig::from_toml_str("[data]\ndocument_mask = \"off\"\ndocument_positions = \"restart\"\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("document_positions"));
+        let c = RunConfig::from_toml_str("document_mask = \"on\"\ndocument_positions = \"restart\"\n").unwrap();
+        assert_eq!((c.data.document_mask, c.data.document_positions), (DocumentMask::On, DocumentPositions::Restart));
+        assert!(c.data.masks_documents());
+        let e = RunConfig::from_toml_str("[data]\ndocument_mask = \"yes\"\n").unwrap_err();
+        assert!(e.contains("document_mask") || e.contains("auto"), "{e}");
     }
 }

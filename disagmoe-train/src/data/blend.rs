@@ -261,7 +261,9 @@ impl RunData {
             // A source needs a window, not a batch: the blend cycles its epochs.
             let packing = super::Packing { seq: cfg.data.seq, seed, model_vocab, min_windows: 1 };
             PackedDataset::open(Some(path), tokenizer_path.as_deref(), tokenizer.as_ref(), packing)?
-                .hold_out(cfg.data.eval_fraction)
+                .hold_out(cfg.data.eval_fraction)?
+                .with_document_mask(cfg.data.document_mask)?
+                .with_document_positions(cfg.data.document_positions)
         })
     }
 

@@ -139,7 +139,7 @@ impl Tokens {
         Ok(Self::mapped(vec![IndexedDataset::open(path)?], None))
     }
 
-    fn mapped(parts: Vec<IndexedDataset>, max_id: Option<u32>) -> Self {
+    pub(crate) fn mapped(parts: Vec<IndexedDataset>, max_id: Option<u32>) -> Self {
         let mut starts = vec![0u64];
         for p in &parts {
             starts.push(starts.last().expect("one") + p.tokens() as u64);
@@ -174,6 +174,35 @@ impl Tokens {
         let mut out = vec![0u64];
         for (p, &base) in parts.iter().zip(starts) {
             out.extend(p.doc_starts()[1..].iter().map(|&s| base + s));
+        }
+        Some(out)
+    }
+
+    /// Whether the stream has a document index (token shards; text is one stream of tokens).
+    pub fn has_documents(&self) -> bool {
+        matches!(self, Self::Mapped { .. })
+    }
+
+    /// Where documents start strictly inside stream `range`, in order, each once (`None`: the
+    /// stream has no document index). A part's first token starts a document.
+    pub fn doc_starts_in(&self, range: std::ops::Range<u64>) -> Option<Vec<u64>> {
+        let Self::Mapped { parts, starts, .. } = self else { return None };
+        let mut out = Vec::new();
+        if range.start >= range.end {
+            return Some(out);
+        }
+        let mut p = starts.partition_point(|&s| s <= range.start).saturating_sub(1);
+        while p < parts.len() && starts[p] < range.end {
+            let (base, local) = (starts[p], parts[p].doc_starts());
+            // Local starts `s` with `range.start < base + s < range.end`.
+            let lo = local.partition_point(|&s| base + s <= range.start);
+            let hi = local.partition_point(|&s| base + s < range.end);
+            for &s in &local[lo..hi.max(lo)] {
+                if out.last() != Some(&(base + s)) {
+                    out.push(base + s);
+                }
+            }
+            p += 1;
         }
         Some(out)
     }

@@ -18,6 +18,7 @@ pub use corpus::{data_kind, DataKind, Tokens};
 use order::{Split, WindowOrder};
 
 use crate::error::{Result, TrainError};
+use disagmoe_kernels::documents::Documents;
 
 /// The corpus shipped with the crate (public-domain KJV text, see `disagmoe-train/data/README.md`).
 pub const BUNDLED_CORPUS: &str = include_str!("../../data/kjv-genesis-leviticus.txt");
@@ -157,11 +158,46 @@ pub struct Windows {
     train: Split,
     /// The held-out part, whose windows evaluation reads.
     held_out: Split,
+    /// Every window of the stream, training and held-out ones alike.
+    all: Split,
     /// Ids must be below this.
     model_vocab: usize,
+    /// Whether windows are masked by document ([`PackedDataset::with_document_mask`]).
+    documents: bool,
+    /// Whether their rotary positions restart at each document.
+    restart: bool,
 }
 
 impl Windows {
+    /// The windows `part` indexes.
+    fn split(&self, part: Part) -> &Split {
+        match part {
+            Part::Train => &self.train,
+            Part::HeldOut => &self.held_out,
+            Part::All => &self.all,
+        }
+    }
+
+    /// Where documents begin inside window `w` of `split` (positions in `1..seq`, increasing): at
+    /// each document start of the stream the window covers, and where it jumps over a held-out
+    /// document (its stream ranges meet there; a corpus held out by windows, one document, has no
+    /// window across runs).
+    fn cuts(&self, split: &Split, w: usize) -> Vec<usize> {
+        let mut cuts = Vec::new();
+        let mut off = 0usize;
+        for r in split.window_ranges(w, self.seq) {
+            if off > 0 {
+                cuts.push(off);
+            }
+            let starts = self.tokens.doc_starts_in(r.clone()).unwrap_or_default();
+            cuts.extend(starts.iter().map(|&s| off + (s - r.start) as usize));
+            off += (r.end - r.start) as usize;
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts
+    }
+
     /// Window `w` of `split`, its ids checked against the model's vocabulary.
     fn read(&self, split: &Split, w: usize) -> Result<Vec<i64>> {
         let mut row = Vec::with_capacity(self.seq);
@@ -194,19 +230,33 @@ pub struct Batch(BatchRows);
 #[derive(Clone)]
 enum BatchRows {
     Rows(Arc<Vec<Vec<i64>>>),
-    /// Training windows of one corpus (or of several: a blend), by their index in its split.
-    Windows(Arc<Vec<(Arc<Windows>, usize)>>),
+    /// Windows of one corpus (or of several: a blend), by their index in one of its splits.
+    Windows {
+        windows: Arc<Vec<(Arc<Windows>, usize)>>,
+        part: Part,
+    },
+}
+
+/// Which windows of a corpus a [`Batch`] indexes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    /// The training split.
+    Train,
+    /// The held-out split.
+    HeldOut,
+    /// Every window of the corpus, numbered from its start.
+    All,
 }
 
 impl Batch {
-    /// A batch of the given rows.
+    /// A batch of the given rows (one document each: no document mask).
     pub fn from_rows(rows: Vec<Vec<i64>>) -> Self {
         Self(BatchRows::Rows(Arc::new(rows)))
     }
 
     /// A batch of training windows, each of its corpus.
     pub fn of_windows(windows: Vec<(Arc<Windows>, usize)>) -> Self {
-        Self(BatchRows::Windows(Arc::new(windows)))
+        Self(BatchRows::Windows { windows: Arc::new(windows), part: Part::Train })
     }
 
     /// No rows (a process whose workers read none).
@@ -218,7 +268,7 @@ impl Batch {
     pub fn len(&self) -> usize {
         match &self.0 {
             BatchRows::Rows(r) => r.len(),
-            BatchRows::Windows(ids) => ids.len(),
+            BatchRows::Windows { windows, .. } => windows.len(),
         }
     }
 
@@ -231,8 +281,24 @@ impl Batch {
     pub fn rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
         match &self.0 {
             BatchRows::Rows(r) => Ok(r[range].to_vec()),
-            BatchRows::Windows(ids) => ids[range].iter().map(|(windows, w)| windows.read(&windows.train, *w)).collect(),
+            BatchRows::Windows { windows, part } => {
+                windows[range].iter().map(|(c, w)| c.read(c.split(*part), *w)).collect()
+            }
         }
+    }
+
+    /// The documents of rows `range` when any of them is masked by document
+    /// ([`PackedDataset::with_document_mask`]; a row of a corpus without the mask is one
+    /// document), else `None`. Needs the corpus's document index only, not its tokens.
+    pub fn documents(&self, range: std::ops::Range<usize>) -> Result<Option<Documents>> {
+        let BatchRows::Windows { windows, part } = &self.0 else { return Ok(None) };
+        let rows = &windows[range];
+        let Some((first, _)) = rows.iter().find(|(c, _)| c.documents) else { return Ok(None) };
+        let cuts: Vec<Vec<usize>> =
+            (rows.iter()).map(|(c, w)| if c.documents { c.cuts(c.split(*part), *w) } else { Vec::new() }).collect();
+        Documents::new(first.seq, &cuts)
+            .map(|d| Some(if first.restart { d.restarting_positions() } else { d }))
+            .map_err(|message| TrainError::Corpus { path: "(document index)".into(), message })
     }
 }
 
@@ -305,7 +371,16 @@ impl PackedDataset {
         let train = Split::new([(0, windows * seq as u64)]);
         Ok(Self {
             order: WindowOrder::new(train.windows(seq), seed, 0),
-            windows: Arc::new(Windows { tokens, seq, train, held_out: Split::default(), model_vocab }),
+            windows: Arc::new(Windows {
+                tokens,
+                seq,
+                all: train.clone(),
+                train,
+                held_out: Split::default(),
+                model_vocab,
+                documents: false,
+                restart: false,
+            }),
             seed,
             position: DataPosition::default(),
             source: source.into(),
@@ -350,13 +425,79 @@ impl PackedDataset {
 
     /// The first `n` held-out windows (all of them when fewer), in corpus order.
     pub fn eval_rows(&self, n: usize) -> Result<Vec<Vec<i64>>> {
-        (0..n.min(self.eval_windows())).map(|w| self.windows.read(&self.windows.held_out, w)).collect()
+        let b = self.eval_batch(0..n);
+        b.rows(0..b.len())
+    }
+
+    /// Held-out windows `range` (clipped to those there are), in corpus order, as a batch: read
+    /// where needed, masked by document as training is.
+    pub fn eval_batch(&self, range: std::ops::Range<usize>) -> Batch {
+        self.batch_of(Part::HeldOut, range.start..range.end.min(self.eval_windows()))
+    }
+
+    /// Windows `range` of the whole corpus (training and held-out ones alike, numbered from its
+    /// start; clipped to those there are) as a batch.
+    pub fn window_batch(&self, range: std::ops::Range<usize>) -> Batch {
+        self.batch_of(Part::All, range.start..range.end.min(self.all_windows()))
+    }
+
+    fn batch_of(&self, part: Part, range: std::ops::Range<usize>) -> Batch {
+        let windows = (range.start.min(range.end)..range.end).map(|w| (self.windows.clone(), w)).collect();
+        Batch(BatchRows::Windows { windows: Arc::new(windows), part })
+    }
+
+    /// Masks windows by document (`on`: attention within each document, no loss on the token
+    /// after an end-of-document), from the corpus's document index; `auto` is on for data that
+    /// has one (token shards) and off for text, `on` refuses text.
+    pub fn with_document_mask(mut self, mode: crate::config::DocumentMask) -> Result<Self> {
+        use crate::config::DocumentMask;
+        let w = Arc::get_mut(&mut self.windows).expect("the corpus is masked before any batch is handed out");
+        w.documents = match mode {
+            DocumentMask::Off => false,
+            DocumentMask::Auto => w.tokens.has_documents(),
+            DocumentMask::On if w.tokens.has_documents() => true,
+            DocumentMask::On => {
+                return Err(TrainError::option(
+                    "document_mask",
+                    format!(
+                        "is on, but {} is text, which has no document index: give a `disagmoe tokenize` directory \
+                         or a Megatron .bin/.idx pair, or set it to auto or off",
+                        self.source
+                    ),
+                ))
+            }
+        };
+        Ok(self)
+    }
+
+    /// Counts rotary positions from each document's start (`restart`) or from each window's;
+    /// restarting needs the document mask ([`PackedDataset::with_document_mask`]).
+    pub fn with_document_positions(mut self, positions: crate::config::DocumentPositions) -> Result<Self> {
+        let restart = positions == crate::config::DocumentPositions::Restart;
+        let w = Arc::get_mut(&mut self.windows).expect("positions are set before any batch is handed out");
+        if restart && !w.documents {
+            return Err(TrainError::option(
+                "document_positions",
+                format!(
+                    "restart needs document masks, and {} is not masked (text, or document_mask off): use token \
+                     shards with document_mask auto or on, or positions continue",
+                    self.source
+                ),
+            ));
+        }
+        w.restart = restart;
+        Ok(self)
+    }
+
+    /// Whether windows are masked by document.
+    pub fn document_mask(&self) -> bool {
+        self.windows.documents
     }
 
     /// Windows `range` of the corpus (training and held-out ones alike, numbered from its start).
     pub fn window_rows(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<i64>>> {
-        let all = Split::new([(0, self.all_windows() as u64 * self.windows.seq as u64)]);
-        range.map(|w| self.windows.read(&all, w)).collect()
+        let b = self.window_batch(range);
+        b.rows(0..b.len())
     }
 
     /// Windows of the whole corpus, held-out ones included.
@@ -372,7 +513,9 @@ impl PackedDataset {
         let tokenizer = tokenizer_for(cfg.data.tokenizer.as_deref(), cfg.model.dir.as_deref())?;
         let packing = Packing { seq: cfg.data.seq, seed: cfg.seed, model_vocab, min_windows: cfg.data.batch };
         let all = Self::open(cfg.data.path.as_deref(), path.as_deref(), tokenizer.as_ref(), packing)?;
-        all.hold_out(cfg.data.eval_fraction)
+        all.hold_out(cfg.data.eval_fraction)?
+            .with_document_mask(cfg.data.document_mask)?
+            .with_document_positions(cfg.data.document_positions)
     }
 
     /// Packs `data` (the bundled corpus when `None`): a text file is tokenized with `tokenizer`, a
@@ -524,6 +667,71 @@ mod tests {
         let e =
             PackedDataset::new(&text, "t.txt", &ByteTokenizer, pk(4, 3, 256, 60)).unwrap().hold_out(0.5).err().unwrap();
         assert!(e.to_string().contains("--eval-fraction"), "{e}");
+    }
+
+    /// Two shards of 24 documents of 0 to 9 tokens, token `10 d + i` being token `i` of document
+    /// `d` (so a row says which document each of its tokens is from).
+    fn shards(dir: &Path) -> Tokens {
+        use indexed::{IndexedDataset, IndexedWriter, TokenDtype};
+        let mut parts = Vec::new();
+        for (name, docs) in [("a", 0..10u32), ("b", 10..24)] {
+            let mut w = IndexedWriter::create(&dir.join(name), TokenDtype::U16).unwrap();
+            for d in docs {
+                w.push(&(0..(d * 7) % 10).map(|i| 10 * d + i).collect::<Vec<u32>>()).unwrap();
+            }
+            w.finish().unwrap();
+            parts.push(IndexedDataset::open(&dir.join(name)).unwrap());
+        }
+        Tokens::mapped(parts, None)
+    }
+
+    /// Where a row's documents begin, from its tokens.
+    fn cuts_of(row: &[i64]) -> Vec<usize> {
+        (1..row.len()).filter(|&j| row[j] / 10 != row[j - 1] / 10).collect()
+    }
+
+    #[test]
+    fn document_cuts_follow_the_index_across_shards_and_held_out_documents() {
+        use crate::config::{DocumentMask, DocumentPositions};
+        let dir = tempfile::tempdir().unwrap();
+        let tokens = shards(dir.path());
+        assert_eq!(tokens.doc_starts_in(0..tokens.len()).unwrap(), {
+            let mut d = tokens.doc_starts().unwrap();
+            d.dedup();
+            d[1..d.len() - 1].to_vec()
+        });
+        let ds = PackedDataset::from_tokens(tokens, "shards", "test", pk(4, 5, 256, 2)).unwrap().hold_out(0.2).unwrap();
+        let ds = ds.with_document_mask(DocumentMask::Auto).unwrap();
+        assert!(ds.document_mask(), "auto is on for token shards");
+        let mut seen = (0, 0);
+        for batch in [ds.eval_batch(0..ds.eval_windows()), ds.window_batch(0..ds.all_windows())] {
+            let (rows, docs) = (batch.rows(0..batch.len()).unwrap(), batch.documents(0..batch.len()).unwrap().unwrap());
+            for (b, row) in rows.iter().enumerate() {
+                assert_eq!(docs.cuts(b), cuts_of(row), "row {row:?}");
+                seen.0 += usize::from(!docs.cuts(b).is_empty());
+                seen.1 += usize::from(docs.cuts(b).is_empty());
+            }
+        }
+        assert!(seen.0 > 5 && seen.1 > 5, "rows with and without cuts: {seen:?}");
+        let mut ds = ds.with_document_positions(DocumentPositions::Restart).unwrap();
+        let batch = ds.next_windows(ds.windows());
+        let (rows, docs) = (batch.rows(0..batch.len()).unwrap(), batch.documents(2..batch.len()).unwrap().unwrap());
+        for (b, row) in rows[2..].iter().enumerate() {
+            assert_eq!(docs.cuts(b), cuts_of(row), "training row {row:?}");
+        }
+        assert!(docs.restarts_positions());
+        // Off, or rows given outright: no mask.
+        let off = PackedDataset::from_tokens(shards(dir.path()), "s", "t", pk(4, 5, 256, 2)).unwrap();
+        let mut off = off.with_document_mask(DocumentMask::Off).unwrap();
+        assert!(off.next_windows(3).documents(0..3).unwrap().is_none());
+        assert!(Batch::from_rows(vec![vec![1, 2]]).documents(0..1).unwrap().is_none());
+        // Text has no document index: auto is off, on is refused naming the allowed data.
+        let text = || PackedDataset::new(&"ab".repeat(40), "c.txt", &ByteTokenizer, pk(4, 0, 256, 1)).unwrap();
+        assert!(!text().with_document_mask(DocumentMask::Auto).unwrap().document_mask());
+        let e = text().with_document_mask(DocumentMask::On).err().unwrap().to_string();
+        assert!(e.contains("document_mask") && e.contains("c.txt") && e.contains("tokenize"), "{e}");
+        let e = text().with_document_positions(DocumentPositions::Restart).err().unwrap().to_string();
+        assert!(e.contains("document_positions") && e.contains("continue"), "{e}");
     }
 
     #[test]

@@ -266,7 +266,13 @@ impl Distributed {
             worker_names: (0..layout.workers).map(|w| layout.worker_name(w)).collect(),
             placement: cfg.parallel.placement.name(),
             primary: ranks.contains(&0),
-            needs_data: ranks.iter().any(|&r| layout.holds_ends(r)),
+            // The ends read their micro-batches' rows; with document masks, every attention
+            // worker reads the batch's document boundaries (the index, not the tokens).
+            needs_data: ranks.iter().any(|&r| {
+                layout.holds_ends(r)
+                    || (cfg.data.masks_documents()
+                        && (0..layout.layers).any(|l| (0..layout.micro_batches).any(|m| layout.attn_worker(m, l) == r)))
+            }),
             sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
             model_type: facts.model_type,
             vocab_size: facts.vocab_size,
@@ -534,11 +540,10 @@ impl StepEngine for Distributed {
         self.optimizer_steps
     }
 
-    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64> {
+    fn evaluate(&mut self, batch: &Batch) -> Result<f64> {
         // A pass of the step's schedule without the update, tagged apart from the steps.
         self.eval_passes += 1;
         let step = super::worker::EVAL_PASS_BASE + self.eval_passes;
-        let batch = Batch::from_rows(rows.to_vec());
         let replies = self.round(|| Command::Step {
             step,
             batch: batch.clone(),

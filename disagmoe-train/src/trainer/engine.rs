@@ -117,9 +117,10 @@ pub trait StepEngine {
     /// Updates the optimizer has applied so far.
     fn optimizer_steps(&self) -> u64;
 
-    /// Mean next-token cross-entropy of the current model over `rows` (held-out windows), with no
+    /// Mean next-token cross-entropy of the current model over `batch` (held-out windows, masked
+    /// by document as training is; empty where [`EngineInfo::needs_data`] is false), with no
     /// gradient and no change to the model.
-    fn evaluate(&mut self, rows: &[Vec<i64>]) -> Result<f64>;
+    fn evaluate(&mut self, batch: &Batch) -> Result<f64>;
 
     /// Writes a training checkpoint of the current weights and optimizer state with `state` into
     /// `dir`, keeping the newest `keep`; returns its path.

@@ -312,7 +312,8 @@ pub fn run(
 /// The mean held-out loss, over the same windows every time: the first `eval_batches` full
 /// batches of held-out windows (at least one: checked at start), as training reads batches; for a
 /// blend, that of each source, and their mean weighted as the blend (the blend's expected loss).
-/// Every process calls it together; one without embedding workers passes no rows.
+/// Every process calls it together; one without data (no embedding worker, nor an attention
+/// worker under a document mask) passes an empty batch.
 fn evaluate(
     engine: &mut dyn StepEngine,
     data: &RunData,
@@ -323,10 +324,11 @@ fn evaluate(
     for source in data.sources() {
         let d = &source.data;
         let batches = cfg.data.eval_batches.min(d.eval_windows() / cfg.data.batch);
-        let rows = d.eval_rows(batches * cfg.data.batch)?;
         let mut sum = 0.0;
-        for chunk in rows.chunks(cfg.data.batch) {
-            sum += engine.evaluate(if with_rows { chunk } else { &[] })?;
+        for b in 0..batches {
+            let batch =
+                if with_rows { d.eval_batch(b * cfg.data.batch..(b + 1) * cfg.data.batch) } else { Batch::empty() };
+            sum += engine.evaluate(&batch)?;
         }
         let loss = sum / batches as f64;
         mean += source.weight * loss;

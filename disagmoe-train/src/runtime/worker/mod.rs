@@ -148,6 +148,9 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     // Per step.
     /// Token ids of this worker's micro-batches.
     rows: HashMap<usize, Vec<Vec<i64>>>,
+    /// The documents of every micro-batch whose windows are masked by document (attention stays
+    /// within them; the loss skips the targets that begin another).
+    documents: HashMap<usize, disagmoe_kernels::documents::Documents>,
     inbox: Inbox,
     attn_saved: HashMap<(usize, usize), AttnSaved<B, A, R>>,
     ffn_saved: HashMap<(usize, usize), FfnSaved<B, X>>,
@@ -226,6 +229,7 @@ where
             names,
             ffn_name,
             rows: HashMap::new(),
+            documents: HashMap::new(),
             inbox: Inbox::default(),
             attn_saved: HashMap::new(),
             ffn_saved: HashMap::new(),
@@ -278,6 +282,28 @@ where
         self.rows = (self.layout.own_micro_batches(rank).into_iter())
             .map(|m| Ok((m, batch.rows(m * rows_per..(m + 1) * rows_per)?)))
             .collect::<Result<_>>()?;
+        // The documents of the micro-batches this worker attends to (from the index alone).
+        self.documents = HashMap::new();
+        if !batch.is_empty() {
+            if batch.len() < self.layout.micro_batches * rows_per {
+                return Err(TrainError::Worker {
+                    worker: rank,
+                    cause: format!(
+                        "a batch of {} rows for {} micro-batches of {rows_per}",
+                        batch.len(),
+                        self.layout.micro_batches
+                    ),
+                });
+            }
+            let layers = self.layout.layers;
+            for m in
+                (0..self.layout.micro_batches).filter(|&m| (0..layers).any(|l| self.layout.attn_worker(m, l) == rank))
+            {
+                if let Some(d) = batch.documents(m * rows_per..(m + 1) * rows_per)? {
+                    self.documents.insert(m, d);
+                }
+            }
+        }
         let mut schedule = Scheduler::new(&self.layout, rank, self.settings.in_flight);
         for env in std::mem::take(&mut self.comm.later) {
             self.accept(env, &mut schedule)?;

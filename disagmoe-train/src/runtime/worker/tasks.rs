@@ -141,7 +141,9 @@ where
             Some(h) => (self.hidden(&h, track), None),
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
-        let out = stage.forward(h.clone(), self.rope.0.clone(), self.rope.1.clone(), None);
+        let docs = self.documents.get(&mb);
+        let (cos, sin) = disagmoe_models::rope::document_tables(self.rope.0.clone(), self.rope.1.clone(), docs);
+        let out = stage.forward(h.clone(), cos, sin, docs);
         let routed = match (out.route, stage.top_k()) {
             (Some(decision), Some(k)) => {
                 Some(self.settings.routing.route(decision, self.settings.mb_rows, self.layout.experts, k))
@@ -358,7 +360,9 @@ where
             .expect("the head worker holds the ends")
             .map(&mut Fork { device: &device, track: true });
         // The next-token loss, and the multi-token prediction modules' (they live with the head).
-        let (ce, mtp) = ends.head_loss(h.clone(), ids, self.rope.0.clone(), self.rope.1.clone(), None);
+        let docs = self.documents.get(&mb);
+        let (cos, sin) = disagmoe_models::rope::document_tables(self.rope.0.clone(), self.rope.1.clone(), docs);
+        let (ce, mtp) = ends.head_loss(h.clone(), ids, cos, sin, docs);
         let lm: f64 = ce.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
         let (aux_loss, aux_coef) = self.balance_loss(&aux);
         let ce = match mtp {
