@@ -23,6 +23,7 @@ pub mod documents;
 pub mod order;
 pub mod precision;
 pub mod reference;
+pub mod ring;
 pub mod usage;
 
 /// How a backend matched an operation: the plain backend, or `Autodiff` over it.

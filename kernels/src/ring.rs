@@ -1,0 +1,218 @@
+//! Ring attention: the causal attention of one sequence computed by `C` workers of an attention
+//! group (context parallelism). The sequence is cut into `2C` chunks and worker `r` holds chunks
+//! `r` and `2C - 1 - r`, one from the front and its mirror from the back, so that under the causal
+//! mask every worker has the same work (Megatron's and torchtitan's load balancing). Each worker
+//! attends with its own queries to every worker's keys and values as they come round the ring,
+//! one worker's block per step, skipping the chunk pairs the mask empties, and merges the partial
+//! results with the online softmax: each partial result carries its log-sum-exp, merged in f32.
+//!
+//! [`partial`] and [`merge`] are the steps a worker takes; [`ring_attention`] runs the `C` workers
+//! one after the other over a whole sequence (the schedule, not the transport), equal to
+//! [`crate::reference::attention`] up to rounding, forward and backward.
+
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+
+use crate::documents::Documents;
+use crate::precision::matmul;
+
+/// The log-sum-exp of a query that sees no key in a block: finite, so that merging it with an
+/// empty partner gives no NaN, and `exp(EMPTY - lse)` is 0 against any real one.
+const EMPTY: f32 = -1.0e30;
+
+/// The two chunks of a sequence of `seq` tokens that each of `c` workers holds: `2c` contiguous
+/// chunks as equal as they can be (the first `seq % 2c` one token longer), worker `r` holding
+/// chunks `r` and `2c - 1 - r`.
+///
+/// # Errors
+/// `c` of 0, or a sequence shorter than `2c` tokens (a chunk would be empty).
+pub fn chunks(seq: usize, c: usize) -> Result<Vec<[Range<usize>; 2]>, String> {
+    if c == 0 || seq < 2 * c {
+        return Err(format!(
+            "context parallelism over {c} workers needs sequences of at least {} tokens (2 chunks per worker), got {seq}",
+            2 * c
+        ));
+    }
+    let n = 2 * c;
+    let bounds: Vec<usize> = (0..=n).map(|i| i * (seq / n) + i.min(seq % n)).collect();
+    let chunk = |i: usize| bounds[i]..bounds[i + 1];
+    Ok((0..c).map(|r| [chunk(r), chunk(n - 1 - r)]).collect())
+}
+
+/// Which tokens of a sequence attend where: the causal mask, a sliding window (query `i` sees keys
+/// `i - window < j <= i`) and documents (keys of the query's own document only).
+#[derive(Clone, Copy, Debug)]
+pub struct Mask<'a> {
+    /// The window, if any.
+    pub window: Option<usize>,
+    /// Documents over `[B, S]` (positions of the whole sequence), if any.
+    pub docs: Option<&'a Documents>,
+}
+
+impl Mask<'_> {
+    fn sees(&self, b: usize, qp: usize, kp: usize) -> bool {
+        kp <= qp && qp - kp < self.window.unwrap_or(usize::MAX) && self.docs.is_none_or(|d| kp >= d.start(b, qp))
+    }
+
+    /// Whether no query of `q` sees any key of `k` in any row (a block the ring skips).
+    fn empty(&self, q: &Range<usize>, k: &Range<usize>) -> bool {
+        let causal = k.start > q.end - 1;
+        let window = self.window.is_some_and(|w| q.start - (k.end - 1).min(q.start) >= w);
+        causal || window
+    }
+}
+
+/// Keys and values `[B, T, G, ·]` repeated to `H` heads, heads first: `[B, H, T, ·]`.
+fn heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+    let [b, t, g, d] = x.dims();
+    x.swap_dims(1, 2).unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
+}
+
+/// One block of attention: queries at positions `q` of the sequence over keys and values at
+/// positions `k`, without sinks. Returns the normalised output `[B, Sq, H, E]` and its
+/// log-sum-exp `[B, H, Sq, 1]` (f32; a query that sees no key gets output 0 and a log-sum-exp far
+/// below any real one).
+///
+/// # Shapes
+/// - q: `[B, Sq, H, D]` (positions `q`), k: `[B, Tk, G, D]`, v: `[B, Tk, G, E]` (positions `k`)
+pub fn partial<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scale: f64,
+    mask: Mask<'_>,
+    qpos: &[usize],
+    kpos: &[usize],
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, s, h, _] = q.dims();
+    let t = kpos.len();
+    let device = q.device();
+    let (q, k, v) = (q.swap_dims(1, 2), heads(k, h), heads(v, h));
+    let scores = matmul(q, k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, Sq, Tk], f32
+    let rows = if mask.docs.is_some() { b } else { 1 };
+    let hidden: Vec<bool> =
+        (0..rows * s * t).map(|i| !mask.sees(i / (s * t), qpos[(i / t) % s], kpos[i % t])).collect();
+    let hidden =
+        Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [rows, 1, s, t]), &device).expand([b, h, s, t]);
+    let scores = scores.mask_fill(hidden.clone(), EMPTY);
+    // The row maximum only steadies the exponentials: the result does not depend on it.
+    let max = scores.clone().max_dim(3).detach(); // [B, H, Sq, 1]
+    let p = (scores - max.clone()).exp().mask_fill(hidden, 0.0);
+    let sum = p.clone().sum_dim(3); // [B, H, Sq, 1]
+    let seen = sum.clone().greater_elem(0.0);
+    let safe = sum.clone().mask_fill(seen.clone().bool_not(), 1.0);
+    let out = matmul(p, v).div(safe.clone()); // [B, H, Sq, E]
+    let lse = (max + safe.log()).mask_fill(seen.bool_not(), EMPTY);
+    (out.swap_dims(1, 2), lse)
+}
+
+/// The attention over the keys of two blocks from each one's: outputs `[B, S, H, E]` weighted by
+/// their share of the softmax, and the log-sum-exp of the union (f32).
+pub fn merge<B: Backend>(
+    a: (Tensor<B, 4>, Tensor<B, 4>),
+    b: (Tensor<B, 4>, Tensor<B, 4>),
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let ((oa, la), (ob, lb)) = (a, b);
+    let top = la.clone().max_pair(lb.clone()).detach();
+    let lse = top.clone() + ((la.clone() - top.clone()).exp() + (lb.clone() - top).exp()).log();
+    let weight = |l: Tensor<B, 4>| (l - lse.clone()).exp().swap_dims(1, 2); // [B, S, H, 1]
+    (oa * weight(la) + ob * weight(lb), lse)
+}
+
+/// The output once the sinks' logits join the softmax (one per head, its probability dropped).
+///
+/// # Shapes
+/// - out: `[B, S, H, E]`, lse: `[B, H, S, 1]`, sinks: `[H]`
+pub fn with_sinks<B: Backend>(out: Tensor<B, 4>, lse: Tensor<B, 4>, sinks: Tensor<B, 1>) -> Tensor<B, 4> {
+    let [b, h, s, _] = lse.dims();
+    let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
+    let top = lse.clone().max_pair(sink.clone()).detach();
+    let total = top.clone() + ((lse.clone() - top.clone()).exp() + (sink - top).exp()).log();
+    out * (lse - total).exp().swap_dims(1, 2)
+}
+
+/// [`crate::reference::attention`] computed as `c` workers of a ring would: each with the queries
+/// of its two chunks ([`chunks`]), the keys and values of every worker coming round one block per
+/// step (its own first), the emptied chunk pairs skipped, the partial results merged ([`merge`]),
+/// the sinks added last.
+///
+/// # Errors
+/// As [`chunks`].
+///
+/// # Shapes
+/// - q: `[B, S, H, D]`, k: `[B, S, G, D]`, v: `[B, S, G, E]`, sinks: `[H]` -> `[B, S, H, E]`;
+///   docs over `[B, S]`
+#[allow(clippy::too_many_arguments)]
+pub fn ring_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    mask: Mask<'_>,
+    c: usize,
+) -> Result<Tensor<B, 4>, String> {
+    let [_, s, _, _] = q.dims();
+    let held = chunks(s, c)?;
+    let device = q.device();
+    let take = |x: &Tensor<B, 4>, r: &Range<usize>| x.clone().narrow(1, r.start, r.len());
+    let mut outs = Vec::with_capacity(2 * c);
+    let mut order = Vec::with_capacity(s);
+    for (r, own) in held.iter().enumerate() {
+        for qr in own {
+            let qpos: Vec<usize> = qr.clone().collect();
+            let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
+            // Step i brings worker r - i's keys and values.
+            for i in 0..c {
+                for kr in &held[(r + c - i) % c] {
+                    if mask.empty(qr, kr) {
+                        continue;
+                    }
+                    let kpos: Vec<usize> = kr.clone().collect();
+                    let part = partial(take(&q, qr), take(&k, kr), take(&v, kr), scale, mask, &qpos, &kpos);
+                    acc = Some(match acc {
+                        None => part,
+                        Some(prev) => merge(prev, part),
+                    });
+                }
+            }
+            // Every query sees at least itself: its own chunk is never skipped.
+            let (out, lse) = acc.expect("a chunk attends to itself");
+            outs.push(match &sinks {
+                Some(sinks) => with_sinks(out, lse, sinks.clone()),
+                None => out,
+            });
+            order.extend(qpos);
+        }
+    }
+    // Back into sequence order.
+    let mut inverse = vec![0i64; s];
+    for (at, &p) in order.iter().enumerate() {
+        inverse[p] = at as i64;
+    }
+    let inverse = Tensor::<B, 1, Int>::from_data(TensorData::new(inverse, [s]), &device);
+    Ok(Tensor::cat(outs, 1).select(1, inverse))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_balance_the_causal_work_and_cover_the_sequence() {
+        let c = chunks(10, 2).unwrap();
+        assert_eq!(c, vec![[0..3, 8..10], [3..6, 6..8]]);
+        let c = chunks(13, 3).unwrap();
+        let mut all: Vec<usize> = c.iter().flat_map(|[a, b]| a.clone().chain(b.clone())).collect();
+        all.sort();
+        assert_eq!(all, (0..13).collect::<Vec<_>>());
+        // Causal work (keys seen) per worker within a token per row of the mean.
+        let work: Vec<usize> = c.iter().map(|[a, b]| a.clone().chain(b.clone()).map(|p| p + 1).sum()).collect();
+        let (lo, hi) = (work.iter().min().unwrap(), work.iter().max().unwrap());
+        assert!(hi - lo <= 13, "{work:?}");
+        let e = chunks(5, 3).unwrap_err();
+        assert!(e.contains("at least 6 tokens"), "{e}");
+    }
+}
