@@ -631,6 +631,8 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "optimizer-state-dtype",
         "expert-placement",
         "expert-load",
+        "document-mask",
+        "document-positions",
     ];
     // (command, numeric options, other options, the base arguments: small valid values)
     let train_base: Vec<(&str, &str)> =
@@ -646,7 +648,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         (
             "eval",
             vec!["seq", "batch", "eval-fraction"],
-            vec!["model-dir", "data", "tokenizer"],
+            vec!["model-dir", "data", "tokenizer", "document-mask", "document-positions"],
             vec![("model-dir", &model), ("seq", "8"), ("batch", "2")],
         ),
         (
