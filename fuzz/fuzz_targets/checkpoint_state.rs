@@ -25,6 +25,8 @@ fn settings() -> RunSettings {
         model: serde_json::json!({"model_type": "qwen3_moe"}),
         micro_batches: 4,
         optimizer_state_dtype: disagmoe_train::config::StateDtype::F32,
+        document_mask: false,
+        document_positions: disagmoe_train::config::DocumentPositions::Continue,
     }
 }
 
