@@ -49,6 +49,13 @@ pub fn attention_at<B: Backend>(
     masked(q, k, v, sinks, scale, window, q_start, k_start, None)
 }
 
+/// Keys or values `[B, T, G, D]` of `G` groups repeated for the `H` query heads (grouped-query
+/// attention), heads first: `[B, H, T, D]`.
+pub(crate) fn heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+    let [b, t, g, d] = x.dims();
+    x.swap_dims(1, 2).unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
+}
+
 #[allow(clippy::too_many_arguments)]
 fn masked<B: Backend>(
     q: Tensor<B, 4>,
@@ -62,14 +69,9 @@ fn masked<B: Backend>(
     docs: Option<&Documents>,
 ) -> Tensor<B, 4> {
     let [b, s, h, _] = q.dims();
-    let [_, t, g, _] = k.dims();
+    let t = k.dims()[1];
     let device = q.device();
-    let rep = |x: Tensor<B, 4>| {
-        let d = x.dims()[3];
-        let x = x.swap_dims(1, 2); // [B, G, T, D]
-        x.unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
-    };
-    let (q, k, v) = (q.swap_dims(1, 2), rep(k), rep(v));
+    let (q, k, v) = (q.swap_dims(1, 2), heads(k, h), heads(v, h));
     let scores = matmul(q, k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, S, T], f32
     let w = window.unwrap_or(usize::MAX);
     let rows = if docs.is_some() { b } else { 1 };

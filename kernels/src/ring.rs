@@ -17,6 +17,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 use crate::documents::Documents;
 use crate::precision::matmul;
+use crate::reference::heads;
 
 /// The log-sum-exp of a query that sees no key in a block: finite, so that merging it with an
 /// empty partner gives no NaN, and `exp(EMPTY - lse)` is 0 against any real one.
@@ -62,12 +63,6 @@ impl Mask<'_> {
         let window = self.window.is_some_and(|w| q.start - (k.end - 1).min(q.start) >= w);
         causal || window
     }
-}
-
-/// Keys and values `[B, T, G, ·]` repeated to `H` heads, heads first: `[B, H, T, ·]`.
-fn heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
-    let [b, t, g, d] = x.dims();
-    x.swap_dims(1, 2).unsqueeze_dim::<5>(2).expand([b, g, h / g, t, d]).reshape([b, h, t, d])
 }
 
 /// One block of attention: queries at positions `q` of the sequence over keys and values at
