@@ -55,6 +55,13 @@ pub struct JobArgs {
     /// expert GPUs' loads [default: 0].
     #[arg(long, default_value_t = 0)]
     pub redundant_experts: usize,
+    /// How an attention group shares a micro-batch: `auto` (each group size gets the smallest
+    /// context-parallel size C whose a / C replicas divide the micro-batch's sequences: C > 1 only
+    /// where sequences are fewer than GPUs), a size C (each sequence split over C GPUs in
+    /// load-balanced chunks, ring attention; 1: none), or `dealt` (whole micro-batches per GPU, as
+    /// `disagmoe train` runs today) [default: auto].
+    #[arg(long, value_name = "auto|C|dealt")]
+    pub context_parallel: Option<disagmoe_core::cost::ContextParallel>,
     /// How experts are placed on expert GPUs: contiguous ranges (the runtime's split) or balanced
     /// by load (EPLB) [default: balanced with --redundant-experts, else contiguous].
     #[arg(long, value_name = "contiguous|balanced")]
@@ -94,6 +101,9 @@ impl JobArgs {
         }
         if let Some(d) = self.exchange_dtype {
             cost.precision.exchange = ExchangePrecision::of(d);
+        }
+        if let Some(cp) = self.context_parallel {
+            cost.context_parallel = cp;
         }
         let load = match &self.expert_load {
             Some(spec) => ExpertLoad::from_arg(spec).with_context(|| format!("--expert-load {spec}"))?,
@@ -217,6 +227,14 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         "  {} group pairs: attention {} GPUs / {} NICs, experts {} GPUs / {} NICs",
         report.groups, report.attention_gpus, report.attention_nics, report.ffn_gpus, report.ffn_nics
     );
+    let a = report.allocation.attention_gpus_per_group;
+    let cp = report.context_parallel;
+    println!(
+        "  context parallelism {cp} (--context-parallel {}): {} replica(s) of {cp} GPU(s) per attention group of {a}{}",
+        report.context_parallel_choice,
+        a / cp.max(1),
+        if cp > 1 { ", each sequence split over a ring" } else { ", whole sequences per GPU" }
+    );
     println!(
         "  predicted step {:.3} s (roofline bottleneck {:.3} s), {} micro-batches in flight{}",
         report.predicted_step_s,
@@ -241,11 +259,12 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
     for c in report.candidates.iter().flatten() {
         let a = &c.allocation;
         println!(
-            "    candidate p={} A {}x{}GPU/{}NIC F {}x{}GPU/{}NIC: step {:.3} s (roofline {:.3} s)",
+            "    candidate p={} A {}x{}GPU/{}NIC CP {} F {}x{}GPU/{}NIC: step {:.3} s (roofline {:.3} s)",
             a.groups,
             a.groups,
             a.attention_gpus_per_group,
             a.attention_nics_per_group,
+            a.context_parallel,
             a.groups,
             a.ffn_gpus_per_group,
             a.ffn_nics_per_group,

@@ -653,7 +653,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         ),
         (
             "plan",
-            vec!["seq", "micro-batch", "global-batch", "search-evals", "redundant-experts"],
+            vec!["seq", "micro-batch", "global-batch", "search-evals", "redundant-experts", "context-parallel"],
             vec![
                 "model",
                 "cluster",
@@ -668,7 +668,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         ),
         (
             "simulate",
-            vec!["seq", "micro-batch", "global-batch", "redundant-experts"],
+            vec!["seq", "micro-batch", "global-batch", "redundant-experts", "context-parallel"],
             vec![
                 "model",
                 "cluster",

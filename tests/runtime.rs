@@ -674,7 +674,7 @@ fn the_planner_counts_the_state_the_runtime_holds() {
                 assert_eq!(held.len(), attn + ffn);
                 let (a, f) = (attn / groups, ffn / groups);
                 let copies = if sharded == "on" { a } else { 1 };
-                let mut want_attn = cost.attention_memory_parts(groups, a, 1, false);
+                let mut want_attn = cost.attention_memory_parts(groups, a, 1, 1, false);
                 want_attn.optimizer *= a as f64 / copies as f64;
                 let want = [want_attn.state(), cost.ffn_memory_parts(groups, f, 1, false).state()];
                 let got = [held[..attn].iter().max().unwrap(), held[attn..].iter().max().unwrap()].map(|&b| b as f64);

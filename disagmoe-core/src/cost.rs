@@ -62,6 +62,72 @@ impl Workload {
     }
 }
 
+/// How an attention group shares a micro-batch among its GPUs (`plan --context-parallel`).
+///
+/// Without context parallelism a GPU holds whole sequences: `a / C` data-parallel replicas of an
+/// attention group take whole sequences of the micro-batch, and the `C` GPUs of a replica split
+/// each of its sequences into load-balanced causal chunks (ring attention: K/V blocks pass around
+/// the `C` GPUs, overlapped with each block's compute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextParallel {
+    /// Each attention group size gets the smallest context-parallel size `C` whose `a / C`
+    /// replicas divide the micro-batch's sequences evenly (so every GPU computes `T / a` tokens):
+    /// `C = 1` where the micro-batch has sequences enough, more at long sequences (the default).
+    #[default]
+    Auto,
+    /// Every attention group splits each sequence over this many GPUs (`1`: none; group sizes
+    /// must be multiples of it).
+    Fixed(usize),
+    /// Whole micro-batches dealt to an attention group's GPUs in turn, as `disagmoe train`'s
+    /// runtime does (it has no context parallelism yet): a GPU computes `T / a` of the group's
+    /// tokens on average and no sequence is split.
+    Dealt,
+}
+
+impl ContextParallel {
+    /// The context-parallel size of an attention group of `gpus` GPUs under `workload`, `None`
+    /// when this choice has none for that size (a fixed `C` that does not divide it, or chunks
+    /// shorter than a token: each GPU holds two chunks of a sequence).
+    pub fn size_for(self, gpus: usize, workload: &Workload) -> Option<usize> {
+        let fits = |c: usize| c >= 1 && gpus.is_multiple_of(c) && (c == 1 || c.saturating_mul(2) <= workload.seq);
+        match self {
+            Self::Dealt => Some(1),
+            Self::Fixed(c) => fits(c).then_some(c),
+            Self::Auto => (1..=gpus).filter(|&c| fits(c)).find(|&c| workload.micro_batch.is_multiple_of(gpus / c)),
+        }
+    }
+
+    /// The command-line spelling: `auto`, a size, or `dealt`.
+    pub fn name(self) -> String {
+        match self {
+            Self::Auto => "auto".into(),
+            Self::Fixed(c) => c.to_string(),
+            Self::Dealt => "dealt".into(),
+        }
+    }
+}
+
+impl std::str::FromStr for ContextParallel {
+    type Err = crate::error::CoreError;
+
+    /// `auto`, `dealt`, or a context-parallel size of at least 1.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "dealt" => Ok(Self::Dealt),
+            v => match v.parse::<usize>() {
+                Ok(c) if c >= 1 => Ok(Self::Fixed(c)),
+                _ => Err(invalid(
+                    "context_parallel",
+                    s,
+                    "auto, dealt (whole micro-batches per GPU, as `disagmoe train` runs), or a size of at least 1 (1: none)",
+                )),
+            },
+        }
+    }
+}
+
 /// Bytes per element of each kind of training state (mixed precision with Adam).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Precision {
@@ -216,6 +282,8 @@ pub struct CostModel {
     pub workload: Workload,
     /// Byte sizes.
     pub precision: Precision,
+    /// How attention groups share a micro-batch (context parallelism).
+    pub context_parallel: ContextParallel,
     /// Expert load and placement (set through [`CostModel::with_expert_balance`], which checks it
     /// against the model).
     expert_balance: ExpertBalance,
@@ -227,7 +295,14 @@ impl CostModel {
         model.validate()?;
         cluster.validate()?;
         workload.validate()?;
-        Ok(Self { model, cluster, workload, precision: Precision::default(), expert_balance: ExpertBalance::default() })
+        Ok(Self {
+            model,
+            cluster,
+            workload,
+            precision: Precision::default(),
+            context_parallel: ContextParallel::default(),
+            expert_balance: ExpertBalance::default(),
+        })
     }
 
     /// The same model with expert load and placement `balance`, refused when it does not fit the
@@ -316,10 +391,26 @@ impl CostModel {
         self.precision.activation_bytes * (3.0 * h + 2.0 * q + 2.0 * kv)
     }
 
+    /// Tokens of one micro-batch one GPU of an attention group of `gpus` GPUs computes, the group
+    /// splitting each sequence over `cp` of them ([`ContextParallel`]): `ceil(B / (a / C)) S / C`,
+    /// which is `T / a` when the replicas divide the sequences evenly (`T / a` on average when
+    /// micro-batches are dealt whole).
+    pub fn attention_tokens_per_gpu(&self, gpus: usize, cp: usize) -> f64 {
+        let w = &self.workload;
+        if self.context_parallel == ContextParallel::Dealt {
+            return w.tokens_per_micro_batch() / gpus.max(1) as f64;
+        }
+        let cp = cp.max(1);
+        let replicas = (gpus / cp).max(1);
+        w.micro_batch.div_ceil(replicas) as f64 * w.seq as f64 / cp as f64
+    }
+
     /// Forward work of one GPU of an attention group of `gpus` GPUs for layer `layer` on one
-    /// micro-batch (the `T` tokens are split evenly over the group).
-    pub fn attention_forward(&self, layer: usize, gpus: usize) -> Work {
-        let tokens = self.workload.tokens_per_micro_batch() / gpus as f64;
+    /// micro-batch, each sequence split over `cp` of them (its tokens:
+    /// [`Self::attention_tokens_per_gpu`]; load-balanced chunks give every GPU of a ring the
+    /// same causal context on average).
+    pub fn attention_forward(&self, layer: usize, gpus: usize, cp: usize) -> Work {
+        let tokens = self.attention_tokens_per_gpu(gpus, cp);
         let ctx = self.model.mean_context(layer, self.workload.seq);
         let linear = self.attention_linear_params() + self.model.router_params();
         let flops = tokens * (2.0 * linear + self.score_flops_per_context() * ctx);
@@ -328,14 +419,81 @@ impl CostModel {
         Work { flops, hbm_bytes: weights + act }
     }
 
-    /// Forward work of the final norm, output head and loss on one GPU of a group of `gpus`.
-    pub fn head_forward(&self, gpus: usize) -> Work {
-        let tokens = self.workload.tokens_per_micro_batch() / gpus as f64;
+    /// Forward work of the final norm, output head and loss on one GPU of a group of `gpus`
+    /// splitting sequences over `cp`.
+    pub fn head_forward(&self, gpus: usize, cp: usize) -> Work {
+        let tokens = self.attention_tokens_per_gpu(gpus, cp);
         let table = (self.model.vocab * self.model.hidden) as f64;
         Work {
             flops: tokens * 2.0 * table,
             hbm_bytes: self.precision.param_bytes * table + tokens * self.model.vocab as f64 * 4.0,
         }
+    }
+
+    /// K/V values per token an attention layer passes around a context-parallel ring: GQA's keys
+    /// and values; MLA's keys and values as its heads use them (`heads x (d_qk + d_v)`, what
+    /// `disagmoe_kernels::ring` takes).
+    pub fn ring_kv_width(&self) -> f64 {
+        match &self.model.attention {
+            AttentionShape::Gqa { kv_heads, head_dim, .. } => 2.0 * (kv_heads * head_dim) as f64,
+            AttentionShape::Mla { heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, .. } => {
+                (*heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)) as f64
+            }
+        }
+    }
+
+    /// Bytes one GPU of a context-parallel ring of `cp` receives for layer `layer` on one
+    /// micro-batch in the forward: its K/V block from each of the other `cp - 1` GPUs (a windowed
+    /// layer whose window is shorter than the sequence needs only the `window` keys before each of
+    /// its two chunks, one step); the backward passes the blocks and their gradients, twice this.
+    pub fn ring_bytes(&self, layer: usize, gpus: usize, cp: usize) -> f64 {
+        if cp <= 1 {
+            return 0.0;
+        }
+        let tokens = self.attention_tokens_per_gpu(gpus, cp);
+        let received = match &self.model.sliding_window {
+            Some(sw) if layer.is_multiple_of(sw.period) && sw.window < self.workload.seq => {
+                tokens.min(2.0 * sw.window as f64)
+            }
+            _ => (cp - 1) as f64 * tokens,
+        };
+        received * self.ring_kv_width() * self.precision.activation_bytes
+    }
+
+    /// Seconds of one GPU's ring transfers for layer `layer` on one micro-batch (forward, or
+    /// `backward`: twice the bytes): one latency per step and the bytes over NVLink when the ring
+    /// fits in a node, else over the GPU's share of the node's NICs.
+    pub fn ring_time(&self, layer: usize, gpus: usize, cp: usize, backward: bool) -> f64 {
+        if cp <= 1 {
+            return 0.0;
+        }
+        let node = &self.cluster.node;
+        let windowed = self
+            .model
+            .sliding_window
+            .as_ref()
+            .is_some_and(|sw| layer.is_multiple_of(sw.period) && sw.window < self.workload.seq);
+        let steps = if windowed { 1.0 } else { (cp - 1) as f64 };
+        let bw = if cp <= node.gpus_per_node {
+            node.sustained_nvlink()
+        } else {
+            node.sustained_nic() * self.cluster.nics_per_gpu()
+        };
+        let bytes = self.ring_bytes(layer, gpus, cp) * if backward { 2.0 } else { 1.0 };
+        steps * node.latency_s + bytes / bw
+    }
+
+    /// Seconds of one GPU of an attention group for layer `layer` on one micro-batch, forward and
+    /// backward (`recompute`: the backward runs the forward again): the roofline of its work, or
+    /// the ring's transfers when they take longer (each block's transfer overlaps the previous
+    /// block's compute).
+    pub fn attention_layer_s(&self, layer: usize, gpus: usize, cp: usize, recompute: bool) -> (f64, f64) {
+        let w = self.attention_forward(layer, gpus, cp);
+        let g = w.backward();
+        let bwd = if recompute { Work { flops: g.flops + w.flops, hbm_bytes: g.hbm_bytes + w.hbm_bytes } } else { g };
+        let ring = |backward: bool| self.ring_time(layer, gpus, cp, backward);
+        let recomputed_ring = if recompute { ring(false) } else { 0.0 };
+        (self.gpu_time(w).max(ring(false)), self.gpu_time(bwd).max(ring(true) + recomputed_ring))
     }
 
     /// Expected number of distinct expert ranks a token is sent to when the `E` experts are
@@ -528,21 +686,32 @@ impl CostModel {
         }
     }
 
-    /// Peak memory of one attention GPU (group of `a`, `p` pairs) with `in_flight` micro-batches
-    /// whose activations are alive, each holding on average half of the group's layers.
-    /// With `recompute`, only each layer's input is kept and backward recomputes the forward.
-    pub fn attention_memory(&self, p: usize, a: usize, in_flight: usize, recompute: bool) -> f64 {
-        self.attention_memory_parts(p, a, in_flight, recompute).total()
+    /// Peak memory of one attention GPU (group of `a` splitting sequences over `cp`, `p` pairs)
+    /// with `in_flight` micro-batches whose activations are alive, each holding on average half of
+    /// the group's layers. With `recompute`, only each layer's input is kept and backward
+    /// recomputes the forward.
+    pub fn attention_memory(&self, p: usize, a: usize, cp: usize, in_flight: usize, recompute: bool) -> f64 {
+        self.attention_memory_parts(p, a, cp, in_flight, recompute).total()
     }
 
     /// [`Self::attention_memory`] by kind: the `a` GPUs of a group hold copies of its
-    /// parameters, whose optimizer state the distributed optimizer shards over them.
-    pub fn attention_memory_parts(&self, p: usize, a: usize, in_flight: usize, recompute: bool) -> MemoryParts {
+    /// parameters, whose optimizer state the distributed optimizer shards over them; a
+    /// context-parallel ring adds the two K/V blocks of the layer it runs (one computed on, one
+    /// arriving).
+    pub fn attention_memory_parts(
+        &self,
+        p: usize,
+        a: usize,
+        cp: usize,
+        in_flight: usize,
+        recompute: bool,
+    ) -> MemoryParts {
         let worst = (0..p).map(|g| self.attention_group_params(g, p)).fold(0.0, f64::max);
         let layers = self.model.layers.div_ceil(p) as f64;
-        let tokens = self.workload.tokens_per_micro_batch() / a as f64;
+        let tokens = self.attention_tokens_per_gpu(a, cp);
         let per_token = if recompute { self.checkpoint_per_token() } else { self.attention_activation_per_token() };
-        let act = in_flight as f64 * (layers / 2.0).max(1.0) * tokens * per_token;
+        let ring = if cp > 1 { 2.0 * tokens * self.ring_kv_width() * self.precision.activation_bytes } else { 0.0 };
+        let act = in_flight as f64 * (layers / 2.0).max(1.0) * tokens * per_token + ring;
         MemoryParts { activations: act, ..self.state_parts(worst, a) }
     }
 
@@ -592,9 +761,9 @@ impl CostModel {
     pub fn flops_per_token(&self) -> f64 {
         let t = self.workload.tokens_per_micro_batch();
         let fwd: f64 = (0..self.model.layers)
-            .map(|l| self.attention_forward(l, 1).flops + self.ffn_forward(l, 1).flops)
+            .map(|l| self.attention_forward(l, 1, 1).flops + self.ffn_forward(l, 1).flops)
             .sum::<f64>()
-            + self.head_forward(1).flops;
+            + self.head_forward(1, 1).flops;
         3.0 * fwd / t
     }
 }
@@ -641,7 +810,7 @@ mod tests {
         assert!(fpt > linear && fpt < 1.5 * linear, "{fpt:e} vs 6N = {linear:e}");
         // Attention FLOPs per token grow with sequence length, expert FLOPs do not.
         let long = cm("qwen3-235b-a22b", 32768);
-        assert!(long.attention_forward(0, 1).flops / 8.0 > c.attention_forward(0, 1).flops);
+        assert!(long.attention_forward(0, 1, 1).flops / 8.0 > c.attention_forward(0, 1, 1).flops);
         assert!((long.ffn_forward(0, 1).flops / 8.0 - c.ffn_forward(0, 1).flops).abs() < 1.0);
     }
 
@@ -672,6 +841,84 @@ mod tests {
     }
 
     #[test]
+    fn context_parallelism_splits_sequences_only_where_a_micro_batch_has_too_few() {
+        let w = |seq: usize, micro_batch: usize| Workload { seq, micro_batch, global_batch: 64 * micro_batch };
+        let auto = ContextParallel::Auto;
+        assert_eq!(auto.size_for(8, &w(4096, 16)), Some(1));
+        assert_eq!(auto.size_for(8, &w(32768, 2)), Some(4));
+        // 4 GPUs and 6 sequences: 2 replicas of 2 (3 sequences each), not 4 replicas (2 of them
+        // holding 2 sequences and the others 1).
+        assert_eq!(auto.size_for(4, &w(4096, 6)), Some(2));
+        // One sequence of 8 tokens over 8 GPUs would leave chunks of half a token.
+        assert_eq!(auto.size_for(8, &w(8, 1)), None);
+        assert_eq!(ContextParallel::Fixed(3).size_for(8, &w(4096, 2)), None);
+        assert_eq!(ContextParallel::Fixed(2).size_for(8, &w(4096, 2)), Some(2));
+        assert_eq!(ContextParallel::Dealt.size_for(8, &w(32768, 1)), Some(1));
+        for (arg, want) in [("auto", auto), ("4", ContextParallel::Fixed(4)), ("dealt", ContextParallel::Dealt)] {
+            assert_eq!(arg.parse::<ContextParallel>().unwrap(), want);
+            assert_eq!(want.name(), arg);
+        }
+        for bad in ["0", "two", ""] {
+            let e = bad.parse::<ContextParallel>().unwrap_err().to_string();
+            assert!(e.contains("context_parallel") && e.contains("auto, dealt"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_gpu_computes_its_share_of_tokens_with_context_parallelism_and_whole_sequences_without() {
+        let w = Workload { seq: 32768, micro_batch: 2, global_batch: 64 };
+        let model = ModelShape::preset("gpt-oss-120b").unwrap();
+        let mut c = CostModel::new(model, Cluster::preset("h800x16").unwrap(), w).unwrap();
+        let t = w.tokens_per_micro_batch();
+        assert_eq!(c.attention_tokens_per_gpu(8, 4), t / 8.0);
+        // Without it, 2 of the 8 GPUs hold a sequence each and 6 wait.
+        assert_eq!(c.attention_tokens_per_gpu(8, 1), 32768.0);
+        let (with, without) =
+            (c.attention_memory_parts(1, 8, 4, 2, false), c.attention_memory_parts(1, 8, 1, 2, false));
+        assert_eq!(with.state(), without.state());
+        let ring = 2.0 * (t / 8.0) * c.ring_kv_width() * c.precision.activation_bytes;
+        assert!((with.activations - ring - without.activations / 4.0).abs() < 1e-6 * with.activations);
+        // Dealt whole micro-batches: T / a on average, no ring.
+        c.context_parallel = ContextParallel::Dealt;
+        assert_eq!(c.attention_tokens_per_gpu(8, 1), t / 8.0);
+        assert_eq!(c.attention_forward(1, 8, 1), {
+            let mut split = c.clone();
+            split.context_parallel = ContextParallel::Auto;
+            split.attention_forward(1, 8, 4)
+        });
+    }
+
+    #[test]
+    fn the_ring_passes_every_other_gpus_kv_block_and_a_short_window_needs_one_step() {
+        let w = Workload { seq: 32768, micro_batch: 1, global_batch: 64 };
+        let model = ModelShape::preset("gpt-oss-120b").unwrap();
+        let c = CostModel::new(model, Cluster::preset("h800x16").unwrap(), w).unwrap();
+        let width = 2.0 * 8.0 * 64.0; // GPT-OSS: 8 KV heads of 64
+        assert_eq!(c.ring_kv_width(), width);
+        let act = c.precision.activation_bytes;
+        // Layer 1 attends to the whole sequence, layer 0 within 128 tokens.
+        assert_eq!(c.ring_bytes(1, 8, 8), 7.0 * 4096.0 * width * act);
+        assert_eq!(c.ring_bytes(0, 8, 8), 256.0 * width * act);
+        assert_eq!((c.ring_bytes(1, 8, 1), c.ring_time(1, 8, 1, false)), (0.0, 0.0));
+        let node = &c.cluster.node;
+        let fwd = c.ring_time(1, 8, 8, false);
+        assert!((fwd - (7.0 * node.latency_s + c.ring_bytes(1, 8, 8) / node.sustained_nvlink())).abs() < 1e-15);
+        let bwd = c.ring_time(1, 8, 8, true);
+        assert!((bwd - (7.0 * node.latency_s + 2.0 * c.ring_bytes(1, 8, 8) / node.sustained_nvlink())).abs() < 1e-15);
+        // A ring of 16 leaves the 8-GPU node: the GPU's NIC share is the slower link.
+        let nic = node.sustained_nic() * c.cluster.nics_per_gpu();
+        let across = c.ring_time(1, 16, 16, false);
+        assert!((across - (15.0 * node.latency_s + c.ring_bytes(1, 16, 16) / nic)).abs() < 1e-15);
+        // The layer takes its compute or its transfers, whichever is longer.
+        for cp in [1, 8, 16] {
+            let (f, b) = c.attention_layer_s(1, cp, cp, false);
+            let work = c.attention_forward(1, cp, cp);
+            assert_eq!(f, c.gpu_time(work).max(c.ring_time(1, cp, cp, false)));
+            assert_eq!(b, c.gpu_time(work.backward()).max(c.ring_time(1, cp, cp, true)));
+        }
+    }
+
+    #[test]
     fn workload_validation_names_the_field() {
         let e = Workload { seq: 4096, micro_batch: 3, global_batch: 64 }.validate().unwrap_err().to_string();
         assert!(e.contains("workload.global_batch") && e.contains("multiple of micro_batch = 3"), "{e}");
@@ -680,7 +927,7 @@ mod tests {
     #[test]
     fn memory_falls_with_more_groups_and_more_expert_gpus() {
         let c = cm("qwen3-235b-a22b", 4096);
-        assert!(c.attention_memory(4, 8, 4, false) < c.attention_memory(1, 8, 4, false));
+        assert!(c.attention_memory(4, 8, 1, 4, false) < c.attention_memory(1, 8, 1, 4, false));
         assert!(c.ffn_memory(1, 64, 4, false) < c.ffn_memory(1, 32, 4, false));
     }
 }

@@ -49,6 +49,13 @@ pub struct PlanReport {
     pub ffn_nics: usize,
     /// Number of (attention, expert) group pairs.
     pub groups: usize,
+    /// GPUs of an attention group that split each sequence (context parallelism; 1: none).
+    #[serde(default = "one")]
+    pub context_parallel: usize,
+    /// How the context-parallel size was chosen (`auto`, a fixed size, or `dealt`: whole
+    /// micro-batches per GPU, as `disagmoe train` runs).
+    #[serde(default = "auto")]
+    pub context_parallel_choice: String,
     /// The allocation per group.
     pub allocation: Allocation,
     /// Micro-batches in flight in the AF-Pipe schedule.
@@ -76,6 +83,14 @@ pub struct PlanReport {
     /// contiguous split, where it is even by construction).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_balance: Option<BalanceReport>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn auto() -> String {
+    "auto".into()
 }
 
 /// How even the expert GPUs' loads are on a planned allocation, with the placement asked for and
@@ -168,6 +183,8 @@ pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<Plan
         attention_nics: best.attention_nics(),
         ffn_nics: best.ffn_nics(),
         groups: best.groups,
+        context_parallel: best.context_parallel,
+        context_parallel_choice: cost.context_parallel.name(),
         allocation: best,
         in_flight,
         recompute,
@@ -278,10 +295,11 @@ pub fn simulate_schedules(
             let (w, rc) = afpipe_window(cost, &alloc);
             build_afpipe(cost, &alloc).map(|s| {
                 let layout = format!(
-                    "{} pairs x (A {} GPU/{} NIC, F {} GPU/{} NIC), {w} in flight{}",
+                    "{} pairs x (A {} GPU/{} NIC{}, F {} GPU/{} NIC), {w} in flight{}",
                     alloc.groups,
                     alloc.attention_gpus_per_group,
                     alloc.attention_nics_per_group,
+                    if alloc.context_parallel > 1 { format!(", CP {}", alloc.context_parallel) } else { String::new() },
                     alloc.ffn_gpus_per_group,
                     alloc.ffn_nics_per_group,
                     if rc { ", recompute" } else { "" }

@@ -67,9 +67,9 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
         let _ = writeln!(body, "\n## {model}\n");
         let _ = writeln!(
             body,
-            "| seq | micro-batch | groups | attention GPUs/NICs | FFN GPUs/NICs | schedule | step (s) | exposed comm, mean (s) | exposed comm, bottleneck (s) | bubble (s) | AF-Pipe speedup | exposed removed (mean / bottleneck) |"
+            "| seq | micro-batch | groups | attention GPUs/NICs | CP | FFN GPUs/NICs | schedule | step (s) | exposed comm, mean (s) | exposed comm, bottleneck (s) | bubble (s) | AF-Pipe speedup | exposed removed (mean / bottleneck) |"
         );
-        let _ = writeln!(body, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(body, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         let mut model_shares = Vec::new();
         for &seq in PAPER_SEQS {
             let cost = cost_for(model, &cluster, seq)?;
@@ -113,17 +113,18 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
             for (i, r) in report.schedules.iter().enumerate() {
                 let head = if i == 0 {
                     format!(
-                        "| {}K | {} | {} | {}/{} | {}/{} ",
+                        "| {}K | {} | {} | {}/{} | {} | {}/{} ",
                         seq / 1024,
                         cost.workload.micro_batch,
                         a.groups,
                         p.attention_gpus,
                         p.attention_nics,
+                        a.context_parallel,
                         p.ffn_gpus,
                         p.ffn_nics
                     )
                 } else {
-                    "| | | | | ".to_string()
+                    "| | | | | | ".to_string()
                 };
                 let _ = writeln!(body, "{head}{}", cell(r));
                 if let (Some(s), Some(x), Some(y)) =
@@ -140,8 +141,8 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
                 }
             }
             for f in &report.failures {
-                let _ = writeln!(body, "| | | | | | {} | did not fit | | | | | |", f.schedule);
-                let _ = writeln!(body, "|  |  |  |  |  | ↳ `{}` | | | | | | |", plain(&f.error));
+                let _ = writeln!(body, "| | | | | | | {} | did not fit | | | | | |", f.schedule);
+                let _ = writeln!(body, "|  |  |  |  |  |  | ↳ `{}` | | | | | | |", plain(&f.error));
             }
         }
         shares.push((model.to_string(), model_shares));
@@ -259,6 +260,7 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
         let _ = writeln!(md, "| {model} | {} |", cells.join(" | "));
     }
     let _ = writeln!(md, "\n(`p x a+f`: group pairs x attention GPUs + expert GPUs per pair.)");
+    context_parallel_section(&mut md, &cluster)?;
     exchange_section(&mut md, &cluster, &names)?;
     balance_section(&mut md, &cluster, &names)?;
     let _ = writeln!(md, "\n## Figures\n");
@@ -286,7 +288,71 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
     Ok(settings)
 }
 
-/// An error message made safe inside a markdown table cell or code span.
+/// AF-Pipe in the paper's setting with context parallelism chosen by the planner (`plan
+/// --context-parallel auto`, the rest of this page) beside none (`--context-parallel 1`: a GPU
+/// holds whole sequences), each planned anew, at every sequence length.
+fn context_parallel_section(md: &mut String, cluster: &Cluster) -> Result<()> {
+    let _ = writeln!(
+        md,
+        "\n## Context parallelism\n\n\
+         An attention group splits each micro-batch over its GPUs. With 64K tokens per micro-batch, a\n\
+         micro-batch holds 16 sequences at 4K and 2 at 32K, fewer than a large group has GPUs: without\n\
+         context parallelism (`plan --context-parallel 1`) a GPU holds whole sequences and the rest of\n\
+         the group waits; with it (`auto`, every other table here) the `C` GPUs of a replica split each\n\
+         sequence into load-balanced causal chunks and pass K/V blocks around a ring (over NVLink when\n\
+         the ring fits in a node, else over the NICs; twice the bytes in the backward), overlapped with\n\
+         the blocks' compute. Each row is planned anew; `p x a+f` as above; AF-Pipe's simulated step in\n\
+         seconds.\n"
+    );
+    let _ =
+        writeln!(md, "| model | seq | micro-batch | with CP: plan | CP | step | without: plan | step | CP's gain |");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
+    let afpipe = ["afpipe".to_string()];
+    for &model in PAPER_MODELS {
+        for &seq in PAPER_SEQS {
+            let mut cells = Vec::new();
+            let mut steps = Vec::new();
+            for cp in [crate::cost::ContextParallel::Auto, crate::cost::ContextParallel::Fixed(1)] {
+                let mut cost = cost_for(model, cluster, seq)?;
+                cost.context_parallel = cp;
+                match plan(&cost, false, DEFAULT_SEARCH_EVALS) {
+                    Ok(p) => {
+                        let a = &p.allocation;
+                        let (report, _) = simulate_schedules(&cost, &afpipe, Some(*a))?;
+                        let step = report.schedules.first().map(|r| r.step_s).unwrap_or(f64::NAN);
+                        let shape = format!("{} x {}+{}", a.groups, a.attention_gpus_per_group, a.ffn_gpus_per_group);
+                        if cp == crate::cost::ContextParallel::Auto {
+                            cells.push(format!("{shape} | {}", a.context_parallel));
+                        } else {
+                            cells.push(shape);
+                        }
+                        cells.push(format!("{step:.3}"));
+                        steps.push(step);
+                    }
+                    Err(e) => {
+                        let gap = if cp == crate::cost::ContextParallel::Auto { " | —" } else { "" };
+                        cells.push(format!("does not fit: `{}`{gap}", plain(&e.to_string())));
+                        cells.push("—".into());
+                        steps.push(f64::NAN);
+                    }
+                }
+            }
+            let gain = match steps[..] {
+                [with, without] if with.is_finite() && without.is_finite() => format!("{:.2}x", without / with),
+                _ => "—".into(),
+            };
+            let _ = writeln!(
+                md,
+                "| {model} | {}K | {} | {} | {gain} |",
+                seq / 1024,
+                paper_micro_batch(seq),
+                cells.join(" | ")
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The paper's setting at 8K with the token exchange in f32, bf16 (the rest of this page) and
 /// fp8 dispatch with bf16 combine and gradients (DeepEP's choice): each planned anew, every
 /// schedule's transfers in the same dtype (the baselines' all-to-alls too).
@@ -413,6 +479,7 @@ fn versus_cells(schedules: &[ScheduleResult]) -> String {
     .join(" | ")
 }
 
+/// An error message made safe inside a markdown table cell or code span.
 fn plain(message: &str) -> String {
     message.replace('`', "'").replace('|', "/")
 }
@@ -496,7 +563,7 @@ const HONEST_ACCOUNT: &str = r#"
   bytes per port there (about 8.2 s of port time against DualPipe's 7.9 s and 7.8 s; DualPipe's all-to-all
   keeps 1/8 of its traffic on NVLink). Where DualPipe must recompute (all of GPT-OSS-120B, DeepSeekMoE-16B
   from 16K) the backward chunk of a pair re-runs the dispatch and outlasts the forward chunk, and with 8 or 16
-  micro-batches per rank (16K, 32K) a large share of the chunks run unpaired; there AF-Pipe exposes 17-71%
+  micro-batches per rank (16K, 32K) a large share of the chunks run unpaired; there AF-Pipe exposes 13-53%
   less. Two earlier modelling errors were fixed, no number was tuned: (1) the baselines' full recomputation
   re-runs the dispatch all-to-all in backward (only the layer input is kept, and the expert inputs live on
   other ranks; the combine is not charged again), while AF-Pipe's expert workers keep the tokens they
@@ -517,6 +584,17 @@ const HONEST_ACCOUNT: &str = r#"
   128 x 80 GB at any length here; the EP baselines do not fit it at 32K even with full recomputation ("did not
   fit" rows quote the constraint and shortfall). DeepSeek-V3 (671B) fits nowhere on this cluster with Adam state,
   hence DeepSeekMoE-16B.
+- **Context parallelism.** An attention group splits each micro-batch over its GPUs; where a micro-batch
+  has fewer sequences than the planned group has GPUs (most settings here), the planner splits sequences
+  (the CP column; the section "Context parallelism" plans the same jobs without it). The ring's K/V
+  transfers are charged per layer as `max(compute, transfers)` on each attention GPU, over NVLink when the
+  ring fits in a node and over the GPU's NIC share otherwise (GPT-OSS-120B at 32K: a 64-GPU group would need
+  rings of 32 across nodes, so the planner takes four pairs of 16 with rings of 8 and a longer pipeline:
+  17.2 s against 11.9 s when splitting sequences was free). Not modelled: the ring's traffic competing
+  with the exchange on the NICs (rings here stay within a node except Qwen3-235B-A22B's rings of 16),
+  MLA passing its compressed latent instead of keys and values, and context parallelism for the baselines,
+  which keep whole sequences on each rank (at 32K they pay for it in memory: the EP baselines do not fit
+  Qwen3-235B-A22B).
 - **Not modelled:** load imbalance between experts beyond the `ceil(E / f)` rounding in every table but
   "Skewed expert load" (routing is assumed uniform there), the exchange's extra bytes to a hot expert
   GPU (its volumes stay uniform in that section too), kernel launch overheads, congestion beyond max-min

@@ -73,9 +73,11 @@ pub fn component_roofline(
     let layers = cost.model.layers;
     let ffn_gpus = if component == Component::Ffn { gpus } else { peer_gpus };
     let (mut flops, mut compute_s, mut bytes) = (0.0, 0.0, 0.0);
+    // The attention group's context-parallel size for this workload (1 when its choice has none).
+    let cp = cost.context_parallel.size_for(gpus, &cost.workload).unwrap_or(1);
     for l in 0..layers {
         let w = match component {
-            Component::Attention => cost.attention_forward(l, gpus),
+            Component::Attention => cost.attention_forward(l, gpus, cp),
             Component::Ffn => cost.ffn_forward(l, gpus),
         };
         flops += w.flops * gpus as f64;

@@ -88,8 +88,17 @@ fn milp_optimum_equals_exhaustive_enumeration_on_random_small_clusters() {
         assert!(problem.compatible(&a, &f));
         // Solving only the group counts whose best pair can tie the optimum gives the same answer.
         let pruned = solve_milp_pruned(&problem).unwrap_or_else(|e| panic!("case {case}: {e}"));
-        assert_eq!(pruned.allocation, milp.allocation, "case {case}: pruned MILP");
-        assert_eq!(pruned.objective_s, milp.objective_s, "case {case}");
+        // The same optimum; among allocations that tie on it (NICs a compute-bound group does
+        // not need), either solve may return another.
+        let (pa, pf) = problem.options_of(&pruned.allocation).expect("pruned MILP answer is feasible");
+        let tie = (problem.stage_times(&pa, &pf).objective() - best).abs() / best;
+        assert!(
+            pruned.allocation == milp.allocation || tie < 1e-9,
+            "case {case}: pruned MILP {:?} ({tie:e} from the optimum) vs {:?}",
+            pruned.allocation,
+            milp.allocation
+        );
+        assert!((pruned.objective_s - milp.objective_s).abs() <= 1e-9 * best, "case {case}");
         assert!(pruned.binaries <= milp.binaries, "case {case}");
         solved += 1;
     }

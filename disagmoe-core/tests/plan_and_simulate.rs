@@ -236,3 +236,36 @@ fn skewed_expert_load_is_timed_on_the_busiest_gpu_and_redundant_experts_even_it(
     let e = base.with_expert_balance(ExpertBalance { load: measured, ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("experts"), "{e}");
 }
+
+#[test]
+fn at_32k_the_planner_splits_sequences_where_it_pays_and_a_fixed_size_is_kept() {
+    use disagmoe_core::cost::ContextParallel;
+    let cluster = Cluster::preset("h800x16").unwrap();
+    // Two sequences per micro-batch: without context parallelism a GPU holds a whole sequence.
+    let auto = cost("gpt-oss-120b", cluster.clone(), 32768);
+    let with = plan(&auto, false, 6).unwrap();
+    let a = with.allocation;
+    assert!(with.context_parallel > 1 && with.context_parallel == a.context_parallel, "{a:?}");
+    assert_eq!(a.attention_gpus_per_group / a.context_parallel, 2, "{a:?}: a replica per sequence");
+    assert_eq!(with.context_parallel_choice, "auto");
+    let mut none = auto.clone();
+    none.context_parallel = ContextParallel::Fixed(1);
+    let without = plan(&none, false, 6).unwrap();
+    assert_eq!(without.allocation.context_parallel, 1);
+    assert!(with.predicted_step_s < without.predicted_step_s, "{with:?} vs {without:?}");
+    // The simulated step of each plan is its AF-Pipe schedule's.
+    for (c, p) in [(&auto, &with), (&none, &without)] {
+        let s = simulate(&build_afpipe(c, &p.allocation).unwrap()).unwrap();
+        assert!((s.step_s - p.predicted_step_s).abs() < 1e-9 * p.predicted_step_s);
+    }
+    // Rings of 3 fit groups of 24 (three nodes); rings of 17 fit no group of 128 GPUs (divisors or
+    // multiples of 8, at most 127 beside an expert group): refused, naming the option.
+    let mut three = auto.clone();
+    three.context_parallel = ContextParallel::Fixed(3);
+    let a = plan(&three, false, 6).unwrap().allocation;
+    assert!(a.context_parallel == 3 && a.attention_gpus_per_group % 3 == 0, "{a:?}");
+    let mut seventeen = auto.clone();
+    seventeen.context_parallel = ContextParallel::Fixed(17);
+    let e = plan(&seventeen, false, 6).unwrap_err().to_string();
+    assert!(e.contains("context_parallel") && e.contains("multiple of 17") && e.contains("auto"), "{e}");
+}

@@ -19,7 +19,7 @@ use burn::tensor::{Distribution, Tensor};
 use disagmoe_core::allocator::milp::solve_milp_pruned;
 use disagmoe_core::allocator::search::{local_search, StepTimeOracle};
 use disagmoe_core::allocator::{Allocation, AllocationProblem};
-use disagmoe_core::cost::{CostModel, Workload};
+use disagmoe_core::cost::{ContextParallel, CostModel, Workload};
 use disagmoe_core::hardware::{Cluster, GpuSpec, NodeSpec};
 use disagmoe_core::model_shape::ModelShape;
 
@@ -173,6 +173,9 @@ pub fn choose<B: AutodiffBackend>(
     let mut cost =
         CostModel::new(shape, cluster, workload).map_err(|e| planner_error("the planner's cost model", e))?;
     cost.precision = runtime_precision(cfg);
+    // The runtime deals whole micro-batches to an attention group's workers in turn; it splits
+    // no sequence (no context parallelism yet).
+    cost.context_parallel = ContextParallel::Dealt;
     let problem = AllocationProblem::new(&cost, None).map_err(|e| planner_error("the allocation problem", e))?;
     let milp = solve_milp_pruned(&problem).map_err(|e| planner_error("the planner's MILP", e))?;
     tracing::info!(

@@ -17,7 +17,7 @@ pub mod milp;
 pub mod oracle;
 pub mod search;
 
-use crate::cost::CostModel;
+use crate::cost::{ContextParallel, CostModel};
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +35,13 @@ pub struct Allocation {
     pub attention_nics_per_group: usize,
     /// NICs of one expert group.
     pub ffn_nics_per_group: usize,
+    /// GPUs of an attention group that split each sequence (context parallelism; 1: none).
+    #[serde(default = "one")]
+    pub context_parallel: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Allocation {
@@ -69,6 +76,9 @@ pub struct SideOption {
     pub gpus: usize,
     /// NICs per group.
     pub nics: usize,
+    /// GPUs of a group that split each sequence (attention options; 1 for expert options).
+    #[serde(default = "one")]
+    pub context_parallel: usize,
     /// Compute busy time of the busiest group per step (forward + backward of every micro-batch
     /// on its layers, plus the attention side's gradient all-reduce), seconds.
     pub busy_s: f64,
@@ -209,7 +219,10 @@ impl AllocationProblem {
                 v
             };
             for a in group_sizes(node, per_group.saturating_sub(1)) {
-                let need = smaller([false, true].map(|rc| cost.attention_memory_parts(p, a, in_flight, rc)));
+                let Some(cp) = cost.context_parallel.size_for(a, &cost.workload) else {
+                    continue;
+                };
+                let need = smaller([false, true].map(|rc| cost.attention_memory_parts(p, a, cp, in_flight, rc)));
                 let mem = need.total();
                 if mem > usable {
                     note(0, need, p, a);
@@ -222,12 +235,12 @@ impl AllocationProblem {
                         let layers: f64 = ls
                             .iter()
                             .map(|&l| {
-                                let w = cost.attention_forward(l, a);
-                                cost.gpu_time(w) + cost.gpu_time(w.backward())
+                                let (fwd, bwd) = cost.attention_layer_s(l, a, cp, false);
+                                fwd + bwd
                             })
                             .sum();
                         let head = if g == m.layers % p {
-                            let w = cost.head_forward(a);
+                            let w = cost.head_forward(a, cp);
                             cost.gpu_time(w) + cost.gpu_time(w.backward())
                         } else {
                             0.0
@@ -241,6 +254,7 @@ impl AllocationProblem {
                         groups: p,
                         gpus: a,
                         nics,
+                        context_parallel: cp,
                         busy_s: mb * compute + ar,
                         port_bw: cost.group_bandwidth(a, nics),
                         exchange_bytes: 0.0,
@@ -281,6 +295,7 @@ impl AllocationProblem {
                         groups: p,
                         gpus: f,
                         nics,
+                        context_parallel: 1,
                         busy_s: mb * compute,
                         port_bw: cost.group_bandwidth(f, nics),
                         exchange_bytes: bytes,
@@ -300,7 +315,7 @@ impl AllocationProblem {
             shortfall,
         };
         problem.prune_dominated();
-        problem.diagnose()?;
+        problem.diagnose(cost)?;
         Ok(problem)
     }
 
@@ -337,8 +352,25 @@ impl AllocationProblem {
     }
 
     /// Fails with the constraint that makes the problem infeasible, and by how much.
-    fn diagnose(&self) -> Result<()> {
+    fn diagnose(&self, cost: &CostModel) -> Result<()> {
         let gb = |b: f64| b / 1e9;
+        if let (true, true, ContextParallel::Fixed(c)) =
+            (self.attention.is_empty(), self.shortfall[0].is_none(), cost.context_parallel)
+        {
+            let node = cost.cluster.node.gpus_per_node;
+            let sizes = group_sizes(node, self.total_gpus.saturating_sub(1));
+            return Err(CoreError::Infeasible {
+                constraint: "context_parallel".into(),
+                detail: format!(
+                    "context parallelism {c} needs an attention group size that is a multiple of {c} and \
+                     sequences of at least {} tokens (two chunks per GPU); group sizes here: {sizes:?} \
+                     (divisors or multiples of the node's {node} GPUs), sequence {}; use --context-parallel auto \
+                     or one of those sizes",
+                    c.saturating_mul(2),
+                    cost.workload.seq
+                ),
+            });
+        }
         for (side, opts, name) in [(0, &self.attention, "memory_attention"), (1, &self.ffn, "memory_ffn")] {
             if opts.is_empty() {
                 let what = if side == 0 { "attention" } else { "expert" };
@@ -419,6 +451,7 @@ impl AllocationProblem {
             ffn_gpus_per_group: f.gpus,
             attention_nics_per_group: a.nics,
             ffn_nics_per_group: f.nics,
+            context_parallel: a.context_parallel,
         }
     }
 
@@ -428,6 +461,7 @@ impl AllocationProblem {
             o.groups == alloc.groups
                 && o.gpus == alloc.attention_gpus_per_group
                 && o.nics == alloc.attention_nics_per_group
+                && o.context_parallel == alloc.context_parallel
         })?;
         let f = self.ffn.iter().find(|o| {
             o.groups == alloc.groups && o.gpus == alloc.ffn_gpus_per_group && o.nics == alloc.ffn_nics_per_group

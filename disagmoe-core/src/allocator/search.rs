@@ -103,6 +103,14 @@ pub fn neighbours(problem: &AllocationProblem, alloc: &Allocation) -> Vec<Alloca
             push(Allocation { groups: p, ..*alloc });
         }
     }
+    // An attention group size has one context-parallel size ([`crate::cost::ContextParallel`]):
+    // a neighbour of another size takes its own.
+    for n in &mut out {
+        if let Some(o) = problem.attention.iter().find(|o| o.groups == n.groups && o.gpus == n.attention_gpus_per_group)
+        {
+            n.context_parallel = o.context_parallel;
+        }
+    }
     out.retain(|n| problem.options_of(n).is_some());
     out.sort_by_key(|n| {
         (n.groups, n.attention_gpus_per_group, n.ffn_gpus_per_group, n.attention_nics_per_group, n.ffn_nics_per_group)

@@ -27,7 +27,7 @@ pub fn afpipe_window(cost: &CostModel, alloc: &Allocation) -> (usize, bool) {
     let p = alloc.groups;
     let cap = cost.workload.micro_batches().min(16 * p).max(1);
     let fits = |w: usize, rc: bool| {
-        cost.attention_memory(p, alloc.attention_gpus_per_group, w, rc) <= usable
+        cost.attention_memory(p, alloc.attention_gpus_per_group, alloc.context_parallel, w, rc) <= usable
             && cost.ffn_memory(p, alloc.ffn_gpus_per_group, w, rc) <= usable
     };
     let largest = |rc: bool| (1..=cap).rev().find(|&w| fits(w, rc)).unwrap_or(1);
@@ -142,6 +142,14 @@ impl AfPipe {
             });
         }
         let (a, f) = (alloc.attention_gpus_per_group, alloc.ffn_gpus_per_group);
+        let cp = alloc.context_parallel;
+        if cp == 0 || !a.is_multiple_of(cp) {
+            return Err(CoreError::InvalidField {
+                field: "allocation.context_parallel".into(),
+                value: cp.to_string(),
+                allowed: format!("a divisor of the attention group's {a} GPUs"),
+            });
+        }
         let (a_bw, f_bw) = (
             cost.group_bandwidth(a, alloc.attention_nics_per_group),
             cost.group_bandwidth(f, alloc.ffn_nics_per_group),
@@ -185,7 +193,10 @@ impl AfPipe {
         };
         let layers = (0..m.layers)
             .map(|l| {
-                let (attn, ffn) = (cost.attention_forward(l, a), cost.ffn_forward(l, f));
+                let (attn, ffn) = (cost.attention_forward(l, a, cp), cost.ffn_forward(l, f));
+                // A context-parallel ring's K/V transfers overlap the blocks' compute: the op
+                // takes the longer of the two.
+                let (attn_s, attn_bwd_s) = cost.attention_layer_s(l, a, cp, recompute);
                 let hop = |transfer, to_ffn: bool| {
                     let bytes = cost.exchange_bytes(l, f, transfer);
                     let secs = if to_ffn {
@@ -196,8 +207,8 @@ impl AfPipe {
                     Hop { bytes, secs }
                 };
                 Layer {
-                    attn: compute(attn),
-                    attn_bwd: bwd(attn),
+                    attn: Compute { secs: attn_s, flops: attn.flops },
+                    attn_bwd: Compute { secs: attn_bwd_s, flops: bwd(attn).flops },
                     ffn: compute(ffn),
                     ffn_bwd: bwd(ffn),
                     dispatch: hop(ExchangeTransfer::Dispatch, true),
@@ -207,7 +218,7 @@ impl AfPipe {
                 }
             })
             .collect();
-        let head = cost.head_forward(a);
+        let head = cost.head_forward(a, cp);
         // Gradient all-reduce of each attention group (its ranks replicate the dense parameters);
         // expert groups all-reduce only their replicated shared experts / dense MLPs.
         let (mut all_reduces, mut attn_all_reduce, mut ffn_all_reduce) = (Vec::new(), Vec::new(), Vec::new());

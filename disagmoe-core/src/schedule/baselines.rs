@@ -241,7 +241,7 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     let tokens = rank.workload.tokens_per_micro_batch();
     let layers: Vec<LayerCost> = (0..m.layers)
         .map(|l| {
-            let a = rank.attention_forward(l, 1);
+            let a = rank.attention_forward(l, 1, 1);
             let f = ep_group.ffn_forward(l, ep);
             LayerCost {
                 attn_s: cost.gpu_time(a),
@@ -284,7 +284,7 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     }
     let fwd_stream = if dual { K::ForwardCompute } else { K::Compute };
     let bwd_stream = if dual { K::BackwardCompute } else { K::Compute };
-    let head = rank.head_forward(1);
+    let head = rank.head_forward(1, 1);
     let p2p_bytes = tokens * m.hidden as f64 * cost.precision.activation_bytes * dp as f64;
     let n_virtual = pp * layout.chunks;
     // Worker of virtual stage `vs` in direction `dir` (DualPipe's second direction runs the
