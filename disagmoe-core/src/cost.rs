@@ -261,6 +261,16 @@ impl Work {
         Work { flops: 2.0 * self.flops, hbm_bytes: 2.0 * self.hbm_bytes }
     }
 
+    /// [`Self::backward`], plus this forward again when `recompute` (activation recomputation).
+    pub fn backward_recomputing(self, recompute: bool) -> Work {
+        let g = self.backward();
+        if recompute {
+            Work { flops: g.flops + self.flops, hbm_bytes: g.hbm_bytes + self.hbm_bytes }
+        } else {
+            g
+        }
+    }
+
     /// Splits the work into `n` equal pieces, each still reading `weight_bytes` of weights when
     /// `reread_weights` (chunked execution re-reads every chunk's weights).
     pub fn chunk(self, n: usize, weight_bytes: f64, reread_weights: bool) -> Work {
@@ -451,11 +461,9 @@ impl CostModel {
             return 0.0;
         }
         let tokens = self.attention_tokens_per_gpu(gpus, cp);
-        let received = match &self.model.sliding_window {
-            Some(sw) if layer.is_multiple_of(sw.period) && sw.window < self.workload.seq => {
-                tokens.min(2.0 * sw.window as f64)
-            }
-            _ => (cp - 1) as f64 * tokens,
+        let received = match self.model.short_window(layer, self.workload.seq) {
+            Some(w) => tokens.min(2.0 * w as f64),
+            None => (cp - 1) as f64 * tokens,
         };
         received * self.ring_kv_width() * self.precision.activation_bytes
     }
@@ -468,11 +476,7 @@ impl CostModel {
             return 0.0;
         }
         let node = &self.cluster.node;
-        let windowed = self
-            .model
-            .sliding_window
-            .as_ref()
-            .is_some_and(|sw| layer.is_multiple_of(sw.period) && sw.window < self.workload.seq);
+        let windowed = self.model.short_window(layer, self.workload.seq).is_some();
         let steps = if windowed { 1.0 } else { (cp - 1) as f64 };
         let bw = if cp <= node.gpus_per_node {
             node.sustained_nvlink()
@@ -489,8 +493,7 @@ impl CostModel {
     /// block's compute).
     pub fn attention_layer_s(&self, layer: usize, gpus: usize, cp: usize, recompute: bool) -> (f64, f64) {
         let w = self.attention_forward(layer, gpus, cp);
-        let g = w.backward();
-        let bwd = if recompute { Work { flops: g.flops + w.flops, hbm_bytes: g.hbm_bytes + w.hbm_bytes } } else { g };
+        let bwd = w.backward_recomputing(recompute);
         let ring = |backward: bool| self.ring_time(layer, gpus, cp, backward);
         let recomputed_ring = if recompute { ring(false) } else { 0.0 };
         (self.gpu_time(w).max(ring(false)), self.gpu_time(bwd).max(ring(true) + recomputed_ring))

@@ -378,13 +378,19 @@ impl ModelShape {
         self.dense_layers.contains(&layer)
     }
 
+    /// Layer `layer`'s sliding window when it is windowed and the window is shorter than a
+    /// sequence of `seq` tokens (otherwise it attends causally to the whole sequence).
+    pub fn short_window(&self, layer: usize, seq: usize) -> Option<usize> {
+        self.sliding_window.as_ref().filter(|sw| layer.is_multiple_of(sw.period) && sw.window < seq).map(|sw| sw.window)
+    }
+
     /// The attention span of a token at position `pos` averaged over a causal sequence of
     /// `seq` tokens in layer `layer`: `(seq + 1) / 2` for full attention, less with a window.
     pub fn mean_context(&self, layer: usize, seq: usize) -> f64 {
         let s = seq as f64;
-        match &self.sliding_window {
-            Some(sw) if layer.is_multiple_of(sw.period) && sw.window < seq => {
-                let w = sw.window as f64;
+        match self.short_window(layer, seq) {
+            Some(w) => {
+                let w = w as f64;
                 // Positions < w see pos+1 tokens, the rest see w.
                 (w * (w + 1.0) / 2.0 + (s - w) * w) / s
             }

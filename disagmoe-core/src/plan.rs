@@ -50,7 +50,7 @@ pub struct PlanReport {
     /// Number of (attention, expert) group pairs.
     pub groups: usize,
     /// GPUs of an attention group that split each sequence (context parallelism; 1: none).
-    #[serde(default = "one")]
+    #[serde(default = "crate::allocator::one")]
     pub context_parallel: usize,
     /// How the context-parallel size was chosen (`auto`, a fixed size, or `dealt`: whole
     /// micro-batches per GPU, as `disagmoe train` runs).
@@ -83,10 +83,6 @@ pub struct PlanReport {
     /// contiguous split, where it is even by construction).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_balance: Option<BalanceReport>,
-}
-
-fn one() -> usize {
-    1
 }
 
 fn auto() -> String {

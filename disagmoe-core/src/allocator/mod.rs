@@ -40,7 +40,8 @@ pub struct Allocation {
     pub context_parallel: usize,
 }
 
-fn one() -> usize {
+/// Serde's default of a context-parallel size: none.
+pub(crate) fn one() -> usize {
     1
 }
 

@@ -183,14 +183,7 @@ impl AfPipe {
         let (window, recompute) = afpipe_window(cost, alloc);
         let compute = |w: crate::cost::Work| Compute { secs: cost.gpu_time(w), flops: w.flops };
         // Backward work: gradients (twice the forward) plus the recomputed forward.
-        let bwd = |w: crate::cost::Work| {
-            let g = w.backward();
-            compute(if recompute {
-                crate::cost::Work { flops: g.flops + w.flops, hbm_bytes: g.hbm_bytes + w.hbm_bytes }
-            } else {
-                g
-            })
-        };
+        let bwd = |w: crate::cost::Work| compute(w.backward_recomputing(recompute));
         let layers = (0..m.layers)
             .map(|l| {
                 let (attn, ffn) = (cost.attention_forward(l, a, cp), cost.ffn_forward(l, f));
