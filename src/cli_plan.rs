@@ -7,10 +7,23 @@ use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::exchange::{ExchangeDtype, ExchangePrecision};
 use disagmoe_core::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
 use disagmoe_core::hardware::Cluster;
+use disagmoe_core::heterogeneous::{plan_mixed, MixedScope};
 use disagmoe_core::model_shape::ModelShape;
 use disagmoe_core::plan::{mean_imbalance, plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
+use disagmoe_core::pools::MixedCluster;
 use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
 use std::path::PathBuf;
+
+/// The memory model of the run being planned (`--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlanPrecision {
+    /// The runtime in f32.
+    F32,
+    /// The runtime with bf16 products.
+    Bf16,
+    /// Megatron-Core's mixed precision with its distributed optimizer.
+    Megatron,
+}
 
 /// Model, cluster and step shape shared by `plan` and `simulate`.
 #[derive(Debug, Clone, Args)]
@@ -20,7 +33,10 @@ pub struct JobArgs {
     /// supported family, or a JSON file of a `ModelShape`.
     #[arg(long)]
     pub model: String,
-    /// Cluster preset `<gpu>x<nodes>` (gpu: h800, h100, h200, a100), or a .toml/.json cluster file.
+    /// Cluster preset `<gpu>x<nodes>` (gpu: h800, h100, h200, a100, h20), or a .toml/.json cluster
+    /// file. `plan` also takes a cluster of several node kinds: pools joined by `+`
+    /// (`h100x8+h20x8`, `h100x8+h100x8-4nic` for nodes with 4 NICs), a mix preset (h100+h20,
+    /// h800+a100, h100-8nic+h100-4nic), or a file with `pools`.
     #[arg(long)]
     pub cluster: String,
     /// Sequence length in tokens.
@@ -39,9 +55,12 @@ pub struct JobArgs {
     pub exchange_dtype: Option<ExchangeDtype>,
     /// The products' dtype of the run being planned, as `disagmoe train --precision`: the memory
     /// of each GPU is what the runtime holds under it (f32 weights, gradients and AdamW moments,
-    /// the moments sharded over copies; activations in the products' dtype) [default: bf16].
-    #[arg(long, value_name = "f32|bf16")]
-    pub precision: Option<ExchangeDtype>,
+    /// the moments sharded over copies; activations in the products' dtype); or `megatron`:
+    /// Megatron-Core's mixed precision with its distributed optimizer (bf16 weights, f32
+    /// gradients, f32 master copy and moments sharded), what `reproduce-paper` plans with
+    /// [default: bf16].
+    #[arg(long, value_enum, value_name = "f32|bf16|megatron")]
+    pub precision: Option<PlanPrecision>,
     /// What AdamW's moments are kept in, as `disagmoe train --optimizer-state-dtype` [default:
     /// f32].
     #[arg(long, value_name = "f32|bf16")]
@@ -72,8 +91,13 @@ impl JobArgs {
     /// Loads and validates the model, cluster and workload.
     pub fn cost_model(&self) -> Result<CostModel> {
         let model = model_shape(&self.model).with_context(|| format!("loading model `{}`", self.model))?;
-        let cluster = Cluster::from_preset_or_file(&self.cluster)
-            .with_context(|| format!("loading cluster `{}`", self.cluster))?;
+        // A mixed cluster's template runs on the cluster as its slowest (the workload's default
+        // global batch counts all its GPUs); `plan` costs each pool on its own.
+        let cluster = match self.mixed_cluster()? {
+            Some(mixed) => mixed.slowest(),
+            None => Cluster::from_preset_or_file(&self.cluster)
+                .with_context(|| format!("loading cluster `{}`", self.cluster))?,
+        };
         // The default is computed only when it is defined: a micro-batch so large that twice the
         // GPUs' worth overflows is refused with the workload's own rule (at most the global batch).
         let global_batch = match self.global_batch {
@@ -90,10 +114,16 @@ impl JobArgs {
         let workload = Workload { seq: self.seq, micro_batch: self.micro_batch, global_batch };
         let mut cost = CostModel::new(model, cluster, workload)?;
         match self.precision {
-            None | Some(ExchangeDtype::Bf16) => {}
-            Some(ExchangeDtype::F32) => cost.precision = disagmoe_core::cost::Precision::runtime(false),
-            Some(other) => {
-                anyhow::bail!("--precision {other:?} is not a precision of the runtime (allowed: f32, bf16)")
+            None | Some(PlanPrecision::Bf16) => {}
+            Some(PlanPrecision::F32) => cost.precision = disagmoe_core::cost::Precision::runtime(false),
+            Some(PlanPrecision::Megatron) => {
+                if self.optimizer_state_dtype.is_some() {
+                    anyhow::bail!(
+                        "--optimizer-state-dtype sets the runtime's moments (with --precision f32 or bf16); \
+                         --precision megatron keeps Megatron-Core's f32 master copy and moments"
+                    );
+                }
+                cost.precision = disagmoe_core::cost::Precision::megatron();
             }
         }
         if self.optimizer_state_dtype == Some(disagmoe_train::config::StateDtype::Bf16) {
@@ -116,6 +146,19 @@ impl JobArgs {
         });
         let balance = ExpertBalance { load, placement, redundant: self.redundant_experts };
         Ok(cost.with_expert_balance(balance)?)
+    }
+}
+
+impl JobArgs {
+    /// The cluster when it has several node kinds (pools joined by `+`, a mix preset, a file with
+    /// `pools`).
+    pub fn mixed_cluster(&self) -> Result<Option<MixedCluster>> {
+        if !MixedCluster::is_mixed(&self.cluster) {
+            return Ok(None);
+        }
+        let mixed = MixedCluster::from_preset_or_file(&self.cluster)
+            .with_context(|| format!("loading mixed cluster `{}`", self.cluster))?;
+        Ok(Some(mixed))
     }
 }
 
@@ -162,6 +205,10 @@ pub struct PlanArgs {
     /// Write an SVG of both rooflines for the chosen allocation here.
     #[arg(long = "roofline-svg")]
     pub roofline_svg: Option<PathBuf>,
+    /// On a mixed cluster: plan every way of giving the two sides pools (not only until the best
+    /// is proven) and simulate the baselines on the cluster as its slowest.
+    #[arg(long)]
+    pub compare: bool,
 }
 
 /// `disagmoe simulate`: simulate AF-Pipe and the baselines.
@@ -198,6 +245,16 @@ pub struct ReproduceArgs {
 /// Runs `disagmoe plan`.
 pub fn run_plan(args: &PlanArgs) -> Result<()> {
     let cost = args.job.cost_model()?;
+    if let Some(mixed) = args.job.mixed_cluster()? {
+        return run_plan_mixed(args, &cost, &mixed);
+    }
+    if args.compare {
+        anyhow::bail!(
+            "--compare plans the role assignments of a cluster of several node kinds (e.g. --cluster h100x8+h20x8); \
+             on `{}` (one kind) `disagmoe simulate` compares AF-Pipe with the baselines",
+            args.job.cluster
+        );
+    }
     let report = plan(&cost, args.explain, args.search_evals)?;
     if let Some(path) = &args.roofline_svg {
         let a = &report.allocation;
@@ -275,8 +332,109 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// `disagmoe plan` on a cluster of several node kinds.
+fn run_plan_mixed(args: &PlanArgs, cost: &CostModel, mixed: &MixedCluster) -> Result<()> {
+    if args.roofline_svg.is_some() {
+        anyhow::bail!("--roofline-svg draws one kind of GPU; on a mixed cluster use --explain (each pool's rooflines)");
+    }
+    let scope = if args.compare { MixedScope::Compare } else { MixedScope::Choose };
+    let report = plan_mixed(cost, mixed, scope, args.explain, args.search_evals.max(1))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} on {} ({}) at {} tokens x {} sequences per micro-batch",
+        report.model,
+        report.cluster,
+        mixed.pools.iter().map(|p| format!("{} x {}", p.gpus(), p.gpu.name)).collect::<Vec<_>>().join(" + "),
+        report.seq,
+        report.micro_batch
+    );
+    let (chosen, best) = report.best();
+    let a = &best.allocation;
+    println!("  chosen: {}", chosen.description);
+    println!(
+        "  {} group pairs: attention {} x {} GPUs / {} NICs{}, experts {} x {} GPUs / {} NICs",
+        a.groups,
+        a.groups,
+        a.attention_gpus_per_group,
+        a.attention_nics_per_group,
+        if a.context_parallel > 1 { format!(" (CP {})", a.context_parallel) } else { String::new() },
+        a.groups,
+        a.ffn_gpus_per_group,
+        a.ffn_nics_per_group
+    );
+    println!(
+        "  predicted step {:.3} s (roofline bottleneck {:.3} s), {} micro-batches in flight{}",
+        best.predicted_step_s,
+        best.milp_bottleneck_s,
+        best.in_flight,
+        if best.recompute { ", recomputing activations" } else { "" }
+    );
+    println!("  role assignments:");
+    for (i, r) in report.roles.iter().enumerate() {
+        let mark = if i == report.chosen { "*" } else { " " };
+        match (&r.plan, &r.error) {
+            (Some(p), _) => println!(
+                "   {mark} {:<52} step {:>9.3} s  ({} x {}+{} GPUs)",
+                r.description,
+                p.predicted_step_s,
+                p.allocation.groups,
+                p.allocation.attention_gpus_per_group,
+                p.allocation.ffn_gpus_per_group
+            ),
+            (None, Some(e)) => println!("   {mark} {:<52} {e}", r.description),
+            (None, None) => {}
+        }
+    }
+    if !report.baselines.is_empty() || !report.baseline_failures.is_empty() {
+        println!("  baselines on the cluster as its slowest (every GPU plays the same role):");
+        for b in &report.baselines {
+            println!(
+                "    {:<17} step {:>9.3} s  (AF-Pipe as chosen {:.2}x faster)  {}",
+                b.schedule,
+                b.step_s,
+                b.step_s / best.predicted_step_s,
+                b.layout
+            );
+        }
+        for f in &report.baseline_failures {
+            println!("    {:<17} not run: {}", f.schedule, f.error);
+        }
+    }
+    for r in report.rooflines.iter().flatten() {
+        let seq = |s: Option<usize>| s.map_or("never (up to 1M)".to_string(), |s| format!("from {s} tokens"));
+        println!(
+            "  {} ({}), one node: attention {:.1} FLOP/B vs inflection {:.1} ({:?}-bound, compute-bound {}), \
+             {:.2} ms per layer; experts {:.1} FLOP/B vs {:.1} ({:?}-bound, compute-bound {}), {:.2} ms per layer",
+            r.pool,
+            r.gpu,
+            r.attention.intensity,
+            r.attention.inflection,
+            r.attention.bound,
+            seq(r.attention_inflection_seq),
+            1e3 * r.attention.time_s,
+            r.ffn.intensity,
+            r.ffn.inflection,
+            r.ffn.bound,
+            seq(r.ffn_inflection_seq),
+            1e3 * r.ffn.time_s
+        );
+    }
+    println!("  solved in {:.3} s", report.solve_s);
+    Ok(())
+}
+
 /// Runs `disagmoe simulate`.
 pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
+    if MixedCluster::is_mixed(&args.job.cluster) {
+        anyhow::bail!(
+            "`simulate` takes a cluster of one node kind; for `{}` (several kinds) `disagmoe plan --compare` \
+             simulates every role assignment and the baselines",
+            args.job.cluster
+        );
+    }
     let cost = args.job.cost_model()?;
     let names: Vec<String> = args.schedules.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if names.is_empty() {
@@ -343,8 +501,12 @@ pub fn run_simulate(args: &SimulateArgs) -> Result<()> {
 
 /// Runs `disagmoe reproduce-paper`.
 pub fn run_reproduce(args: &ReproduceArgs) -> Result<()> {
-    let options =
-        ReproduceOptions { out: args.out.clone(), img_dir: args.img_dir.clone(), cluster: args.cluster.clone() };
+    let options = ReproduceOptions {
+        out: args.out.clone(),
+        img_dir: args.img_dir.clone(),
+        cluster: args.cluster.clone(),
+        mixes: disagmoe_core::pools::MIX_PRESETS.iter().map(|(name, _)| name.to_string()).collect(),
+    };
     let summary = reproduce_paper(&options)?;
     println!("wrote {} ({} settings simulated)", args.out.display(), summary);
     Ok(())

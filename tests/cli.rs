@@ -798,3 +798,46 @@ fn every_numeric_run_config_key_at_its_extremes_is_refused_in_one_line_or_runs()
     assert!(failures.is_empty(), "{} of {cases} cases went wrong:\n{}", failures.len(), failures.join("\n"));
     assert!(refused > cases / 2, "most extremes are refused ({refused} of {cases})");
 }
+
+/// `plan` on a cluster of two node kinds: every role assignment, the fastest chosen, the
+/// baselines on the cluster as its slowest, each pool's rooflines; what it cannot do is refused in
+/// one line.
+#[test]
+fn plan_on_a_mixed_cluster_gives_the_sides_pools_and_refuses_what_it_cannot_do() {
+    let job = ["--model", "qwen3-30b-a3b", "--seq", "16384", "--micro-batch", "4"];
+    let out = bin()
+        .arg("plan")
+        .args(job)
+        .args(["--search-evals", "4", "--cluster", "h100x2+h20x2", "--compare", "--explain", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let roles = v["roles"].as_array().unwrap();
+    assert_eq!(roles.len(), 5, "{v}");
+    let chosen = &roles[v["chosen"].as_u64().unwrap() as usize];
+    let best = chosen["plan"]["predicted_step_s"].as_f64().unwrap();
+    for r in roles {
+        if let Some(s) = r["plan"]["predicted_step_s"].as_f64() {
+            assert!(s >= best, "{r}");
+        }
+    }
+    assert!(!v["baselines"].as_array().unwrap().is_empty(), "{v}");
+    assert_eq!(v["rooflines"].as_array().unwrap().len(), 2);
+    let text = bin().arg("plan").args(job).args(["--search-evals", "4", "--cluster", "h100x2+h20x2"]).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout).to_string();
+    assert!(text.contains("chosen: ") && text.contains("role assignments"), "{text}");
+
+    for (args, says) in [
+        (vec!["simulate", "--cluster", "h100x2+h20x2"], "plan --compare"),
+        (vec!["plan", "--cluster", "h100x2", "--compare"], "several node kinds"),
+        (vec!["plan", "--cluster", "h100x2+v100x2"], "h20"),
+        (vec!["plan", "--cluster", "h100x2+h20x2-0nic"], "NICs"),
+        (vec!["plan", "--cluster", "h100x2+h20x2", "--roofline-svg", "r.svg"], "--explain"),
+    ] {
+        let out = bin().arg(args[0]).args(job).args(&args[1..]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.lines().count() <= 2 && err.contains(says), "{args:?}: {err}");
+    }
+}

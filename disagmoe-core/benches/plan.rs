@@ -4,6 +4,9 @@
 //! `plan_full/*`: the whole `plan` (options, MILP, multi-start local search with the simulator as
 //! oracle, default evaluation budget) for Qwen3-235B-A22B at 8K on 16 x 8 and 128 x 8 H800.
 //! `plan_milp/*`: options and MILP alone, for comparison.
+//! `plan_mixed/1024`: `plan` on a mixed cluster of 1024 GPUs (64 x 8 H100 + 64 x 8 H20), the
+//! same model and workload: every role assignment's options and lower bound, and the MILP and
+//! local search of those that can still win (`MixedScope::Choose`, what `disagmoe plan` runs).
 //!
 //! Run: `cargo bench -p disagmoe-core --bench plan` (needs no Burn).
 
@@ -12,8 +15,10 @@ use disagmoe_core::allocator::milp::solve_milp;
 use disagmoe_core::allocator::AllocationProblem;
 use disagmoe_core::cost::{CostModel, Workload};
 use disagmoe_core::hardware::Cluster;
+use disagmoe_core::heterogeneous::{plan_mixed, MixedScope};
 use disagmoe_core::model_shape::ModelShape;
 use disagmoe_core::plan::{plan, DEFAULT_SEARCH_EVALS};
+use disagmoe_core::pools::MixedCluster;
 use std::hint::black_box;
 
 /// The paper-reproduction workload: 64K tokens per micro-batch, two micro-batches per GPU per step.
@@ -46,6 +51,19 @@ fn bench_plan(c: &mut Criterion) {
             })
         });
     }
+    group.finish();
+    let mut group = c.benchmark_group("plan_mixed");
+    group.sample_size(10);
+    let mixed = MixedCluster::preset("h100x64+h20x64").expect("preset");
+    let mb = 65_536 / 8192;
+    let workload = Workload { seq: 8192, micro_batch: mb, global_batch: 2 * mixed.total_gpus() * mb };
+    let template = CostModel::new(ModelShape::preset("qwen3-235b-a22b").expect("preset"), mixed.slowest(), workload)
+        .expect("valid");
+    group.bench_function(BenchmarkId::from_parameter(mixed.total_gpus()), |b| {
+        b.iter(|| {
+            plan_mixed(black_box(&template), &mixed, MixedScope::Choose, false, DEFAULT_SEARCH_EVALS).expect("plans")
+        })
+    });
     group.finish();
 }
 

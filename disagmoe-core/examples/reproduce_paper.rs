@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out: "docs/paper-reproduction.md".into(),
         img_dir: "docs/img".into(),
         cluster: "h800x16".into(),
+        mixes: disagmoe_core::pools::MIX_PRESETS.iter().map(|(name, _)| name.to_string()).collect(),
     };
     let settings = reproduce_paper(&options)?;
     println!("wrote {} ({settings} settings simulated)", options.out.display());

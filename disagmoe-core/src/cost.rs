@@ -281,6 +281,67 @@ impl Work {
     }
 }
 
+/// The hardware each side of a disaggregated placement runs on: one cost model for both on a
+/// cluster of identical nodes ([`Sides::one`]); on a cluster of several node kinds
+/// ([`crate::pools::MixedCluster`]) the attention side's pool and the expert side's, which may
+/// differ ([`Apart`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Sides<'a> {
+    /// Cost model of the attention side (its pool's GPU, node and NICs).
+    pub attention: &'a CostModel,
+    /// Cost model of the expert side.
+    pub ffn: &'a CostModel,
+    /// Set when the two sides are on different pools.
+    pub apart: Option<Apart>,
+}
+
+/// Two sides on different pools: each side has its own pool's GPUs, every token exchange crosses
+/// the pools' NICs (even a one-node pool's), and a side borrows no NIC of the other pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Apart {
+    /// GPUs of the attention side's pool.
+    pub attention_gpus: usize,
+    /// GPUs of the expert side's pool.
+    pub ffn_gpus: usize,
+    /// Bandwidth between the two pools, bytes/s per direction, shared by every group pair's
+    /// exchange (`None`: the fabric is not the limit, the NICs are).
+    pub link_bandwidth: Option<f64>,
+}
+
+impl<'a> Sides<'a> {
+    /// Both sides on `cost`'s cluster.
+    pub fn one(cost: &'a CostModel) -> Self {
+        Self { attention: cost, ffn: cost, apart: None }
+    }
+
+    /// Port bandwidth of an attention group (`attention: true`) or an expert group of `gpus` GPUs
+    /// and `nics` NICs when `groups` group pairs exchange at once: [`CostModel::group_bandwidth`]
+    /// on one pool; across pools the NICs, each pair's fair share of the pools' link at most.
+    pub fn port_bandwidth(&self, attention: bool, gpus: usize, nics: usize, groups: usize) -> f64 {
+        let cost = if attention { self.attention } else { self.ffn };
+        match self.apart {
+            None => cost.group_bandwidth(gpus, nics),
+            Some(apart) => {
+                let nic = nics as f64 * cost.cluster.node.sustained_nic();
+                match apart.link_bandwidth {
+                    Some(link) => nic.min(link / groups.max(1) as f64),
+                    None => nic,
+                }
+            }
+        }
+    }
+
+    /// Seconds to move `bytes` between an attention and an expert group with port bandwidths
+    /// `src_bw` and `dst_bw` ([`CostModel::transfer_time`]; across pools the larger latency).
+    pub fn transfer_time(&self, bytes: f64, src_bw: f64, dst_bw: f64) -> f64 {
+        if self.apart.is_none() {
+            return self.attention.transfer_time(bytes, src_bw, dst_bw);
+        }
+        let latency = self.attention.cluster.node.latency_s.max(self.ffn.cluster.node.latency_s);
+        latency + bytes / src_bw.min(dst_bw)
+    }
+}
+
 /// Cost model of one model on one cluster for one workload.
 #[derive(Debug, Clone)]
 pub struct CostModel {

@@ -67,6 +67,18 @@ pub struct Cluster {
     pub nodes: usize,
 }
 
+/// A serialised description from a file: TOML if the name ends in `.toml`, JSON otherwise; the
+/// error names the file.
+pub(crate) fn read_toml_or_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| CoreError::Io { path: shown.clone(), source })?;
+    if path.extension().is_some_and(|e| e == "toml") {
+        toml::from_str(&text).map_err(|e| CoreError::Toml { path: shown, message: e.to_string() })
+    } else {
+        serde_json::from_str(&text).map_err(|source| CoreError::Json { path: shown, source })
+    }
+}
+
 fn default_compute_eff() -> f64 {
     0.6
 }
@@ -87,16 +99,26 @@ const GB: f64 = 1e9;
 const TFLOPS: f64 = 1e12;
 
 /// GPU names with a built-in [`GpuSpec`].
-pub const GPU_PRESETS: &[&str] = &["h800", "h100", "h200", "a100"];
+pub const GPU_PRESETS: &[&str] = &["h800", "h100", "h200", "a100", "h20"];
 
 impl GpuSpec {
-    /// Built-in spec for `h800`, `h100`, `h200` or `a100` (SXM, dense bf16, 80/80/141/80 GB).
+    /// Built-in spec for `h800`, `h100`, `h200`, `a100` or `h20` (SXM, dense bf16,
+    /// 80/80/141/80/96 GB).
     pub fn preset(name: &str) -> Result<Self> {
+        // Sources (dense bf16, i.e. half the datasheets' "with sparsity" figures):
+        // - H100 SXM: NVIDIA H100 Tensor Core GPU datasheet (1,979 TFLOPS sparse, 3.35 TB/s, 80 GB).
+        // - H800 SXM: H100 SXM's compute and memory, NVLink cut to 400 GB/s (NVIDIA's H800
+        //   product brief; the DisagMoE paper's cluster).
+        // - H200 SXM: NVIDIA H200 datasheet (1,979 TFLOPS sparse, 4.8 TB/s, 141 GB).
+        // - A100 SXM 80 GB: NVIDIA A100 datasheet (312 TFLOPS, 2,039 GB/s, 80 GB).
+        // - H20: NVIDIA's HGX H20 figures as published by server vendors and cloud providers
+        //   (148 TFLOPS FP16/BF16 dense, 4.0 TB/s, 96 GB HBM3; no public NVIDIA datasheet).
         let (label, flops, hbm_bw, hbm) = match name.to_ascii_lowercase().as_str() {
             "h800" => ("H800", 989.0 * TFLOPS, 3350.0 * GB, 80.0 * GB),
             "h100" => ("H100", 989.0 * TFLOPS, 3350.0 * GB, 80.0 * GB),
             "h200" => ("H200", 989.0 * TFLOPS, 4800.0 * GB, 141.0 * GB),
             "a100" => ("A100", 312.0 * TFLOPS, 2039.0 * GB, 80.0 * GB),
+            "h20" => ("H20", 148.0 * TFLOPS, 4000.0 * GB, 96.0 * GB),
             _ => {
                 return Err(CoreError::UnknownPreset {
                     kind: "gpu",
@@ -134,12 +156,15 @@ impl GpuSpec {
 
 impl NodeSpec {
     /// The node of a GPU preset: 8 GPUs, 8 NICs. H800: NVLink 400 GB/s bidirectional, 8 x 400 Gb/s
-    /// (the paper's cluster); H100/H200: NVLink 900 GB/s bidirectional, 8 x 400 Gb/s; A100: NVLink
-    /// 600 GB/s bidirectional, 8 x 200 Gb/s.
+    /// (the paper's cluster); H100/H200/H20: NVLink 900 GB/s bidirectional, 8 x 400 Gb/s; A100:
+    /// NVLink 600 GB/s bidirectional, 8 x 200 Gb/s.
     pub fn preset(gpu: &str) -> Result<Self> {
+        // Sources: NVLink from the datasheets above (H20: the HGX H20 figures, 900 GB/s); NICs as
+        // in NVIDIA's DGX reference designs, one per GPU (DGX H100: 8 x ConnectX-7 400 Gb/s;
+        // DGX A100: 8 x ConnectX-6 200 Gb/s; H20 nodes assumed to carry the H100 HGX design's).
         let (nvlink_bidir, nic_gbit) = match gpu.to_ascii_lowercase().as_str() {
             "h800" => (400.0, 400.0),
-            "h100" | "h200" => (900.0, 400.0),
+            "h100" | "h200" | "h20" => (900.0, 400.0),
             "a100" => (600.0, 200.0),
             _ => {
                 return Err(CoreError::UnknownPreset {
@@ -177,7 +202,7 @@ impl Cluster {
         let unknown = || CoreError::UnknownPreset {
             kind: "cluster",
             name: name.to_string(),
-            known: "<gpu>x<nodes> with gpu in {h800, h100, h200, a100}, e.g. h800x16, h200x4".to_string(),
+            known: "<gpu>x<nodes> with gpu in {h800, h100, h200, a100, h20}, e.g. h800x16, h200x4".to_string(),
         };
         let (gpu, nodes) = lower.split_once('x').ok_or_else(unknown)?;
         let nodes: usize = nodes.parse().map_err(|_| unknown())?;
@@ -196,13 +221,7 @@ impl Cluster {
 
     /// Reads and validates a cluster file (TOML if the name ends in `.toml`, JSON otherwise).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| CoreError::Io { path: shown.clone(), source })?;
-        let cluster: Cluster = if path.extension().is_some_and(|e| e == "toml") {
-            toml::from_str(&text).map_err(|e| CoreError::Toml { path: shown.clone(), message: e.to_string() })?
-        } else {
-            serde_json::from_str(&text).map_err(|source| CoreError::Json { path: shown.clone(), source })?
-        };
+        let cluster: Cluster = read_toml_or_json(path)?;
         cluster.validate()?;
         Ok(cluster)
     }

@@ -5,9 +5,9 @@
 //! [`simulate_schedules`] builds AF-Pipe (on the planned allocation) and the requested baselines,
 //! simulates each and reports AF-Pipe's speedup over each.
 
-use crate::allocator::milp::solve_milp_pruned;
+use crate::allocator::milp::{solve_milp_pruned, MilpSolution};
 use crate::allocator::oracle::SimulatorOracle;
-use crate::allocator::search::{local_search, Candidate};
+use crate::allocator::search::{local_search, Candidate, SearchResult, StepTimeOracle};
 use crate::allocator::{Allocation, AllocationProblem};
 use crate::cost::CostModel;
 use crate::error::{invalid, Result};
@@ -151,19 +151,7 @@ pub fn mean_imbalance(cost: &CostModel, balance: &ExpertBalance, f: usize) -> Re
 pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<PlanReport> {
     let start = Instant::now();
     let problem = AllocationProblem::new(cost, None)?;
-    let milp = solve_milp_pruned(&problem)?;
-    // Multi-start: the global optimum first, then the best answers for other group counts.
-    let mut starts = vec![milp.allocation];
-    starts.extend(
-        problem
-            .best_per_group_count()
-            .into_iter()
-            .map(|(a, _)| a)
-            .filter(|a| *a != milp.allocation)
-            .take(MULTI_STARTS - 1),
-    );
-    let mut oracle = SimulatorOracle { cost: cost.clone() };
-    let search = local_search(&problem, &starts, &mut oracle, search_evals.max(1))?;
+    let (milp, search) = solve_and_search(&problem, &mut SimulatorOracle::new(cost.clone()), search_evals)?;
     let solve_s = start.elapsed().as_secs_f64();
     let best = search.best.allocation;
     let (in_flight, recompute) = afpipe_window(cost, &best);
@@ -194,6 +182,27 @@ pub fn plan(cost: &CostModel, explain: bool, search_evals: usize) -> Result<Plan
         candidates: explain.then_some(search.candidates),
         expert_balance: BalanceReport::of(cost, &best)?,
     })
+}
+
+/// The MILP's answer, then the multi-start local search from it (the global optimum first, then
+/// the best answers for other group counts) with `oracle`, spending at most `search_evals` calls.
+pub fn solve_and_search(
+    problem: &AllocationProblem,
+    oracle: &mut dyn StepTimeOracle,
+    search_evals: usize,
+) -> Result<(MilpSolution, SearchResult)> {
+    let milp = solve_milp_pruned(problem)?;
+    let mut starts = vec![milp.allocation];
+    starts.extend(
+        problem
+            .best_per_group_count()
+            .into_iter()
+            .map(|(a, _)| a)
+            .filter(|a| *a != milp.allocation)
+            .take(MULTI_STARTS - 1),
+    );
+    let search = local_search(problem, &starts, oracle, search_evals.max(1))?;
+    Ok((milp, search))
 }
 
 /// One simulated schedule.

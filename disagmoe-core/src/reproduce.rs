@@ -24,6 +24,9 @@ pub struct ReproduceOptions {
     pub img_dir: PathBuf,
     /// Cluster preset (the paper: `h800x16`).
     pub cluster: String,
+    /// Mixed clusters of the section "Heterogeneous clusters" (none: no section; the paper's
+    /// page: [`crate::pools::MIX_PRESETS`]).
+    pub mixes: Vec<String>,
 }
 
 /// Models of the reproduction. DeepSeek is DeepSeekMoE-16B: DeepSeek-V3's 671B parameters with
@@ -263,6 +266,9 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
     context_parallel_section(&mut md, &cluster)?;
     exchange_section(&mut md, &cluster, &names)?;
     balance_section(&mut md, &cluster, &names)?;
+    if !opts.mixes.is_empty() {
+        heterogeneous_section(&mut md, &opts.mixes)?;
+    }
     let _ = writeln!(md, "\n## Figures\n");
     for &model in PAPER_MODELS {
         let svg = opts.img_dir.join(format!("roofline-{model}.svg"));
@@ -286,6 +292,85 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
     }
     std::fs::write(&opts.out, md).map_err(|source| CoreError::Io { path: opts.out.display().to_string(), source })?;
     Ok(settings)
+}
+
+/// The paper's models at every sequence length on each mixed cluster: AF-Pipe placed by the
+/// planner (the fastest role assignment), each other assignment, and the baselines on the cluster
+/// as its slowest (`plan --cluster MIX --compare`).
+fn heterogeneous_section(md: &mut String, mixes: &[String]) -> Result<()> {
+    use crate::heterogeneous::{plan_mixed, MixedScope, Roles};
+    use crate::pools::MixedCluster;
+    let _ = writeln!(
+        md,
+        "\n## Heterogeneous clusters\n\n\
+         Clusters of two node kinds (`crate::pools`: presets joined by `+`, a node's NIC count after `-`).\n\
+         The planner tries every way of giving the two sides pools and keeps the fastest simulated step:\n\
+         attention on one pool and experts on the other (each side costed, sized and fitted on its own\n\
+         pool's GPUs, the exchange crossing both pools' NICs), both on one pool (the other idle), or both\n\
+         over the whole cluster as if every GPU were the slowest kind. The baselines give every GPU the same\n\
+         role, so they run on the cluster as its slowest (each figure the pools' minimum): a synchronous step\n\
+         waits for its slowest rank. Same workload as above (64K tokens per micro-batch, two micro-batches\n\
+         per GPU per step). Each row is one command:\n\n\
+         `disagmoe plan --model MODEL --cluster MIX --seq S --micro-batch 65536/S --global-batch 2x128x(65536/S) --precision megatron --compare`\n\n\
+         Columns: (a) the planner's choice and its step; the two apart assignments (A: attention's pool, F:\n\
+         the experts'), one of them (b), the roles the other way round; each pool alone; (c) AF-Pipe on the\n\
+         cluster as its slowest, the best placement that ignores the kinds; (d) the best baseline on it. All\n\
+         simulated; \"-\" where nothing fits in memory. Not modelled: a side spread over two pools (each side\n\
+         lives in one pool), and a link between the pools slower than their NICs (a cluster file may give\n\
+         `pool_link_bandwidth`; each group pair then gets an equal share of it)."
+    );
+    for spec in mixes {
+        let mixed = MixedCluster::from_preset_or_file(spec)?;
+        let names: Vec<&str> = mixed.pools.iter().map(|p| p.name.as_str()).collect();
+        let (p0, p1) = (names[0], names.get(1).copied().unwrap_or(names[0]));
+        let _ = writeln!(
+            md,
+            "\n### {} ({})\n\n\
+             | model | seq | (a) chosen | (a) step (s) | A {p0}, F {p1} (s) | A {p1}, F {p0} (s) | {p0} alone (s) | {p1} alone (s) | (c) as slowest (s) | (d) best baseline (s) | (a) vs (c) | (a) vs (d) |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|",
+            mixed.name,
+            mixed.pools.iter().map(|p| format!("{} x {}", p.gpus(), p.gpu.name)).collect::<Vec<_>>().join(" + ")
+        );
+        for &model in PAPER_MODELS {
+            for &seq in PAPER_SEQS {
+                let template = cost_for(model, &mixed.slowest(), seq)?;
+                let report = match plan_mixed(&template, &mixed, MixedScope::Compare, false, DEFAULT_SEARCH_EVALS) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = writeln!(md, "| {model} | {seq} | `{}` | | | | | | | | | |", plain(&e.to_string()));
+                        continue;
+                    }
+                };
+                let (chosen, best) = report.best();
+                let a = best.allocation;
+                let step = |r: Roles| report.step_of(r).map_or("-".to_string(), |s| format!("{s:.3}"));
+                let slowest = report.step_of(Roles::Slowest);
+                let baseline = report.baselines.iter().min_by(|x, y| x.step_s.total_cmp(&y.step_s));
+                let ratio = |other: Option<f64>| {
+                    other.map_or("-".to_string(), |o| format!("{:.2}x", o / best.predicted_step_s))
+                };
+                let _ = writeln!(
+                    md,
+                    "| {model} | {seq} | {}: {} x {}+{}{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    chosen.description,
+                    a.groups,
+                    a.attention_gpus_per_group,
+                    a.ffn_gpus_per_group,
+                    if a.context_parallel > 1 { format!(", CP {}", a.context_parallel) } else { String::new() },
+                    best.predicted_step_s,
+                    step(Roles::Apart { attention: 0, ffn: 1 }),
+                    step(Roles::Apart { attention: 1, ffn: 0 }),
+                    step(Roles::OnePool { pool: 0 }),
+                    step(Roles::OnePool { pool: 1 }),
+                    step(Roles::Slowest),
+                    baseline.map_or("-".to_string(), |b| format!("{} {:.3}", b.schedule, b.step_s)),
+                    ratio(slowest),
+                    ratio(baseline.map(|b| b.step_s)),
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// AF-Pipe in the paper's setting with context parallelism chosen by the planner (`plan

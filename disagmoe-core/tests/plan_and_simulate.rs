@@ -269,3 +269,43 @@ fn at_32k_the_planner_splits_sequences_where_it_pays_and_a_fixed_size_is_kept() 
     let e = plan(&seventeen, false, 6).unwrap_err().to_string();
     assert!(e.contains("context_parallel") && e.contains("multiple of 17") && e.contains("auto"), "{e}");
 }
+
+/// A cluster of one node kind plans exactly as it did before clusters of several kinds existed:
+/// `docs/paper-reproduction.md`, regenerated here without its section on mixed clusters, equals
+/// the committed page without that section, byte for byte (so the page is also what the code
+/// writes today).
+#[test]
+fn the_paper_page_is_what_the_planner_writes_byte_for_byte() {
+    use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
+    let dir = std::env::temp_dir().join(format!("disagmoe-paper-{}", std::process::id()));
+    let out = dir.join("docs").join("paper-reproduction.md");
+    let options = ReproduceOptions {
+        out: out.clone(),
+        img_dir: dir.join("docs").join("img"),
+        cluster: "h800x16".into(),
+        mixes: Vec::new(),
+    };
+    // The page quotes the simulator's validation from the file beside it.
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    std::fs::create_dir_all(dir.join("docs")).unwrap();
+    std::fs::copy(docs.join("simulator-validation.md"), dir.join("docs").join("simulator-validation.md")).unwrap();
+    reproduce_paper(&options).unwrap();
+    let written = std::fs::read_to_string(&out).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let committed = std::fs::read_to_string(docs.join("paper-reproduction.md")).unwrap();
+    let (from, to) = ("\n## Heterogeneous clusters\n", "\n## Figures\n");
+    let start = committed.find(from).expect("the committed page has the mixed clusters' section");
+    let end = start + committed[start..].find(to).expect("and the figures after it");
+    let without = format!("{}{}", &committed[..start], &committed[end..]);
+    if written != without {
+        let line = written.lines().zip(without.lines()).position(|(a, b)| a != b);
+        let show = |text: &str| line.and_then(|l| text.lines().nth(l)).unwrap_or("").to_string();
+        panic!(
+            "the page differs from what the planner writes at line {:?}:\n  written:   {}\n  committed: {}\n\
+             regenerate it with `cargo run -p disagmoe-core --release --example reproduce_paper`",
+            line.map(|l| l + 1),
+            show(&written),
+            show(&without)
+        );
+    }
+}

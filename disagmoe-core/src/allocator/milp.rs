@@ -5,6 +5,8 @@
 //! - one option per side, and both sides agreeing on the number of group pairs `p`;
 //! - total GPUs: `sum_i y_i p_i a_i + sum_j z_j p_j f_j <= G`;
 //! - NICs follow GPUs (node boundaries): `sum_i y_i (n_i - r a_i) + sum_j z_j (n_j - r f_j) <= 0`;
+//! - (sides on two pools of a mixed cluster instead: each side's GPUs within its pool's `G_A`,
+//!   `G_F`, and each side's NICs within its own GPUs' share, `r_A` and `r_F`);
 //! - stage times: `T >= sum_i y_i busy_i`, `T >= sum_j z_j busy_j`, `T >= sum_j z_j D_j / bw_j`;
 //! - the attention port carries the expert side's volume `D = sum_j z_j D_j`: for each distinct
 //!   attention bandwidth `bw`, `T >= D / bw - (D_max / bw) (1 - sum_{i: bw_i = bw} y_i)` (big-M
@@ -120,9 +122,19 @@ fn solve_sub(
     };
 
     let mut rows = vec![constraint!(sum(&y, &|_| 1.0) == 1.0), constraint!(sum(&z, &|_| 1.0) == 1.0)];
-    let gpus = sum(&y, &|i| (ao(i).groups * ao(i).gpus) as f64) + sum(&z, &|j| (fo(j).groups * fo(j).gpus) as f64);
-    rows.push(constraint!(gpus <= problem.total_gpus as f64));
-    if problem.uses_nics {
+    let attention_gpus = sum(&y, &|i| (ao(i).groups * ao(i).gpus) as f64);
+    let ffn_gpus = sum(&z, &|j| (fo(j).groups * fo(j).gpus) as f64);
+    if let Some(apart) = problem.apart {
+        // Each side within its own pool's GPUs, and its NICs within the GPUs' share of them.
+        rows.push(constraint!(attention_gpus <= apart.attention_gpus as f64));
+        rows.push(constraint!(ffn_gpus <= apart.ffn_gpus as f64));
+        let [ra, rf] = problem.side_nics_per_gpu;
+        rows.push(constraint!(sum(&y, &|i| ao(i).nics as f64 - ra * ao(i).gpus as f64) <= 1e-6));
+        rows.push(constraint!(sum(&z, &|j| fo(j).nics as f64 - rf * fo(j).gpus as f64) <= 1e-6));
+    } else {
+        rows.push(constraint!(attention_gpus + ffn_gpus <= problem.total_gpus as f64));
+    }
+    if problem.uses_nics && problem.apart.is_none() {
         let r = problem.nics_per_gpu;
         let surplus = sum(&y, &|i| ao(i).nics as f64 - r * ao(i).gpus as f64)
             + sum(&z, &|j| fo(j).nics as f64 - r * fo(j).gpus as f64);

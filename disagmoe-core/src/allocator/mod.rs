@@ -17,7 +17,7 @@ pub mod milp;
 pub mod oracle;
 pub mod search;
 
-use crate::cost::{ContextParallel, CostModel};
+use crate::cost::{Apart, ContextParallel, CostModel, Sides};
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -110,6 +110,12 @@ pub struct AllocationProblem {
     pub uses_nics: bool,
     /// Micro-batches per step.
     pub micro_batches: f64,
+    /// Set when the two sides are on different pools: each side within its own pool's GPUs and
+    /// NICs.
+    pub apart: Option<Apart>,
+    /// NICs per GPU of the attention side's pool and of the expert side's (both
+    /// `nics_per_gpu` on one pool).
+    pub side_nics_per_gpu: [f64; 2],
     /// Smallest memory overshoot seen among dropped options, per side (for error messages).
     shortfall: [Option<Shortfall>; 2],
 }
@@ -187,39 +193,61 @@ pub fn group_counts(layers: usize, max: usize) -> Vec<usize> {
 impl AllocationProblem {
     /// Builds the option lists. `max_groups` caps `p` (default: the layer count).
     pub fn new(cost: &CostModel, max_groups: Option<usize>) -> Result<Self> {
+        Self::new_on(Sides::one(cost), max_groups)
+    }
+
+    /// The option lists with each side on its own hardware: attention options costed on
+    /// `sides.attention`'s pool and sized by its nodes, expert options on `sides.ffn`'s; across
+    /// pools ([`Apart`]) a side's groups fit in its own pool's GPUs and NICs.
+    pub fn new_on(sides: Sides<'_>, max_groups: Option<usize>) -> Result<Self> {
+        let cost = sides.attention;
+        let fc = sides.ffn;
         let c = &cost.cluster;
-        let g_total = c.total_gpus();
         let m = &cost.model;
         let mb = cost.workload.micro_batches() as f64;
-        let uses_nics = c.nodes > 1;
+        let (g_total, uses_nics, max_p) = match sides.apart {
+            None => (c.total_gpus(), c.nodes > 1, c.total_gpus() / 2),
+            Some(ap) => (ap.attention_gpus + ap.ffn_gpus, true, ap.attention_gpus.min(ap.ffn_gpus)),
+        };
+        // The largest group of each side for `p` pairs: on one pool, what the other side leaves
+        // (at least one GPU); across pools, the side's own pool.
+        let side_max = |attention: bool, p: usize| match sides.apart {
+            None => (g_total / p).saturating_sub(1),
+            Some(ap) => (if attention { ap.attention_gpus } else { ap.ffn_gpus }) / p,
+        };
         let usable = c.gpu.usable_memory();
+        let ffn_usable = fc.cluster.gpu.usable_memory();
         let node = c.node.gpus_per_node;
+        let ffn_node = fc.cluster.node.gpus_per_node;
         let mut shortfall: [Option<Shortfall>; 2] = [None, None];
         let mut note = |side: usize, need: crate::cost::MemoryParts, groups: usize, gpus: usize| {
             let s = &mut shortfall[side];
             if s.is_none_or(|best| need.total() < best.need.total()) {
+                let usable = if side == 0 { usable } else { ffn_usable };
                 *s = Some(Shortfall { need, usable, groups, gpus });
             }
         };
         let (mut attention, mut ffn) = (Vec::new(), Vec::new());
-        for p in group_counts(m.layers, max_groups.unwrap_or(m.layers).min(g_total / 2)) {
+        let side_nics_per_gpu = [c.nics_per_gpu(), fc.cluster.nics_per_gpu()];
+        for p in group_counts(m.layers, max_groups.unwrap_or(m.layers).min(max_p)) {
             let in_flight = cost.workload.micro_batches().min(4 * p);
-            let per_group = g_total / p;
             let groups: Vec<Vec<usize>> = (0..p).map(|g| (g..m.layers).step_by(p).collect()).collect();
-            let nic_choices = |gpus: usize| -> Vec<usize> {
+            let nic_choices = |gpus: usize, side: usize| -> Vec<usize> {
                 if !uses_nics {
                     return vec![0];
                 }
                 // NICs per GPU from 1/4 to 2 in steps of 1/4: a group that spreads over nodes it
                 // shares with the other side may borrow their NICs (PXN); the pair as a whole
                 // never holds more NICs than its GPUs bring (constraint `nics_follow_gpus`).
-                let mut v: Vec<usize> = (1..=8)
-                    .map(|q| ((gpus as f64 * c.nics_per_gpu() * q as f64 / 4.0).round() as usize).max(1))
+                // Across pools there is no one to borrow from: up to the side's own NICs.
+                let most = if sides.apart.is_some() { 4 } else { 8 };
+                let mut v: Vec<usize> = (1..=most)
+                    .map(|q| ((gpus as f64 * side_nics_per_gpu[side] * q as f64 / 4.0).round() as usize).max(1))
                     .collect();
                 v.dedup();
                 v
             };
-            for a in group_sizes(node, per_group.saturating_sub(1)) {
+            for a in group_sizes(node, side_max(true, p)) {
                 let Some(cp) = cost.context_parallel.size_for(a, &cost.workload) else {
                     continue;
                 };
@@ -249,7 +277,7 @@ impl AllocationProblem {
                         layers + head
                     })
                     .fold(0.0, f64::max);
-                for nics in nic_choices(a) {
+                for nics in nic_choices(a, 0) {
                     let ar = cost.all_reduce_time(cost.attention_grad_bytes(p), a, nics);
                     attention.push(SideOption {
                         groups: p,
@@ -257,20 +285,20 @@ impl AllocationProblem {
                         nics,
                         context_parallel: cp,
                         busy_s: mb * compute + ar,
-                        port_bw: cost.group_bandwidth(a, nics),
+                        port_bw: sides.port_bandwidth(true, a, nics, p),
                         exchange_bytes: 0.0,
                         mean_exchange_bytes: 0.0,
                         memory: mem,
                     });
                 }
             }
-            for f in group_sizes(node, per_group.saturating_sub(1)) {
+            for f in group_sizes(ffn_node, side_max(false, p)) {
                 if f > m.moe.experts {
                     continue;
                 }
-                let need = smaller([false, true].map(|rc| cost.ffn_memory_parts(p, f, in_flight, rc)));
+                let need = smaller([false, true].map(|rc| fc.ffn_memory_parts(p, f, in_flight, rc)));
                 let mem = need.total();
-                if mem > usable {
+                if mem > ffn_usable {
                     note(1, need, p, f);
                     continue;
                 }
@@ -279,26 +307,26 @@ impl AllocationProblem {
                     .map(|ls| {
                         ls.iter()
                             .map(|&l| {
-                                let w = cost.ffn_forward(l, f);
-                                cost.gpu_time(w) + cost.gpu_time(w.backward())
+                                let w = fc.ffn_forward(l, f);
+                                fc.gpu_time(w) + fc.gpu_time(w.backward())
                             })
                             .sum::<f64>()
                     })
                     .fold(0.0, f64::max);
                 let per_group: Vec<f64> = groups
                     .iter()
-                    .map(|ls| ls.iter().map(|&l| cost.m2n_bytes(l, f) + cost.n2m_bytes(l, f)).sum::<f64>())
+                    .map(|ls| ls.iter().map(|&l| fc.m2n_bytes(l, f) + fc.n2m_bytes(l, f)).sum::<f64>())
                     .collect();
                 let bytes = per_group.iter().copied().fold(0.0, f64::max);
                 let mean_bytes = per_group.iter().sum::<f64>() / p as f64;
-                for nics in nic_choices(f) {
+                for nics in nic_choices(f, 1) {
                     ffn.push(SideOption {
                         groups: p,
                         gpus: f,
                         nics,
                         context_parallel: 1,
                         busy_s: mb * compute,
-                        port_bw: cost.group_bandwidth(f, nics),
+                        port_bw: sides.port_bandwidth(false, f, nics, p),
                         exchange_bytes: bytes,
                         mean_exchange_bytes: mean_bytes,
                         memory: mem,
@@ -313,6 +341,8 @@ impl AllocationProblem {
             nics_per_gpu: c.nics_per_gpu(),
             uses_nics,
             micro_batches: mb,
+            apart: sides.apart,
+            side_nics_per_gpu,
             shortfall,
         };
         problem.prune_dominated();
@@ -323,8 +353,7 @@ impl AllocationProblem {
     /// Drops options another option of the same side and group count beats on every count:
     /// no more GPUs, no more NICs, no larger NIC surplus, no slower, no more bytes.
     fn prune_dominated(&mut self) {
-        let r = self.nics_per_gpu;
-        let prune = |opts: &mut Vec<SideOption>| {
+        let prune = |opts: &mut Vec<SideOption>, r: f64| {
             let keep: Vec<bool> = opts
                 .iter()
                 .map(|o| {
@@ -348,8 +377,8 @@ impl AllocationProblem {
             let mut it = keep.iter();
             opts.retain(|_| *it.next().unwrap());
         };
-        prune(&mut self.attention);
-        prune(&mut self.ffn);
+        prune(&mut self.attention, self.side_nics_per_gpu[0]);
+        prune(&mut self.ffn, self.side_nics_per_gpu[1]);
     }
 
     /// Fails with the constraint that makes the problem infeasible, and by how much.
@@ -391,6 +420,23 @@ impl AllocationProblem {
             }
         }
         let smallest = |opts: &Vec<SideOption>, p: usize| opts.iter().filter(|o| o.groups == p).map(|o| o.gpus).min();
+        if let Some(ap) = self.apart {
+            // Each side's groups come from its own pool: the bounds of the sizes built the options,
+            // so any group count with options on both sides fits.
+            let fits = self.attention.iter().any(|o| smallest(&self.ffn, o.groups).is_some());
+            return if fits {
+                Ok(())
+            } else {
+                Err(CoreError::Infeasible {
+                    constraint: "group_count".into(),
+                    detail: format!(
+                        "no group count has both an attention option (pool of {} GPUs) and an expert option \
+                         (pool of {} GPUs) that fit in memory",
+                        ap.attention_gpus, ap.ffn_gpus
+                    ),
+                })
+            };
+        }
         let need = self
             .attention
             .iter()
@@ -416,6 +462,14 @@ impl AllocationProblem {
 
     /// Whether two options form a feasible allocation.
     pub fn compatible(&self, a: &SideOption, f: &SideOption) -> bool {
+        if let Some(ap) = self.apart {
+            let [ra, rf] = self.side_nics_per_gpu;
+            return a.groups == f.groups
+                && a.groups * a.gpus <= ap.attention_gpus
+                && a.groups * f.gpus <= ap.ffn_gpus
+                && a.nics as f64 <= ra * a.gpus as f64 + 1e-9
+                && f.nics as f64 <= rf * f.gpus as f64 + 1e-9;
+        }
         a.groups == f.groups
             && a.groups * (a.gpus + f.gpus) <= self.total_gpus
             && (!self.uses_nics || (a.nics + f.nics) as f64 <= self.nics_per_gpu * (a.gpus + f.gpus) as f64 + 1e-9)

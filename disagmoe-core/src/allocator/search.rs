@@ -234,7 +234,7 @@ mod tests {
         let cost = CostModel::new(ModelShape::preset("qwen3-30b-a3b").unwrap(), Cluster::preset("h100x4").unwrap(), w)
             .unwrap();
         let problem = AllocationProblem::new(&cost, None).unwrap();
-        let mut oracle = crate::allocator::oracle::SimulatorOracle { cost };
+        let mut oracle = crate::allocator::oracle::SimulatorOracle::new(cost);
         assert!(oracle.respects_lower_bound());
         let pairs: Vec<_> = problem
             .attention

@@ -11,7 +11,7 @@
 
 use super::{Deps, Op, OpId, OpKind, Schedule, Stream, StreamKind as K, Transfer, Worker, WorkerRole, NO_LAYER};
 use crate::allocator::Allocation;
-use crate::cost::{CostModel, ExchangeTransfer};
+use crate::cost::{CostModel, ExchangeTransfer, Sides};
 use crate::error::{CoreError, Result};
 use crate::layout::layer_group;
 use crate::simulator::{run_program, OpInfo, Program};
@@ -23,12 +23,18 @@ use smallvec::smallvec;
 /// at least 25% more micro-batches fly (its extra forward is cheap when the ring is
 /// network-bound).
 pub fn afpipe_window(cost: &CostModel, alloc: &Allocation) -> (usize, bool) {
-    let usable = cost.cluster.gpu.usable_memory();
+    afpipe_window_on(Sides::one(cost), alloc)
+}
+
+/// [`afpipe_window`] with each side on its own hardware (each side's memory is its pool's).
+pub fn afpipe_window_on(sides: Sides<'_>, alloc: &Allocation) -> (usize, bool) {
+    let (ac, fc) = (sides.attention, sides.ffn);
     let p = alloc.groups;
-    let cap = cost.workload.micro_batches().min(16 * p).max(1);
+    let cap = ac.workload.micro_batches().min(16 * p).max(1);
     let fits = |w: usize, rc: bool| {
-        cost.attention_memory(p, alloc.attention_gpus_per_group, alloc.context_parallel, w, rc) <= usable
-            && cost.ffn_memory(p, alloc.ffn_gpus_per_group, w, rc) <= usable
+        ac.attention_memory(p, alloc.attention_gpus_per_group, alloc.context_parallel, w, rc)
+            <= ac.cluster.gpu.usable_memory()
+            && fc.ffn_memory(p, alloc.ffn_gpus_per_group, w, rc) <= fc.cluster.gpu.usable_memory()
     };
     let largest = |rc: bool| (1..=cap).rev().find(|&w| fits(w, rc)).unwrap_or(1);
     let plain = largest(false);
@@ -47,6 +53,11 @@ pub fn afpipe_window(cost: &CostModel, alloc: &Allocation) -> (usize, bool) {
 /// Builds the AF-Pipe schedule of one training step for `alloc`: [`AfPipe`]'s ops, listed.
 pub fn build_afpipe(cost: &CostModel, alloc: &Allocation) -> Result<Schedule> {
     AfPipe::new(cost, alloc)?.build()
+}
+
+/// [`build_afpipe`] with each side on its own hardware.
+pub fn build_afpipe_on(sides: Sides<'_>, alloc: &Allocation) -> Result<Schedule> {
+    AfPipe::on(sides, alloc)?.build()
 }
 
 /// Streams of every AF-Pipe worker, in this order (compute backward first: its priority).
@@ -132,6 +143,14 @@ pub struct AfPipe {
 impl AfPipe {
     /// The program for `alloc`; an error for a group count outside `1..=layers`.
     pub fn new(cost: &CostModel, alloc: &Allocation) -> Result<Self> {
+        Self::on(Sides::one(cost), alloc)
+    }
+
+    /// The program for `alloc` with each worker timed on its own side's hardware: attention
+    /// workers on `sides.attention`'s GPU, expert workers on `sides.ffn`'s, the exchange between
+    /// the two sides' ports ([`Sides::port_bandwidth`]).
+    pub fn on(sides: Sides<'_>, alloc: &Allocation) -> Result<Self> {
+        let (cost, fc) = (sides.attention, sides.ffn);
         let p = alloc.groups;
         let m = &cost.model;
         if p == 0 || p > m.layers {
@@ -151,8 +170,8 @@ impl AfPipe {
             });
         }
         let (a_bw, f_bw) = (
-            cost.group_bandwidth(a, alloc.attention_nics_per_group),
-            cost.group_bandwidth(f, alloc.ffn_nics_per_group),
+            sides.port_bandwidth(true, a, alloc.attention_nics_per_group, p),
+            sides.port_bandwidth(false, f, alloc.ffn_nics_per_group, p),
         );
         let mut workers = Vec::with_capacity(2 * p);
         for g in 0..p {
@@ -180,30 +199,32 @@ impl AfPipe {
                 half_duplex: false,
             });
         }
-        let (window, recompute) = afpipe_window(cost, alloc);
+        let (window, recompute) = afpipe_window_on(sides, alloc);
         let compute = |w: crate::cost::Work| Compute { secs: cost.gpu_time(w), flops: w.flops };
+        let ffn_compute = |w: crate::cost::Work| Compute { secs: fc.gpu_time(w), flops: w.flops };
         // Backward work: gradients (twice the forward) plus the recomputed forward.
         let bwd = |w: crate::cost::Work| compute(w.backward_recomputing(recompute));
+        let ffn_bwd = |w: crate::cost::Work| ffn_compute(w.backward_recomputing(recompute));
         let layers = (0..m.layers)
             .map(|l| {
-                let (attn, ffn) = (cost.attention_forward(l, a, cp), cost.ffn_forward(l, f));
+                let (attn, ffn) = (cost.attention_forward(l, a, cp), fc.ffn_forward(l, f));
                 // A context-parallel ring's K/V transfers overlap the blocks' compute: the op
                 // takes the longer of the two.
                 let (attn_s, attn_bwd_s) = cost.attention_layer_s(l, a, cp, recompute);
                 let hop = |transfer, to_ffn: bool| {
                     let bytes = cost.exchange_bytes(l, f, transfer);
                     let secs = if to_ffn {
-                        cost.transfer_time(bytes, a_bw, f_bw)
+                        sides.transfer_time(bytes, a_bw, f_bw)
                     } else {
-                        cost.transfer_time(bytes, f_bw, a_bw)
+                        sides.transfer_time(bytes, f_bw, a_bw)
                     };
                     Hop { bytes, secs }
                 };
                 Layer {
                     attn: Compute { secs: attn_s, flops: attn.flops },
                     attn_bwd: Compute { secs: attn_bwd_s, flops: bwd(attn).flops },
-                    ffn: compute(ffn),
-                    ffn_bwd: bwd(ffn),
+                    ffn: ffn_compute(ffn),
+                    ffn_bwd: ffn_bwd(ffn),
                     dispatch: hop(ExchangeTransfer::Dispatch, true),
                     combine: hop(ExchangeTransfer::Combine, false),
                     grad_combine: hop(ExchangeTransfer::Gradient, true),
@@ -220,9 +241,9 @@ impl AfPipe {
             let secs = cost.all_reduce_time(bytes, a, alloc.attention_nics_per_group);
             attn_all_reduce.push(all_reduces.len());
             all_reduces.push(AllReduce { worker: 2 * g, secs, bytes });
-            let replicated = cost.ffn_group_params(g, p, f).1 * cost.precision.grad_comm_bytes;
+            let replicated = fc.ffn_group_params(g, p, f).1 * fc.precision.grad_comm_bytes;
             ffn_all_reduce.push((replicated > 0.0 && f > 1).then(|| {
-                let secs = cost.all_reduce_time(replicated, f, alloc.ffn_nics_per_group);
+                let secs = fc.all_reduce_time(replicated, f, alloc.ffn_nics_per_group);
                 all_reduces.push(AllReduce { worker: 2 * g + 1, secs, bytes: replicated });
                 all_reduces.len() - 1
             }));
