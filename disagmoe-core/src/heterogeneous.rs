@@ -20,7 +20,7 @@
 use crate::allocator::oracle::SimulatorOracle;
 use crate::allocator::{Allocation, AllocationProblem};
 use crate::cost::{Apart, CostModel, Sides};
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::plan::{simulate_schedules, solve_and_search, ScheduleFailure, ScheduleResult, SCHEDULE_NAMES};
 use crate::pools::MixedCluster;
 use crate::roofline::{component_roofline, inflection_sequence, Component, ComponentRoofline};
@@ -250,7 +250,8 @@ pub enum MixedScope {
 /// Plans `template`'s model and workload on `mixed`: every [`Roles`] assignment (tried in the
 /// order of their roofline lower bounds), the fastest chosen; with [`MixedScope::Compare`] every
 /// assignment planned and the baselines simulated on the cluster as its slowest; with `explain`,
-/// each pool's rooflines. Fails only when no assignment has a plan (with the last error).
+/// each pool's rooflines. Fails when no assignment has a plan (with the last error), and with
+/// [`MixedScope::Compare`] when the baselines cannot be simulated.
 pub fn plan_mixed(
     template: &CostModel,
     mixed: &MixedCluster,
@@ -283,6 +284,19 @@ pub fn plan_mixed(
     built.sort_by(|x, y| x.3.total_cmp(&y.3));
     let mut incumbent = f64::INFINITY;
     for (i, hw, problem, bound) in &built {
+        if !bound.is_finite() {
+            let e = CoreError::Infeasible {
+                constraint: "nics".into(),
+                detail: format!(
+                    "{}: no attention and expert option fit together within their pools' GPUs and NICs \
+                     (a group's NICs come from its own GPUs' nodes)",
+                    outcomes[*i].description
+                ),
+            };
+            outcomes[*i].error = Some(e.to_string());
+            last_error = Some(e);
+            continue;
+        }
         if scope == MixedScope::Choose && *bound >= incumbent {
             outcomes[*i].error = Some(format!(
                 "not searched: its lower bound {bound:.3} s is not below the best step found, {incumbent:.3} s"

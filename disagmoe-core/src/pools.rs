@@ -91,6 +91,13 @@ impl MixedCluster {
         let lower = name.to_ascii_lowercase();
         let spelled = MIX_PRESETS.iter().find(|(n, _)| *n == lower).map_or(lower.as_str(), |(_, s)| *s);
         let parts: Vec<&str> = spelled.split('+').collect();
+        if parts.len() >= 2 && parts.iter().any(|p| p.trim().is_empty()) {
+            return Err(invalid(
+                "cluster",
+                name,
+                "pools joined by '+', none empty, each <gpu>x<nodes>[-<k>nic], e.g. h100x8+h20x8",
+            ));
+        }
         if parts.len() < 2 {
             return Err(CoreError::UnknownPreset {
                 kind: "mixed cluster",
@@ -110,16 +117,18 @@ impl MixedCluster {
     /// Whether `spec` names a mixed cluster (a mix preset, pools joined by `+`, or a file with
     /// `pools`) rather than a cluster of identical nodes.
     pub fn is_mixed(spec: &str) -> bool {
-        if spec.contains('+') || MIX_PRESETS.iter().any(|(n, _)| n.eq_ignore_ascii_case(spec)) {
-            return true;
-        }
         let path = Path::new(spec);
-        path.is_file() && std::fs::read_to_string(path).is_ok_and(|t| t.contains("pools"))
+        if path.is_file() {
+            // A file is mixed when it has a top-level `pools` (one that does not parse is left to
+            // the plain cluster's reader, whose error names the file).
+            return read_toml_or_json::<serde_json::Value>(path).is_ok_and(|v| v.get("pools").is_some());
+        }
+        spec.contains('+') || MIX_PRESETS.iter().any(|(n, _)| n.eq_ignore_ascii_case(spec))
     }
 
     /// A preset or a path to a `.toml` / `.json` file holding a [`MixedCluster`].
     pub fn from_preset_or_file(spec: &str) -> Result<Self> {
-        if !spec.contains('+') && (spec.ends_with(".toml") || spec.ends_with(".json") || Path::new(spec).is_file()) {
+        if Path::new(spec).is_file() || (!spec.contains('+') && (spec.ends_with(".toml") || spec.ends_with(".json"))) {
             Self::from_file(Path::new(spec))
         } else {
             Self::preset(spec)
@@ -164,9 +173,10 @@ impl MixedCluster {
     }
 
     /// The whole cluster with every GPU, node and NIC as slow and as small as the slowest kind's
-    /// (each figure the pools' minimum, the latency their maximum, the smallest node size): what
-    /// a schedule whose GPUs all play the same role runs at, since a synchronous step waits for
-    /// its slowest rank.
+    /// (each figure the pools' minimum, the latency their maximum, the smallest node size; GPUs
+    /// beyond a whole number of such nodes are left out): what a schedule whose GPUs all play the
+    /// same role runs at, since a synchronous step waits for its slowest rank. A
+    /// `pool_link_bandwidth` is not applied to it (its traffic is modelled on NICs only).
     pub fn slowest(&self) -> Cluster {
         let min = |f: &dyn Fn(&Pool) -> f64| self.pools.iter().map(f).fold(f64::INFINITY, f64::min);
         let node_size = self.pools.iter().map(|p| p.node.gpus_per_node).min().unwrap_or(1);
@@ -208,6 +218,10 @@ mod tests {
         assert!(!MixedCluster::is_mixed("h800x16"));
         let e = MixedCluster::preset("h100x8").unwrap_err().to_string();
         assert!(e.contains("h100+h20") && e.contains("'+'"), "{e}");
+        for empty in ["+", "h100x8+", "h100x8++h20x8"] {
+            let e = MixedCluster::preset(empty).unwrap_err().to_string();
+            assert!(e.contains("none empty"), "{empty}: {e}");
+        }
         let e = MixedCluster::preset("h100x8+h100x8-0nic").unwrap_err().to_string();
         assert!(e.contains("NICs"), "{e}");
         assert!(MixedCluster::preset("h100x8+v100x8").unwrap_err().to_string().contains("h800"));
@@ -234,6 +248,11 @@ mod tests {
         let t = dir.join("m.toml");
         std::fs::write(&t, toml::to_string(&m).unwrap()).unwrap();
         assert!(MixedCluster::is_mixed(t.to_str().unwrap()));
+        // A plain cluster file is not mixed, whatever its path or its text holds.
+        let plain = dir.join("a+b.json");
+        std::fs::write(&plain, serde_json::to_string(&m.pools[0].cluster()).unwrap().replace("h800x8", "pools"))
+            .unwrap();
+        assert!(!MixedCluster::is_mixed(plain.to_str().unwrap()));
         assert_eq!(MixedCluster::from_preset_or_file(t.to_str().unwrap()).unwrap(), m);
         let mut bad = m.clone();
         bad.pools[1].gpu.compute_efficiency = 0.0;

@@ -419,24 +419,26 @@ impl AllocationProblem {
                 return Err(CoreError::Infeasible { constraint: name.to_string(), detail });
             }
         }
-        let smallest = |opts: &Vec<SideOption>, p: usize| opts.iter().filter(|o| o.groups == p).map(|o| o.gpus).min();
         if let Some(ap) = self.apart {
-            // Each side's groups come from its own pool: the bounds of the sizes built the options,
-            // so any group count with options on both sides fits.
-            let fits = self.attention.iter().any(|o| smallest(&self.ffn, o.groups).is_some());
+            // Each side's groups come from its own pool (the sizes were bounded by it); a pair must
+            // still agree on the group count and keep each side within its own GPUs' NICs.
+            let fits = self.attention.iter().any(|a| self.ffn.iter().any(|f| self.compatible(a, f)));
             return if fits {
                 Ok(())
             } else {
+                let [ra, rf] = self.side_nics_per_gpu;
                 Err(CoreError::Infeasible {
-                    constraint: "group_count".into(),
+                    constraint: "group_count / nics".into(),
                     detail: format!(
-                        "no group count has both an attention option (pool of {} GPUs) and an expert option \
-                         (pool of {} GPUs) that fit in memory",
+                        "no group count has an attention option (pool of {} GPUs, {ra} NICs per GPU) and an \
+                         expert option (pool of {} GPUs, {rf} NICs per GPU) that fit in memory and within \
+                         their own GPUs' NICs",
                         ap.attention_gpus, ap.ffn_gpus
                     ),
                 })
             };
         }
+        let smallest = |opts: &Vec<SideOption>, p: usize| opts.iter().filter(|o| o.groups == p).map(|o| o.gpus).min();
         let need = self
             .attention
             .iter()
