@@ -19,7 +19,7 @@
 
 use crate::allocator::oracle::SimulatorOracle;
 use crate::allocator::{Allocation, AllocationProblem};
-use crate::cost::{Apart, CostModel, Sides};
+use crate::cost::{Apart, CostModel};
 use crate::error::{CoreError, Result};
 use crate::plan::{simulate_schedules, solve_and_search, ScheduleFailure, ScheduleResult, SCHEDULE_NAMES};
 use crate::pools::MixedCluster;
@@ -171,58 +171,39 @@ fn on(template: &CostModel, cluster: crate::hardware::Cluster) -> CostModel {
     c
 }
 
-/// The hardware of one role assignment: each side's cost model and, apart, the pools' sizes.
-struct RoleHardware {
-    attention: CostModel,
-    ffn: CostModel,
-    apart: Option<Apart>,
-}
-
-impl RoleHardware {
-    fn new(template: &CostModel, mixed: &MixedCluster, roles: Roles) -> Self {
-        match roles {
-            Roles::Apart { attention, ffn } => Self {
-                attention: on(template, mixed.pools[attention].cluster()),
-                ffn: on(template, mixed.pools[ffn].cluster()),
-                apart: Some(Apart {
+/// The simulator of one role assignment: the attention side's cost model, and the expert side's
+/// with the pools' sizes when the two are apart ([`SimulatorOracle::sides`] is the hardware the
+/// options are built on).
+fn oracle_for(template: &CostModel, mixed: &MixedCluster, roles: Roles) -> SimulatorOracle {
+    match roles {
+        Roles::Apart { attention, ffn } => SimulatorOracle {
+            cost: on(template, mixed.pools[attention].cluster()),
+            experts: Some((
+                on(template, mixed.pools[ffn].cluster()),
+                Apart {
                     attention_gpus: mixed.pools[attention].gpus(),
                     ffn_gpus: mixed.pools[ffn].gpus(),
                     link_bandwidth: mixed.pool_link_bandwidth,
-                }),
-            },
-            Roles::OnePool { pool } => {
-                let c = on(template, mixed.pools[pool].cluster());
-                Self { attention: c.clone(), ffn: c, apart: None }
-            }
-            Roles::Slowest => {
-                let c = on(template, mixed.slowest());
-                Self { attention: c.clone(), ffn: c, apart: None }
-            }
-        }
+                },
+            )),
+        },
+        Roles::OnePool { pool } => SimulatorOracle::new(on(template, mixed.pools[pool].cluster())),
+        Roles::Slowest => SimulatorOracle::new(on(template, mixed.slowest())),
     }
+}
 
-    fn sides(&self) -> Sides<'_> {
-        match self.apart {
-            None => Sides::one(&self.attention),
-            Some(apart) => Sides { attention: &self.attention, ffn: &self.ffn, apart: Some(apart) },
-        }
-    }
-
-    /// The options, MILP and local search of this assignment.
-    fn plan(&self, problem: &AllocationProblem, evals: usize) -> Result<RolePlan> {
-        let mut oracle =
-            SimulatorOracle { cost: self.attention.clone(), experts: self.apart.map(|a| (self.ffn.clone(), a)) };
-        let (milp, search) = solve_and_search(problem, &mut oracle, evals)?;
-        let best = search.best.allocation;
-        let (in_flight, recompute) = afpipe_window_on(self.sides(), &best);
-        Ok(RolePlan {
-            allocation: best,
-            predicted_step_s: search.best.predicted_step_s,
-            milp_bottleneck_s: milp.bottleneck_s,
-            in_flight,
-            recompute,
-        })
-    }
+/// The MILP and local search of one assignment's problem with its simulator.
+fn plan_role(oracle: &mut SimulatorOracle, problem: &AllocationProblem, evals: usize) -> Result<RolePlan> {
+    let (milp, search) = solve_and_search(problem, oracle, evals)?;
+    let best = search.best.allocation;
+    let (in_flight, recompute) = afpipe_window_on(oracle.sides(), &best);
+    Ok(RolePlan {
+        allocation: best,
+        predicted_step_s: search.best.predicted_step_s,
+        milp_bottleneck_s: milp.bottleneck_s,
+        in_flight,
+        recompute,
+    })
 }
 
 /// The smallest [`AllocationProblem::step_lower_bound`] over the problem's feasible pairs: no
@@ -269,11 +250,11 @@ pub fn plan_mixed(
     let mut built = Vec::new();
     let mut last_error = None;
     for (i, r) in all.iter().enumerate() {
-        let hw = RoleHardware::new(template, mixed, *r);
-        match AllocationProblem::new_on(hw.sides(), None) {
+        let oracle = oracle_for(template, mixed, *r);
+        match AllocationProblem::new_on(oracle.sides(), None) {
             Ok(problem) => {
                 let bound = lower_bound(&problem);
-                built.push((i, hw, problem, bound));
+                built.push((i, oracle, problem, bound));
             }
             Err(e) => {
                 outcomes[i].error = Some(e.to_string());
@@ -283,7 +264,7 @@ pub fn plan_mixed(
     }
     built.sort_by(|x, y| x.3.total_cmp(&y.3));
     let mut incumbent = f64::INFINITY;
-    for (i, hw, problem, bound) in &built {
+    for (i, oracle, problem, bound) in &mut built {
         if !bound.is_finite() {
             let e = CoreError::Infeasible {
                 constraint: "nics".into(),
@@ -303,7 +284,7 @@ pub fn plan_mixed(
             ));
             continue;
         }
-        match hw.plan(problem, evals) {
+        match plan_role(oracle, problem, evals) {
             Ok(plan) => {
                 incumbent = incumbent.min(plan.predicted_step_s);
                 outcomes[*i].plan = Some(plan);
@@ -366,6 +347,7 @@ pub fn plan_mixed(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cost::Sides;
     use crate::cost::Workload;
     use crate::hardware::Cluster;
     use crate::model_shape::ModelShape;
@@ -468,10 +450,8 @@ mod tests {
         mixed.pool_link_bandwidth = Some(40e9);
         let t = template("qwen3-30b-a3b", &mixed, 8192);
         for roles in [Roles::Apart { attention: 0, ffn: 1 }, Roles::Apart { attention: 1, ffn: 0 }] {
-            let hw = RoleHardware::new(&t, &mixed, roles);
-            let problem = AllocationProblem::new_on(hw.sides(), None).unwrap();
-            let mut oracle =
-                SimulatorOracle { cost: hw.attention.clone(), experts: hw.apart.map(|a| (hw.ffn.clone(), a)) };
+            let mut oracle = oracle_for(&t, &mixed, roles);
+            let problem = AllocationProblem::new_on(oracle.sides(), None).unwrap();
             let pairs: Vec<_> = problem
                 .attention
                 .iter()
@@ -494,8 +474,9 @@ mod tests {
         let t = template("qwen3-30b-a3b", &mixed, 4096);
         let apart = Roles::Apart { attention: 0, ffn: 1 };
         let step = |mixed: &MixedCluster| {
-            let hw = RoleHardware::new(&t, mixed, apart);
-            hw.plan(&AllocationProblem::new_on(hw.sides(), None).unwrap(), 8).unwrap().predicted_step_s
+            let mut oracle = oracle_for(&t, mixed, apart);
+            let problem = AllocationProblem::new_on(oracle.sides(), None).unwrap();
+            plan_role(&mut oracle, &problem, 8).unwrap().predicted_step_s
         };
         let fast = step(&mixed);
         mixed.pool_link_bandwidth = Some(5e9);
