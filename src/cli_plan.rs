@@ -9,6 +9,7 @@ use disagmoe_core::experts::{ExpertBalance, ExpertLoad, ExpertPlacement};
 use disagmoe_core::hardware::Cluster;
 use disagmoe_core::heterogeneous::{plan_mixed, MixedScope};
 use disagmoe_core::model_shape::ModelShape;
+use disagmoe_core::phases::{plan_phases_on, Phase};
 use disagmoe_core::plan::{mean_imbalance, plan, simulate_schedules, DEFAULT_SEARCH_EVALS, SCHEDULE_NAMES};
 use disagmoe_core::pools::MixedCluster;
 use disagmoe_core::reproduce::{reproduce_paper, ReproduceOptions};
@@ -209,6 +210,19 @@ pub struct PlanArgs {
     /// is proven) and simulate the baselines on the cluster as its slowest.
     #[arg(long)]
     pub compare: bool,
+    /// A run in phases, `SEQxSTEPS` each (`4096x1000,16384x200,32768x100`): plan every phase,
+    /// each keeping the tokens per micro-batch and per step of --seq x --micro-batch /
+    /// --global-batch, and compare re-planning at each boundary with the best split kept
+    /// throughout (all simulated; on a mixed cluster the roles of the pools too).
+    #[arg(long, value_delimiter = ',', value_parser = parse_phase, value_name = "SEQxSTEPS,...")]
+    pub phases: Vec<(usize, usize)>,
+}
+
+/// One `SEQxSTEPS` phase of `--phases`.
+fn parse_phase(s: &str) -> std::result::Result<(usize, usize), String> {
+    let bad = || format!("`{s}` is not a phase: give SEQxSTEPS, e.g. 4096x1000 (4096 tokens for 1000 steps)");
+    let (seq, steps) = s.split_once('x').ok_or_else(bad)?;
+    Ok((seq.trim().parse().map_err(|_| bad())?, steps.trim().parse().map_err(|_| bad())?))
 }
 
 /// `disagmoe simulate`: simulate AF-Pipe and the baselines.
@@ -245,6 +259,9 @@ pub struct ReproduceArgs {
 /// Runs `disagmoe plan`.
 pub fn run_plan(args: &PlanArgs) -> Result<()> {
     let cost = args.job.cost_model()?;
+    if !args.phases.is_empty() {
+        return run_plan_phases(args, &cost);
+    }
     if let Some(mixed) = args.job.mixed_cluster()? {
         return run_plan_mixed(args, &cost, &mixed);
     }
@@ -329,6 +346,61 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
             c.roofline_s
         );
     }
+    Ok(())
+}
+
+/// `disagmoe plan --phases`: each phase's plan and the gain of re-planning at the boundaries.
+fn run_plan_phases(args: &PlanArgs, cost: &CostModel) -> Result<()> {
+    let mixed = args.job.mixed_cluster()?;
+    for (given, flag) in
+        [(args.compare, "--compare"), (args.roofline_svg.is_some(), "--roofline-svg"), (args.explain, "--explain")]
+    {
+        if given {
+            anyhow::bail!("{flag} plans one step shape; it does not go with --phases");
+        }
+    }
+    let phases = Phase::keeping_tokens(cost.workload, &args.phases)?;
+    let r = plan_phases_on(cost, mixed.as_ref(), &phases, args.search_evals.max(1))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let split = |a: &disagmoe_core::allocator::Allocation| {
+        format!(
+            "{} x (A {} GPU/{} NIC, F {} GPU/{} NIC){}",
+            a.groups,
+            a.attention_gpus_per_group,
+            a.attention_nics_per_group,
+            a.ffn_gpus_per_group,
+            a.ffn_nics_per_group,
+            if a.context_parallel > 1 { format!(", CP {}", a.context_parallel) } else { String::new() }
+        )
+    };
+    println!("{} on {}, {} phases:", r.model, r.cluster, r.phases.len());
+    for p in &r.phases {
+        let w = p.phase.workload;
+        let single = p.single_step_s.map_or(String::new(), |s| format!("; the single split {s:.3} s"));
+        let roles = p.roles_description.as_ref().map_or(String::new(), |r| format!("{r}, "));
+        println!(
+            "  {} tokens x {} sequences per micro-batch, {} steps: {roles}{}, step {:.3} s{single}",
+            w.seq,
+            w.micro_batch,
+            p.phase.steps,
+            split(&p.allocation),
+            p.step_s
+        );
+    }
+    println!("  re-planned at each boundary: {:.1} s ({} switch(es) of split)", r.replanned_s, r.switches);
+    match (&r.single, r.single_s, r.gain) {
+        (Some(a), Some(s), Some(g)) => println!(
+            "  best single split ({} compared): {}{}, {s:.1} s; re-planning gains {g:.3}x",
+            r.single_candidates,
+            r.single_roles_description.as_ref().map_or(String::new(), |r| format!("{r}, ")),
+            split(a)
+        ),
+        _ => println!("  no split the phases' searches found fits in memory in every phase: the run must re-plan"),
+    }
+    println!("  (switching costs, a checkpoint written and read back, are not counted); solved in {:.3} s", r.solve_s);
     Ok(())
 }
 

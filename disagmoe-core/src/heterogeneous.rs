@@ -174,7 +174,7 @@ fn on(template: &CostModel, cluster: crate::hardware::Cluster) -> CostModel {
 /// The simulator of one role assignment: the attention side's cost model, and the expert side's
 /// with the pools' sizes when the two are apart ([`SimulatorOracle::sides`] is the hardware the
 /// options are built on).
-fn oracle_for(template: &CostModel, mixed: &MixedCluster, roles: Roles) -> SimulatorOracle {
+pub(crate) fn oracle_for(template: &CostModel, mixed: &MixedCluster, roles: Roles) -> SimulatorOracle {
     match roles {
         Roles::Apart { attention, ffn } => SimulatorOracle {
             cost: on(template, mixed.pools[attention].cluster()),

@@ -46,6 +46,7 @@ pub mod hardware;
 pub mod heterogeneous;
 pub mod layout;
 pub mod model_shape;
+pub mod phases;
 pub mod plan;
 pub mod pools;
 pub mod report;
