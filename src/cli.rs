@@ -61,6 +61,11 @@ pub struct TrainArgs {
     /// Tokens per sequence [default: 128].
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Train in phases of their own sequence length, `SEQxSTEPS` or `SEQxSTEPSxBATCH` each
+    /// (`64x100,128x50x4`): at each boundary the run checkpoints and continues under the next
+    /// shape, re-planned with --allocation auto; --steps defaults to their total.
+    #[arg(long, value_delimiter = ',', value_name = "SEQxSTEPS[xBATCH],...")]
+    pub phases: Vec<String>,
     /// Share of the corpus's windows held out for evaluation (evenly spread), never trained on, 0..=0.5
     /// [default: 0.02].
     #[arg(long, value_name = "F")]
@@ -360,6 +365,13 @@ impl TrainArgs {
             }
         }
         set!(tokenizer => data.tokenizer, batch => data.batch, seq => data.seq);
+        if !self.phases.is_empty() {
+            cfg.phases =
+                self.phases.iter().map(|p| disagmoe_train::config::RunPhase::parse(p)).collect::<Result<_, _>>()?;
+            if self.steps.is_none() {
+                cfg.steps_from_phases();
+            }
+        }
         set!(eval_fraction => data.eval_fraction, eval_every => data.eval_every, eval_batches => data.eval_batches);
         set!(document_mask => data.document_mask, document_positions => data.document_positions);
         set!(
@@ -450,6 +462,13 @@ impl TrainArgs {
                 TransportArg::Mpi => TransportKind::Mpi,
                 TransportArg::Nccl => TransportKind::Nccl,
             };
+        }
+        if !cfg.phases.is_empty() && self.seq.is_some() {
+            anyhow::bail!(disagmoe_train::TrainError::option(
+                "seq",
+                "a run in phases takes each phase's sequence length from its phases (--phases SEQxSTEPS[xBATCH], or \
+                 [[phases]] in the run config); leave --seq out"
+            ));
         }
         cfg.faults = FaultPlan::from_env()?;
         cfg.validate()?;
@@ -581,6 +600,9 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<serde_json::Value> {
     let mut train = args.train.clone();
     train.placement = Some(PlacementArg::Disagg);
     let given = train.run_config()?;
+    if !given.phases.is_empty() {
+        bail!("compare times each placement on one step shape; train a run in phases with `disagmoe train --phases`");
+    }
     let balanced = given.parallel.expert_placement() == disagmoe_train::ExpertPlacement::Balanced;
     if args.balancing && !balanced {
         bail!(

@@ -633,6 +633,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "expert-load",
         "document-mask",
         "document-positions",
+        "phases",
     ];
     // (command, numeric options, other options, the base arguments: small valid values)
     let train_base: Vec<(&str, &str)> =
@@ -663,6 +664,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
                 "optimizer-state-dtype",
                 "expert-load",
                 "expert-placement",
+                "phases",
             ],
             vec![("model", "mixtral-8x7b"), ("cluster", "h100x2"), ("seq", "4096"), ("search-evals", "2")],
         ),
@@ -839,5 +841,58 @@ fn plan_on_a_mixed_cluster_gives_the_sides_pools_and_refuses_what_it_cannot_do()
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.lines().count() <= 2 && err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// `plan --phases`: each phase planned for its shape (keeping the tokens per micro-batch and per
+/// step), compared with the best split kept throughout; what does not go with it is refused.
+#[test]
+fn plan_in_phases_compares_re_planning_with_one_split_and_refuses_what_it_cannot_do() {
+    let job = ["--model", "qwen3-30b-a3b", "--seq", "4096", "--micro-batch", "8", "--global-batch", "128"];
+    let phases = ["--search-evals", "8", "--phases", "4096x100,16384x20,32768x10"];
+    let out = bin().arg("plan").args(job).args(["--cluster", "h100x2"]).args(phases).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = v["phases"].as_array().unwrap();
+    assert_eq!(p.len(), 3, "{v}");
+    let shape = |i: usize, k: &str| p[i]["phase"]["workload"][k].as_u64().unwrap();
+    assert_eq!([shape(2, "seq"), shape(2, "micro_batch"), shape(2, "global_batch")], [32768, 1, 16], "{v}");
+    let replanned: f64 = p.iter().map(|x| x["step_s"].as_f64().unwrap() * x["phase"]["steps"].as_f64().unwrap()).sum();
+    assert!((v["replanned_s"].as_f64().unwrap() - replanned).abs() <= 1e-9 * replanned, "{v}");
+    if let Some(g) = v["gain"].as_f64() {
+        assert!(g >= 1.0 - 1e-12, "re-planning is never slower than the single split: {v}");
+    }
+    let text = bin().arg("plan").args(job).args(["--cluster", "h100x2"]).args(phases).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout).to_string();
+    assert!(text.contains("re-planned at each boundary") && text.contains("32768 tokens x 1 sequences"), "{text}");
+    // On two node kinds each phase also chooses the pools' roles.
+    let out =
+        bin().arg("plan").args(job).args(["--cluster", "h100x2+h20x2"]).args(phases).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["phases"].as_array().unwrap().iter().all(|p| p["roles_description"].is_string()), "{v}");
+    for (extra, says) in [
+        (vec!["--cluster", "h100x2", "--phases", "65536x1"], "divides"),
+        (vec!["--cluster", "h100x2", "--phases", "4096x0"], "at least 1 step"),
+        (vec!["--cluster", "h100x2", "--phases", "4096x1", "--compare"], "does not go with --phases"),
+        (vec!["--cluster", "h100x2", "--phases", "4096x1", "--explain"], "does not go with --phases"),
+        (vec!["--cluster", "h100x2", "--phases", "4096"], "SEQxSTEPS"),
+    ] {
+        let out = bin().arg("plan").args(job).args(&extra).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.starts_with("error: ") && err.contains(says) && !err.contains("panicked"), "{extra:?}: {err}");
+    }
+    // `train --phases`: what does not make a run in phases is refused in one line.
+    for (extra, says) in [
+        (vec!["--phases", "64x2,abc"], "not a phase"),
+        (vec!["--phases", "64x2", "--seq", "64"], "leave --seq out"),
+        (vec!["--phases", "64x2,32x1", "--steps", "5"], "add up to 3"),
+        (vec!["--phases", "64x2,32x1x0"], "phase 2"),
+    ] {
+        let out = bin().args(["train", "--quiet", "--json", "--batch", "4"]).args(&extra).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.starts_with("error: ") && err.lines().count() <= 2 && err.contains(says), "{extra:?}: {err}");
     }
 }

@@ -1924,3 +1924,77 @@ fn tensorboard_event_files_hold_every_tag_under_every_placement() {
     }
     assert_eq!(tags_of[0], tags_of[1], "the same tags under every placement");
 }
+
+/// A run in phases (issue 37): tiny Qwen3-MoE at 64 tokens, then 128 with half the sequences.
+/// With `allocation = auto` each phase is planned for its shape (re-planned at the boundary, from
+/// the boundary's checkpoint: the resharding resume); whatever the splits, the losses and the
+/// final weights are those of the same phases under one fixed split.
+#[test]
+fn a_run_in_phases_re_plans_at_the_boundary_with_the_losses_of_a_fixed_split() {
+    use disagmoe::train::config::RunPhase;
+    use disagmoe::train::{train_on, AllocationMode, Placement, RunConfig, TrainBackend};
+    use std::sync::atomic::AtomicBool;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = RunConfig { progress: false, ..Default::default() };
+    cfg.model.preset = Some("tiny-qwen3-moe".into());
+    cfg.data.batch = 8;
+    cfg.phases = vec![RunPhase { seq: 64, steps: 3, batch: None }, RunPhase { seq: 128, steps: 3, batch: Some(4) }];
+    cfg.steps_from_phases();
+    assert_eq!(cfg.steps, 6);
+    cfg.parallel.micro_batches = Some(4);
+    cfg.parallel.placement = Placement::Disagg;
+    (cfg.parallel.attn_workers, cfg.parallel.ffn_workers, cfg.parallel.groups) = (2, 2, 2);
+    let (device, stop) = (Default::default(), AtomicBool::new(false));
+    let run = |cfg: &RunConfig, name: &str| {
+        let mut cfg = cfg.clone();
+        cfg.out = Some(tmp.path().join(name));
+        train_on::<TrainBackend>(&cfg, std::slice::from_ref(&device), &stop).expect(name)
+    };
+    let fixed = run(&cfg, "fixed");
+    let mut auto = cfg.clone();
+    auto.parallel.allocation = AllocationMode::Auto;
+    let auto = run(&auto, "auto");
+    let mut single = cfg.clone();
+    single.parallel.placement = Placement::Single;
+    let single = run(&single, "single");
+    for (name, s) in [("fixed", &fixed), ("auto", &auto), ("single", &single)] {
+        assert_eq!(s.losses.len(), 6, "{name}");
+        assert_eq!(s.steps, 6, "{name}");
+        assert!(!s.stopped_early, "{name}");
+        assert_eq!(s.phases.len(), 2, "{name}: {:?}", s.phases);
+        let (a, b) = (&s.phases[0], &s.phases[1]);
+        assert_eq!((a.first_step, a.last_step, a.seq, a.batch), (1, 3, 64, 8), "{name}");
+        assert_eq!((b.first_step, b.last_step, b.seq, b.batch), (4, 6, 128, 4), "{name}");
+        assert_eq!(s.checkpoint, None, "{name}: the boundary checkpoints were the run's own");
+    }
+    assert!(auto.phases.iter().all(|p| p.planned && p.attn_workers + p.ffn_workers <= 4), "{:?}", auto.phases);
+    assert!(fixed.phases.iter().all(|p| !p.planned && p.placement == "disagg 2+2 in 2 groups"), "{:?}", fixed.phases);
+    for (name, s) in [("auto", &auto), ("single", &single)] {
+        for (i, (a, b)) in s.losses.iter().zip(&fixed.losses).enumerate() {
+            assert!(rel(*a, *b) < 1e-5, "{name}: step {} loss {a} vs fixed split {b}", i + 1);
+        }
+        assert!(
+            rel(s.param_checksum, fixed.param_checksum) < 1e-5,
+            "{name}: {} vs {}",
+            s.param_checksum,
+            fixed.param_checksum
+        );
+    }
+    // The second phase reads windows of 128 tokens: its first loss is not the first phase's last.
+    assert_ne!(fixed.losses[2], fixed.losses[3]);
+    // A stop inside the second phase resumes there, under its shape, and ends as the straight run.
+    let ck = tmp.path().join("ck");
+    let mut part = cfg.clone();
+    part.checkpoint.dir = Some(ck.clone());
+    part.checkpoint.stop_after = Some(5);
+    let first = run(&part, "part");
+    assert!(first.stopped_early && first.steps == 5, "{first:?}");
+    assert_eq!(first.phases.len(), 2);
+    let mut rest = cfg.clone();
+    rest.checkpoint.resume = Some(ck.clone());
+    let rest = run(&rest, "rest");
+    assert_eq!(rest.resumed_from_step, Some(5));
+    assert_eq!(rest.phases.len(), 1, "{:?}", rest.phases);
+    assert_eq!((rest.phases[0].first_step, rest.phases[0].seq), (6, 128));
+    assert_eq!(rest.losses, fixed.losses, "stopped and resumed in the second phase under the same split");
+}

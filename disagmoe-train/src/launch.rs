@@ -29,17 +29,26 @@ pub fn train_until<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, stop
 /// rank). `devices` must not be empty.
 ///
 /// With `allocation = auto` the worker counts are the planner's choice, refined by measuring short
-/// runs of the candidates on these devices ([`crate::allocate`]); the run trains that choice.
+/// runs of the candidates on these devices ([`crate::allocate`]); the run trains that choice. A
+/// run in phases trains them one after the other ([`crate::phases`]), each planned for its shape.
 pub fn train_on<B: AutodiffBackend>(cfg: &RunConfig, devices: &[B::Device], stop: &AtomicBool) -> Result<TrainSummary> {
     cfg.validate()?;
     if devices.is_empty() {
         return Err(TrainError::option("devices", "needs at least one device"));
     }
-    if cfg.parallel.allocation == AllocationMode::Auto {
-        let shape = cfg.model.resolve()?.model_shape("the run's model");
+    let choose = |c: &RunConfig| -> Result<RunConfig> {
+        if c.parallel.allocation != AllocationMode::Auto {
+            return Ok(c.clone());
+        }
+        let shape = c.model.resolve()?.model_shape("the run's model");
         let probe = AtomicBool::new(false);
-        let chosen = crate::allocate::choose::<B>(cfg, shape, &devices[0], |c| train_on::<B>(c, devices, &probe))?;
-        return train_on::<B>(&chosen, devices, stop);
+        crate::allocate::choose::<B>(c, shape, &devices[0], |p| train_on::<B>(p, devices, &probe))
+    };
+    if !cfg.phases.is_empty() {
+        return crate::phases::run_phases(cfg, stop, choose, |c, stop| train_on::<B>(c, devices, stop));
+    }
+    if cfg.parallel.allocation == AllocationMode::Auto {
+        return train_on::<B>(&choose(cfg)?, devices, stop);
     }
     for d in devices {
         crate::backend::probe::<B>(d)?;
@@ -100,13 +109,22 @@ where
             ),
         ));
     }
-    if cfg.parallel.allocation == AllocationMode::Auto {
-        let shape = config.model_shape("the run's model");
+    let choose = |c: &RunConfig| -> Result<RunConfig> {
+        if c.parallel.allocation != AllocationMode::Auto {
+            return Ok(c.clone());
+        }
         let probe = AtomicBool::new(false);
-        let chosen = crate::allocate::choose::<B>(cfg, shape, device, |c| {
-            train_family::<B, C>(c, config.clone(), device, &probe)
-        })?;
-        return train_family::<B, C>(&chosen, config, device, stop);
+        crate::allocate::choose::<B>(c, config.model_shape("the run's model"), device, |p| {
+            train_family::<B, C>(p, config.clone(), device, &probe)
+        })
+    };
+    if !cfg.phases.is_empty() {
+        return crate::phases::run_phases(cfg, stop, choose, |c, stop| {
+            train_family::<B, C>(c, config.clone(), device, stop)
+        });
+    }
+    if cfg.parallel.allocation == AllocationMode::Auto {
+        return train_family::<B, C>(&choose(cfg)?, config, device, stop);
     }
     check_precision::<B>(cfg, device)?;
     crate::backend::keep_freed_memory();
@@ -206,7 +224,8 @@ pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps:
         source,
     })?;
     let trace = dir.join("trace.json");
-    let mut c = cfg.clone();
+    // A run in phases is calibrated on its first phase's shape.
+    let mut c = if cfg.phases.is_empty() { cfg.clone() } else { cfg.phase(0) };
     c.steps = steps;
     c.out = None;
     c.progress = false;

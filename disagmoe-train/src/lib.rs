@@ -20,6 +20,7 @@ pub mod launch;
 pub mod loss_scale;
 pub mod metrics;
 pub mod optim;
+pub mod phases;
 pub mod runtime;
 pub mod single;
 pub mod tensorboard;

@@ -2,7 +2,7 @@
 //!
 //! | section | type | keys |
 //! |---|---|---|
-//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `tensorboard`, `save_dtype`, `log_every`, `progress` |
+//! | (top) | [`RunConfig`] | `steps`, `seed`, `out`, `tensorboard`, `save_dtype`, `log_every`, `progress`, `phases` (`[[phases]]` tables: [`RunPhase`]) |
 //! | `[model]` | [`ModelOptions`] | `config`, `dir`, `preset`, `aux_loss`, `bias_update_rate`, `router_z_loss_coef`, `force_balanced_routing`, `capacity_factor`, `mtp_depth`, `mtp_loss_coef` |
 //! | `[data]` | [`DataOptions`] | `path`, `tokenizer`, `batch`, `seq`, `eval_fraction`, `eval_every`, `eval_batches`, `document_mask`, `document_positions` |
 //! | `[optimizer]` | [`OptimizerOptions`] | `lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`, `grad_clip`, `state_dtype` (flat: `optimizer_state_dtype`) |
@@ -28,6 +28,7 @@ pub mod memory;
 pub mod model;
 pub mod optimizer;
 pub mod parallel;
+pub mod phases;
 pub mod precision;
 
 use std::path::{Path, PathBuf};
@@ -45,6 +46,7 @@ pub use self::parallel::{
     AllocationMode, ExchangeDtype, ExchangePayloads, ExchangePrecision, ExpertLoad, ExpertPlacement, ParallelOptions,
     Placement, TransportKind,
 };
+pub use self::phases::RunPhase;
 pub use self::precision::{NonFinitePolicy, Precision, PrecisionOptions};
 use crate::error::{Result, TrainError};
 
@@ -81,6 +83,10 @@ pub struct RunConfig {
     pub precision: PrecisionOptions,
     /// Activation memory.
     pub memory: MemoryOptions,
+    /// The run in phases of their own sequence length (and batch), in order; `steps` is their
+    /// total (filled in when left out). Empty: one phase of `seq` and `batch`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<RunPhase>,
     /// Testing only: faults to inject (never read from a run config file).
     #[serde(skip)]
     pub faults: FaultPlan,
@@ -103,6 +109,7 @@ impl Default for RunConfig {
             parallel: ParallelOptions::default(),
             precision: PrecisionOptions::default(),
             memory: MemoryOptions::default(),
+            phases: Vec::new(),
             faults: FaultPlan::default(),
         }
     }
@@ -208,7 +215,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
 ];
 
 /// Top-level keys that are not sections.
-const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "tensorboard", "save_dtype", "log_every", "progress"];
+const TOP_LEVEL: &[&str] = &["steps", "seed", "out", "tensorboard", "save_dtype", "log_every", "progress", "phases"];
 
 /// Moves the flat keys of a run config into their sections; refuses unknown keys (naming the
 /// allowed ones) and the test-only fault keys.
@@ -261,9 +268,13 @@ impl RunConfig {
     /// Parses a TOML run config (sections or flat keys); unknown keys are errors.
     pub fn from_toml_str(text: &str) -> std::result::Result<Self, String> {
         let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let steps_given = table.contains_key("steps");
         let nested = nest_flat_keys(table)?;
         let mut cfg: Self = toml::Value::Table(nested).try_into().map_err(|e: toml::de::Error| e.to_string())?;
         cfg.data.blend_from_path().map_err(|e| e.to_string())?;
+        if !steps_given {
+            cfg.steps_from_phases();
+        }
         Ok(cfg)
     }
 
@@ -277,20 +288,65 @@ impl RunConfig {
         Self::from_toml_str(&text).map_err(|message| TrainError::RunConfig { path: path.into(), message })
     }
 
-    /// Checks every section once; the error names the option and the allowed values.
-    pub fn validate(&self) -> Result<()> {
-        if self.steps == 0 {
-            return Err(TrainError::option("steps", "must be at least 1"));
+    /// `steps` as the phases' total, when there are phases (and their total is defined).
+    pub fn steps_from_phases(&mut self) {
+        if let Some(total) = phases::phase_ends(&self.phases).and_then(|e| e.last().copied()) {
+            self.steps = total;
         }
-        if self.log_every == 0 {
-            return Err(TrainError::option("log_every", "must be at least 1"));
+    }
+
+    /// This run's phase `i` (below `phases.len()`): its sequence length and batch in `data`, no
+    /// phases of its own.
+    pub fn phase(&self, i: usize) -> Self {
+        let mut cfg = self.clone();
+        let p = self.phases[i];
+        cfg.data.seq = p.seq;
+        cfg.data.batch = p.batch.unwrap_or(self.data.batch);
+        cfg.phases.clear();
+        cfg
+    }
+
+    /// Checks the phases: their total is `steps`, each is a valid run of its shape, and the run
+    /// can restart its workers at a boundary (the local transport).
+    fn validate_phases(&self) -> Result<()> {
+        if self.phases.is_empty() {
+            return Ok(());
         }
-        self.model.validate()?;
-        self.data.validate()?;
-        self.optimizer.validate(self.steps)?;
-        self.checkpoint.validate(self.steps)?;
-        self.parallel.validate(self.data.batch)?;
-        self.precision.validate()?;
+        let Some(ends) = phases::phase_ends(&self.phases) else {
+            return Err(TrainError::option("phases", "the phases' steps overflow when added up"));
+        };
+        let total = *ends.last().expect("not empty");
+        if total != self.steps {
+            return Err(TrainError::option(
+                "steps",
+                format!("the phases add up to {total} steps; steps must be {total} (or left out), got {}", self.steps),
+            ));
+        }
+        if self.parallel.transport != TransportKind::Local {
+            return Err(TrainError::option(
+                "phases",
+                "a run in phases restarts its workers at each boundary, which needs transport local; under mpirun \
+                 run each phase as its own job (--seq, --stop-after at the boundary, --resume with --allow-change seq)",
+            ));
+        }
+        for (i, p) in self.phases.iter().enumerate() {
+            if p.steps == 0 {
+                return Err(TrainError::option(
+                    "phases",
+                    format!("phase {} ({}): needs at least 1 step", i + 1, p.describe()),
+                ));
+            }
+            let phase = self.phase(i);
+            (phase.data.validate())
+                .and_then(|_| phase.parallel.validate(phase.data.batch))
+                .and_then(|_| phase.validate_mtp())
+                .map_err(|e| TrainError::option("phases", format!("phase {} ({}): {e}", i + 1, p.describe())))?;
+        }
+        Ok(())
+    }
+
+    /// Multi-token prediction needs `mtp_depth + 2` tokens per sequence.
+    fn validate_mtp(&self) -> Result<()> {
         let depth = self.model.mtp_depth;
         if depth > 0 && self.data.seq < depth + 2 {
             return Err(TrainError::option(
@@ -303,6 +359,27 @@ impl RunConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Checks every section once; the error names the option and the allowed values.
+    pub fn validate(&self) -> Result<()> {
+        if self.steps == 0 {
+            return Err(TrainError::option("steps", "must be at least 1"));
+        }
+        if self.log_every == 0 {
+            return Err(TrainError::option("log_every", "must be at least 1"));
+        }
+        self.model.validate()?;
+        self.optimizer.validate(self.steps)?;
+        self.checkpoint.validate(self.steps)?;
+        self.precision.validate()?;
+        if !self.phases.is_empty() {
+            // The phases' shapes replace `seq` and `batch`: each is checked as its own run.
+            return self.validate_phases();
+        }
+        self.data.validate()?;
+        self.parallel.validate(self.data.batch)?;
+        self.validate_mtp()
     }
 
     /// Micro-batches per step, the default filled in.

@@ -74,6 +74,18 @@ pub fn resume_point(cfg: &RunConfig) -> Result<Option<(PathBuf, TrainState)>> {
     Ok(Some((path, state)))
 }
 
+/// Where the data continues for a run resumed from `state` at sequence length `seq`: the same
+/// position, or, when the checkpoint's run read windows of another length (a phase boundary,
+/// `--allow-change seq`), the window of the new length holding the same count of tokens read in
+/// the epoch (rounded down).
+pub fn position_at_seq(state: &TrainState, seq: usize) -> crate::data::DataPosition {
+    let mut position = state.data;
+    if let Some(was) = state.settings.as_ref().map(|s| s.seq).filter(|&was| was != seq && seq > 0) {
+        position.cursor = ((position.cursor as u128 * was as u128) / seq as u128) as usize;
+    }
+    position
+}
+
 /// What the loop has seen so far.
 struct History {
     losses: Vec<f64>,
@@ -116,7 +128,7 @@ pub fn run(
     let mut data =
         if info.needs_data || cfg.data.eval_every > 0 { Some(RunData::for_run(cfg, info.vocab_size)?) } else { None };
     if let (Some(d), Some(s)) = (&mut data, &resumed) {
-        d.seek(s.data);
+        d.seek(position_at_seq(s, cfg.data.seq));
     }
     if let (Some(d), true) = (&data, cfg.data.eval_every > 0) {
         for source in d.sources() {
@@ -306,6 +318,7 @@ pub fn run(
         rebalances: crate::metrics::RebalanceSummary::of(&seen.rebalances),
         losses: seen.losses,
         eval_loss,
+        phases: Vec::new(),
     })
 }
 

@@ -124,6 +124,11 @@ pub struct TrainSummary {
     /// The re-placements of the experts during the run (`rebalance_every`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rebalances: Option<crate::metrics::RebalanceSummary>,
+    /// Each phase of a run in phases (`phases`): its shape, its placement and its speed. The
+    /// throughput, timing, memory and exchange figures above are the last phase's; the steps,
+    /// losses, checkpoint and resume fields are the whole run's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<crate::phases::PhaseSummary>,
 }
 
 /// `(tokens_per_s, tokens_per_s_all, first_step_s)` from the wall time of each step (see
