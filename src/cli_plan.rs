@@ -218,11 +218,15 @@ pub struct PlanArgs {
     pub phases: Vec<(usize, usize)>,
 }
 
-/// One `SEQxSTEPS` phase of `--phases`.
+/// One `SEQxSTEPS` phase of `--phases` (the batch follows from the tokens every phase keeps).
 fn parse_phase(s: &str) -> std::result::Result<(usize, usize), String> {
-    let bad = || format!("`{s}` is not a phase: give SEQxSTEPS, e.g. 4096x1000 (4096 tokens for 1000 steps)");
-    let (seq, steps) = s.split_once('x').ok_or_else(bad)?;
-    Ok((seq.trim().parse().map_err(|_| bad())?, steps.trim().parse().map_err(|_| bad())?))
+    match disagmoe_train::config::RunPhase::parse(s).map_err(|e| e.to_string())? {
+        disagmoe_train::config::RunPhase { seq, steps, batch: None } => Ok((seq, steps)),
+        _ => Err(format!(
+            "`{s}`: plan's phases keep the tokens per step of --seq x --global-batch, so a phase has no batch \
+             of its own; give SEQxSTEPS"
+        )),
+    }
 }
 
 /// `disagmoe simulate`: simulate AF-Pipe and the baselines.

@@ -152,6 +152,7 @@ pub fn plan_phases_on(
         m.validate()?;
     }
     let start = Instant::now();
+    let describe = |roles: Option<Roles>| roles.zip(mixed).map(|(r, m)| r.describe(m));
     let settings: Vec<Option<Roles>> = match mixed {
         Some(m) => Roles::all(m.pools.len()).into_iter().map(Some).collect(),
         None => vec![None],
@@ -201,7 +202,7 @@ pub fn plan_phases_on(
         plans.push(PhasePlan {
             phase: *phase,
             roles: settings[j],
-            roles_description: settings[j].zip(mixed).map(|(r, m)| r.describe(m)),
+            roles_description: describe(settings[j]),
             allocation,
             step_s,
             single_step_s: None,
@@ -234,7 +235,7 @@ pub fn plan_phases_on(
         for ((j, a), t) in runnable.iter().zip(&times) {
             if t[k] < plan.step_s {
                 (plan.allocation, plan.step_s, plan.roles) = (a[k], t[k], settings[*j]);
-                plan.roles_description = settings[*j].zip(mixed).map(|(r, m)| r.describe(m));
+                plan.roles_description = describe(settings[*j]);
             }
         }
     }
@@ -253,7 +254,7 @@ pub fn plan_phases_on(
         replanned_s,
         single: best.map(|i| runnable[i].1[0]),
         single_roles: best.and_then(|i| settings[runnable[i].0]),
-        single_roles_description: best.and_then(|i| settings[runnable[i].0].zip(mixed).map(|(r, m)| r.describe(m))),
+        single_roles_description: best.and_then(|i| describe(settings[runnable[i].0])),
         single_s: best.map(|i| totals[i]),
         gain: best.map(|i| totals[i] / replanned_s),
         switches,

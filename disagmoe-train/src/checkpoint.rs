@@ -299,6 +299,39 @@ fn describe_model_difference(a: &serde_json::Value, b: &serde_json::Value) -> (S
     walk("", a, b).unwrap_or_else(|| (a.to_string(), b.to_string()))
 }
 
+/// A fresh directory under the system's temporary directory, removed when dropped (also when
+/// the work using it fails) unless [`ScratchDir::keep`] takes it.
+pub(crate) struct ScratchDir(Option<PathBuf>);
+
+impl ScratchDir {
+    /// Creates `<temp>/<prefix>-<pid>-<nanos>`; `action` names it in the error
+    /// (`cannot create ...`).
+    pub(crate) fn create(prefix: &str, action: &'static str) -> Result<Self> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io(action, &dir))?;
+        Ok(Self(Some(dir)))
+    }
+
+    /// Its path.
+    pub(crate) fn path(&self) -> &Path {
+        self.0.as_deref().expect("kept only by `keep`, which consumes it")
+    }
+
+    /// Keeps the directory: it is not removed, and its path is returned.
+    pub(crate) fn keep(mut self) -> PathBuf {
+        self.0.take().expect("not kept yet")
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.0 {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     move |source| TrainError::Io { action, path: path.into(), source }
 }

@@ -213,17 +213,8 @@ pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps:
     if steps < 2 {
         return Err(TrainError::option("calibration_steps", format!("must be at least 2, got {steps}")));
     }
-    let dir = std::env::temp_dir().join(format!(
-        "disagmoe-calibration-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    ));
-    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Io {
-        action: "cannot create calibration directory",
-        path: dir.clone(),
-        source,
-    })?;
-    let trace = dir.join("trace.json");
+    let dir = crate::checkpoint::ScratchDir::create("disagmoe-calibration", "cannot create calibration directory")?;
+    let trace = dir.path().join("trace.json");
     // A run in phases is calibrated on its first phase's shape.
     let mut c = if cfg.phases.is_empty() { cfg.clone() } else { cfg.phase(0) };
     c.steps = steps;
@@ -233,12 +224,8 @@ pub fn calibrate<B: AutodiffBackend>(cfg: &RunConfig, device: &B::Device, steps:
     c.data.eval_every = 0;
     c.parallel.link_gbps = None;
     c.parallel.trace = Some(trace.clone());
-    let result = (|| {
-        let summary = train::<B>(&c, device)?;
-        calibrated_from_trace(&c, &trace, summary.in_flight.unwrap_or(1))
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    let summary = train::<B>(&c, device)?;
+    calibrated_from_trace(&c, &trace, summary.in_flight.unwrap_or(1))
 }
 
 /// The simulator's model of `cfg`'s run from `trace`, a trace of it run without link emulation

@@ -9,12 +9,12 @@
 //! temporary directory, removed when the run ends (kept, and named in a warning and the summary,
 //! when the run stopped early: it holds the state to resume).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{latest_checkpoint, read_state};
+use crate::checkpoint::{latest_checkpoint, read_state, ScratchDir, TrainState};
 use crate::config::phases::phase_ends;
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
@@ -50,44 +50,18 @@ pub struct PhaseSummary {
     pub tokens_per_s: f64,
 }
 
-/// Removes a directory when dropped (the boundary checkpoints of a run without a checkpoint
-/// directory), also when the run fails.
-struct Scratch(Option<PathBuf>);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if let Some(dir) = &self.0 {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
-
-/// A fresh directory for boundary checkpoints under the system's temporary directory.
-fn scratch_dir() -> Result<PathBuf> {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let dir = std::env::temp_dir().join(format!("disagmoe-phases-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Io {
-        action: "cannot create the directory of the phases' boundary checkpoints",
-        path: dir.clone(),
-        source,
-    })?;
-    Ok(dir)
-}
-
-/// The step of the newest complete checkpoint in `dir`.
-fn checkpoint_step(dir: &Path) -> Result<Option<usize>> {
-    Ok(match latest_checkpoint(dir)? {
-        Some(path) => Some(read_state(&path)?.step),
-        None => None,
-    })
+/// The state of the newest complete checkpoint in `dir`, if there is one.
+fn latest_state(dir: &Path) -> Result<Option<TrainState>> {
+    latest_checkpoint(dir)?.map(|path| read_state(&path)).transpose()
 }
 
 /// Trains `cfg` phase by phase: `plan` gives each phase's run config (the phase's own with its
 /// allocation resolved), `train` trains it from the previous phase's checkpoint; returns the last
 /// phase's summary (every step's loss, from the checkpoints) with each phase's [`PhaseSummary`].
 /// A stop request (`stop`) ends the run at the end of the phase's current step, as in any run;
-/// at a boundary, before the next phase is planned.
-pub fn run_phases(
+/// at a boundary, before the next phase is planned. `cfg` is validated by the caller
+/// ([`crate::train_on`], [`crate::train_family`]).
+pub(crate) fn run_phases(
     cfg: &RunConfig,
     stop: &AtomicBool,
     mut plan: impl FnMut(&RunConfig) -> Result<RunConfig>,
@@ -96,21 +70,21 @@ pub fn run_phases(
     if cfg.phases.is_empty() {
         return Err(TrainError::option("phases", "a run in phases needs at least one phase"));
     }
-    cfg.validate()?;
     let ends = phase_ends(&cfg.phases).expect("validated");
-    let (mut scratch, dir) = match cfg.checkpoint.directory() {
-        Some(dir) => (Scratch(None), dir),
+    let (scratch, dir) = match cfg.checkpoint.directory() {
+        Some(dir) => (None, dir),
         None => {
-            let dir = scratch_dir()?;
-            (Scratch(Some(dir.clone())), dir)
+            let scratch = ScratchDir::create(
+                "disagmoe-phases",
+                "cannot create the directory of the phases' boundary checkpoints",
+            )?;
+            let dir = scratch.path().to_path_buf();
+            (Some(scratch), dir)
         }
     };
     // Where a resumed run stands: the phase after the checkpoint's step.
     let resumed = match &cfg.checkpoint.resume {
-        Some(d) => match latest_checkpoint(d)? {
-            Some(path) => Some(read_state(&path)?),
-            None => None,
-        },
+        Some(d) => latest_state(d)?,
         None => None,
     };
     let resumed_at = resumed.as_ref().map(|s| s.step);
@@ -142,7 +116,7 @@ pub fn run_phases(
         // A checkpoint at the previous phase's end was written at that phase's shape: this
         // run's own, or the one resumed when it was (its settings say so).
         let at_boundary = k > 0 && from == ends[k - 1];
-        let previous_shape = |s: &crate::checkpoint::TrainState| {
+        let previous_shape = |s: &TrainState| {
             let was = cfg.phase(k - 1);
             s.settings.as_ref().is_some_and(|r| r.seq == was.data.seq && r.batch == was.data.batch)
         };
@@ -165,7 +139,7 @@ pub fn run_phases(
         );
         let s = train(&planned, stop)?;
         // The next phase resumes the newest checkpoint of `dir`: it must be this one's last.
-        let written = checkpoint_step(&dir)?;
+        let written = latest_state(&dir)?.map(|state| state.step);
         if written != Some(s.steps) {
             return Err(TrainError::Checkpoint {
                 path: dir.clone(),
@@ -202,20 +176,17 @@ pub fn run_phases(
     let mut summary = summary.expect("the first phase trains: start is below the last step");
     summary.resumed_from_step = resumed_at;
     summary.stopped_early = summary.steps < cfg.steps;
-    match scratch.0.take() {
+    match scratch {
         // Stopped early without a checkpoint directory: the scratch directory holds the state to
         // resume, so it stays.
         Some(dir) if summary.stopped_early => {
+            let dir = dir.keep();
             tracing::warn!(dir = %dir.display(), "stopped early: the checkpoint stays here; pass --resume with it to continue");
         }
-        Some(dir) => {
-            scratch.0 = Some(dir);
-            // The boundary checkpoints go with the scratch directory.
-            summary.checkpoint = None;
-        }
+        // The boundary checkpoints go with the scratch directory (removed as this returns).
+        Some(_) => summary.checkpoint = None,
         None => {}
     }
     summary.phases = records;
-    drop(scratch);
     Ok(summary)
 }

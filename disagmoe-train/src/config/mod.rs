@@ -309,9 +309,6 @@ impl RunConfig {
     /// Checks the phases: their total is `steps`, each is a valid run of its shape, and the run
     /// can restart its workers at a boundary (the local transport).
     fn validate_phases(&self) -> Result<()> {
-        if self.phases.is_empty() {
-            return Ok(());
-        }
         let Some(ends) = phases::phase_ends(&self.phases) else {
             return Err(TrainError::option("phases", "the phases' steps overflow when added up"));
         };
@@ -336,17 +333,17 @@ impl RunConfig {
                     format!("phase {} ({}): needs at least 1 step", i + 1, p.describe()),
                 ));
             }
-            let phase = self.phase(i);
-            (phase.data.validate())
-                .and_then(|_| phase.parallel.validate(phase.data.batch))
-                .and_then(|_| phase.validate_mtp())
+            (self.phase(i).validate_shape())
                 .map_err(|e| TrainError::option("phases", format!("phase {} ({}): {e}", i + 1, p.describe())))?;
         }
         Ok(())
     }
 
-    /// Multi-token prediction needs `mtp_depth + 2` tokens per sequence.
-    fn validate_mtp(&self) -> Result<()> {
+    /// Checks what depends on the step's shape (`seq` and `batch`): the data, the parallel
+    /// layout, and multi-token prediction's `mtp_depth + 2` tokens per sequence.
+    fn validate_shape(&self) -> Result<()> {
+        self.data.validate()?;
+        self.parallel.validate(self.data.batch)?;
         let depth = self.model.mtp_depth;
         if depth > 0 && self.data.seq < depth + 2 {
             return Err(TrainError::option(
@@ -373,13 +370,12 @@ impl RunConfig {
         self.optimizer.validate(self.steps)?;
         self.checkpoint.validate(self.steps)?;
         self.precision.validate()?;
-        if !self.phases.is_empty() {
+        if self.phases.is_empty() {
+            self.validate_shape()
+        } else {
             // The phases' shapes replace `seq` and `batch`: each is checked as its own run.
-            return self.validate_phases();
+            self.validate_phases()
         }
-        self.data.validate()?;
-        self.parallel.validate(self.data.batch)?;
-        self.validate_mtp()
     }
 
     /// Micro-batches per step, the default filled in.
