@@ -45,7 +45,7 @@ case "$steps" in ''|*[!0-9]*) echo "--steps $steps: a positive whole number" >&2
 build() {
   local out="$1"
   mkdir -p "$out"
-  local flags=(-p disagmoe-kernels --no-default-features --features cuda --release)
+  local flags=(-p disagmoe-kernels --no-default-features --features cuda,report --release)
   cargo build "${flags[@]}" --example kernel_report
   local test_bin
   test_bin=$(cargo test "${flags[@]}" --test cube_vs_reference --no-run --message-format=json 2>/dev/null \

@@ -10,7 +10,7 @@
 //!   reruns itself over all of them: exact, not fast.
 //!
 //! Cached decoding equals the full forward pass over the whole sequence (tested per family in
-//! `tests/generate.rs`).
+//! `tests/models/generate.rs`).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;

@@ -1,10 +1,10 @@
 //! Achieved rates of the CubeCL kernels against ceilings measured in the same run: a large copy
 //! (GB/s) and a large dense matrix product through Burn's own matmul (TFLOP/s), in the same dtype.
-//! `scripts/gpu-check.sh` runs it on an NVIDIA GPU (`--features cuda`); `--small` runs tiny
+//! `scripts/gpu-check.sh` runs it on an NVIDIA GPU (`--features cuda,report`); `--small` runs tiny
 //! shapes anywhere (e.g. on lavapipe) to check that the report itself works.
 //!
 //! ```text
-//! cargo run --release -p disagmoe-kernels --example kernel_report -- [--small] [--dtype f32|f16|bf16] [--json FILE]
+//! cargo run --release -p disagmoe-kernels --features report --example kernel_report -- [--small] [--dtype f32|f16|bf16] [--json FILE]
 //! ```
 //!
 //! Targets (issue #6, at the large shapes on an H200): grouped expert MLP >= 60% of the dense

@@ -4,7 +4,7 @@
 //! Fixtures come from `scripts/make_qwen3_fixtures.py` (tiny random checkpoints saved by
 //! transformers' `save_pretrained`, plus reference outputs); CI needs no Python.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

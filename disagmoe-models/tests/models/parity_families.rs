@@ -5,7 +5,7 @@
 //!
 //! Fixtures come from `scripts/make_{mixtral,olmoe,deepseek_moe}_fixtures.py`; CI needs no Python.
 
-mod common;
+use crate::common;
 
 use common::{check_fixture, reference, rel_err, values, LOGITS_TOL};
 use disagmoe_models::families::deepseek::DeepseekConfig;

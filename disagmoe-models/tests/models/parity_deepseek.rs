@@ -6,7 +6,7 @@
 //! transformers' `save_pretrained`, random correction biases, plus reference outputs); CI needs no
 //! Python.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -6,7 +6,7 @@
 //! Fixtures: `generate.safetensors` next to each parity checkpoint, from
 //! `scripts/make_generate_fixtures.py`; CI needs no Python.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -6,7 +6,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use disagmoe_models::{model_presets, ModelConfig, MoeCausalLm, Recompute, RoutingOptions};
 
-mod common;
+use crate::common;
 use common::{collect_params as collect, rel_err as rel};
 
 type B = Autodiff<Flex>;

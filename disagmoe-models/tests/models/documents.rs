@@ -10,7 +10,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 use disagmoe_models::{model_presets, Documents, ModelConfig, MoeCausalLm, MtpSettings, Recompute};
 
-mod common;
+use crate::common;
 use common::{collect_params as collect, rel_err as rel};
 
 type B = Autodiff<Flex>;

@@ -4,7 +4,7 @@
 //! layout: the losses, every gradient (the MTP layer's and the shared embedding's and head's
 //! included), the same under recomputation, and the checkpoint saved back unchanged.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;
