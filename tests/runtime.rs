@@ -1969,6 +1969,11 @@ fn a_run_in_phases_re_plans_at_the_boundary_with_the_losses_of_a_fixed_split() {
     }
     assert!(auto.phases.iter().all(|p| p.planned && p.attn_workers + p.ffn_workers <= 4), "{:?}", auto.phases);
     assert!(fixed.phases.iter().all(|p| !p.planned && p.placement == "disagg 2+2 in 2 groups"), "{:?}", fixed.phases);
+    // The terminal's summary has a line per phase.
+    let people = fixed.for_people(None);
+    assert!(people.contains("phase 1    steps 1-3, 8 x 64 tokens, disagg 2+2 in 2 groups, "), "{people}");
+    assert!(people.contains("phase 2    steps 4-6, 4 x 128 tokens, disagg 2+2 in 2 groups, "), "{people}");
+    assert!(auto.for_people(None).contains(" (planned), "), "{}", auto.for_people(None));
     for (name, s) in [("auto", &auto), ("single", &single)] {
         for (i, (a, b)) in s.losses.iter().zip(&fixed.losses).enumerate() {
             assert!(rel(*a, *b) < 1e-5, "{name}: step {} loss {a} vs fixed split {b}", i + 1);

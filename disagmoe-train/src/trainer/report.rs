@@ -298,6 +298,20 @@ impl TrainSummary {
             self.step_s,
             self.params as f64 / 1e6
         ));
+        // A run in phases: each phase's shape, split and speed (the speed line is the last phase's).
+        for p in &self.phases {
+            lines.push(format!(
+                "  {:<11}steps {}-{}, {} x {} tokens, {}{}, {:.3} s per step",
+                format!("phase {}", p.phase),
+                p.first_step,
+                p.last_step,
+                p.batch,
+                p.seq,
+                p.placement,
+                if p.planned { " (planned)" } else { "" },
+                p.step_s
+            ));
+        }
         lines.push(format!("  time       {}", human_duration(self.train_s)));
         if let Some(out) = out {
             lines.push(format!("  model      {}", out.join("final").display()));
