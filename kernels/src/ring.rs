@@ -6,8 +6,9 @@
 //! one worker's block per step, skipping the chunk pairs the mask empties, and merges the partial
 //! results with the online softmax: each partial result carries its log-sum-exp, merged in f32.
 //!
-//! [`partial`] and [`merge`] are the steps a worker takes; [`ring_attention`] runs the `C` workers
-//! one after the other over a whole sequence (the schedule, not the transport), equal to
+//! [`partial`] and [`merge`] are the steps a worker takes, [`worker_attention`] one worker's whole
+//! computation over the [`Block`]s in ring order; [`ring_attention`] runs the `C` workers one after
+//! the other over a whole sequence (the schedule, not the transport), equal to
 //! [`crate::reference::attention`] up to rounding, forward and backward.
 
 use std::ops::Range;
@@ -128,10 +129,85 @@ pub fn with_sinks<B: Backend>(out: Tensor<B, 4>, lse: Tensor<B, 4>, sinks: Tenso
     out * (lse - total).exp().swap_dims(1, 2)
 }
 
+/// The positions worker `r` of a ring of `c` holds of a sequence of `seq` tokens, in the order it
+/// holds them: its front chunk, then its back chunk ([`chunks`]).
+///
+/// # Errors
+/// As [`chunks`], or `r` not below `c`.
+pub fn held_positions(seq: usize, c: usize, r: usize) -> Result<Vec<usize>, String> {
+    let held = chunks(seq, c)?;
+    let [front, back] = held.get(r).cloned().ok_or_else(|| format!("worker {r} is not in a ring of {c} workers"))?;
+    Ok(front.chain(back).collect())
+}
+
+/// The keys and values one worker holds, as they come round the ring: `[B, T, G, D]` and
+/// `[B, T, G, E]` over the positions of its two chunks, front then back (`T` = their lengths).
+#[derive(Clone, Debug)]
+pub struct Block<B: Backend> {
+    /// Keys.
+    pub k: Tensor<B, 4>,
+    /// Values.
+    pub v: Tensor<B, 4>,
+    /// The two chunks of the sequence it holds ([`chunks`]).
+    pub held: [Range<usize>; 2],
+}
+
+/// What one worker of the ring computes: the attention of its queries (`q`, `[B, T, H, D]` over
+/// its chunks `held`, front then back) over the blocks of keys and values in ring order (its own
+/// first, then those of workers `r - 1`, `r - 2`, ... as they arrive), the chunk pairs the mask
+/// empties skipped, the partial results merged in f32, the sinks added last. Returns
+/// `[B, T, H, E]` in the order of `q`.
+///
+/// Each block may be a leaf of the worker's own graph (what it received): the gradient of the
+/// objective with respect to it is what goes back to its owner, and an owner's keys and values
+/// get the sum of those over the ring ([`ring_attention`] checks this against the whole
+/// attention).
+pub fn worker_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    held: &[Range<usize>; 2],
+    blocks: &[Block<B>],
+    sinks: Option<Tensor<B, 1>>,
+    scale: f64,
+    mask: Mask<'_>,
+) -> Tensor<B, 4> {
+    let mut outs = Vec::with_capacity(2);
+    let mut q_at = 0;
+    for qr in held {
+        let qpos: Vec<usize> = qr.clone().collect();
+        let qc = q.clone().narrow(1, q_at, qr.len());
+        q_at += qr.len();
+        let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
+        for block in blocks {
+            let mut k_at = 0;
+            for kr in &block.held {
+                let at = k_at;
+                k_at += kr.len();
+                if mask.empty(qr, kr) {
+                    continue;
+                }
+                let kpos: Vec<usize> = kr.clone().collect();
+                let (k, v) = (block.k.clone().narrow(1, at, kr.len()), block.v.clone().narrow(1, at, kr.len()));
+                let part = partial(qc.clone(), k, v, scale, mask, &qpos, &kpos);
+                acc = Some(match acc {
+                    None => part,
+                    Some(prev) => merge(prev, part),
+                });
+            }
+        }
+        // Every query sees at least itself: its own chunk (in its own block) is never skipped.
+        let (out, lse) = acc.expect("a chunk attends to itself");
+        outs.push(match &sinks {
+            Some(sinks) => with_sinks(out, lse, sinks.clone()),
+            None => out,
+        });
+    }
+    Tensor::cat(outs, 1)
+}
+
 /// [`crate::reference::attention`] computed as `c` workers of a ring would: each with the queries
 /// of its two chunks ([`chunks`]), the keys and values of every worker coming round one block per
-/// step (its own first), the emptied chunk pairs skipped, the partial results merged ([`merge`]),
-/// the sinks added last.
+/// step (its own first), through [`worker_attention`]; the workers' outputs put back in sequence
+/// order.
 ///
 /// # Errors
 /// As [`chunks`].
@@ -152,35 +228,18 @@ pub fn ring_attention<B: Backend>(
     let [_, s, _, _] = q.dims();
     let held = chunks(s, c)?;
     let device = q.device();
-    let take = |x: &Tensor<B, 4>, r: &Range<usize>| x.clone().narrow(1, r.start, r.len());
-    let mut outs = Vec::with_capacity(2 * c);
+    let take = |x: &Tensor<B, 4>, [a, b]: &[Range<usize>; 2]| {
+        Tensor::cat(vec![x.clone().narrow(1, a.start, a.len()), x.clone().narrow(1, b.start, b.len())], 1)
+    };
+    let blocks: Vec<Block<B>> =
+        held.iter().map(|h| Block { k: take(&k, h), v: take(&v, h), held: h.clone() }).collect();
+    let mut outs = Vec::with_capacity(c);
     let mut order = Vec::with_capacity(s);
     for (r, own) in held.iter().enumerate() {
-        for qr in own {
-            let qpos: Vec<usize> = qr.clone().collect();
-            let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
-            // Step i brings worker r - i's keys and values.
-            for i in 0..c {
-                for kr in &held[(r + c - i) % c] {
-                    if mask.empty(qr, kr) {
-                        continue;
-                    }
-                    let kpos: Vec<usize> = kr.clone().collect();
-                    let part = partial(take(&q, qr), take(&k, kr), take(&v, kr), scale, mask, &qpos, &kpos);
-                    acc = Some(match acc {
-                        None => part,
-                        Some(prev) => merge(prev, part),
-                    });
-                }
-            }
-            // Every query sees at least itself: its own chunk is never skipped.
-            let (out, lse) = acc.expect("a chunk attends to itself");
-            outs.push(match &sinks {
-                Some(sinks) => with_sinks(out, lse, sinks.clone()),
-                None => out,
-            });
-            order.extend(qpos);
-        }
+        // Step i brings worker r - i's block.
+        let ring: Vec<Block<B>> = (0..c).map(|i| blocks[(r + c - i) % c].clone()).collect();
+        outs.push(worker_attention(take(&q, own), own, &ring, sinks.clone(), scale, mask));
+        order.extend(own[0].clone().chain(own[1].clone()));
     }
     // Back into sequence order.
     let mut inverse = vec![0i64; s];

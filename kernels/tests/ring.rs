@@ -1,15 +1,16 @@
 //! Ring attention (context parallelism's schedule, `disagmoe_kernels::ring`) against the whole
 //! attention of `reference`: outputs and the gradients of q, k, v and the sinks, over odd
 //! lengths, 2 to 4 workers, grouped-query ratios 1 and 2, value dim != key dim, sliding windows
-//! shorter and longer than a chunk, sinks, and document masks.
+//! shorter and longer than a chunk, sinks, and document masks; and the ring as workers with graphs
+//! of their own would run it, the gradients of the blocks they received sent back to the owners.
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::reference;
-use disagmoe_kernels::ring::{ring_attention, Mask};
+use disagmoe_kernels::ring::{chunks, held_positions, ring_attention, worker_attention, Block, Mask};
 
 type B = Autodiff<Flex>;
 
@@ -87,4 +88,133 @@ fn too_short_a_sequence_is_refused_naming_the_workers() {
     let k = rand([1, 5, 2, 4], 2);
     let e = ring_attention(q, k.clone(), k, None, 0.5, Mask { window: None, docs: None }, 3).unwrap_err();
     assert!(e.contains("3 workers") && e.contains("at least 6 tokens"), "{e}");
+}
+
+/// `part` (`[b, positions.len(), row]` values) put at `positions` of `full` (`[b, s, row]`).
+fn place(full: &mut [f32], part: &[f32], b: usize, s: usize, positions: &[usize], row: usize) {
+    let t = positions.len();
+    for bi in 0..b {
+        for (i, &p) in positions.iter().enumerate() {
+            let (from, to) = ((bi * t + i) * row, (bi * s + p) * row);
+            full[to..to + row].copy_from_slice(&part[from..from + row]);
+        }
+    }
+}
+
+/// The ring's messages, as workers with graphs of their own exchange them: worker `r` holds the
+/// queries, keys and values of its two chunks (leaves of its graph) and receives a copy of every
+/// other worker's block (a leaf of its graph too); after its backward pass, the gradient of each
+/// received copy goes back to the block's owner, which adds them to its own. The queries', keys'
+/// and values' gradients so gathered, and the sinks' summed over the workers (a parameter each
+/// holds), are the whole attention's.
+#[test]
+fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_blocks_sent_back() {
+    let mut cases = 0;
+    for (s, c, h, g, window, sinks, cut) in [
+        (13, 2, 4, 2, None, false, false),
+        (21, 4, 4, 2, Some(5), true, true),
+        (19, 3, 2, 1, None, true, true),
+        (16, 2, 4, 4, Some(40), false, true),
+    ] {
+        let (b, d, e) = (2, 8, 6);
+        let docs = cut.then(|| Documents::new(s, &[vec![3, s / 2 + 1], vec![s - 2]]).unwrap());
+        let mask = Mask { window, docs: docs.as_ref() };
+        let what = format!("S {s}, C {c}, H {h}/G {g}, window {window:?}, sinks {sinks}, documents {cut}");
+        let seed = (s * 100 + c) as u64 + 7;
+        let (q, k, v) = (rand([b, s, h, d], seed), rand([b, s, g, d], seed + 1), rand([b, s, g, e], seed + 2));
+        let sk = sinks.then(|| rand([h], seed + 3));
+        let weights = rand([b, s, h, e], 98);
+        let scale = 1.0 / (d as f64).sqrt();
+
+        // The whole attention.
+        let leaf = |x: &Tensor<B, 4>| x.clone().detach().require_grad();
+        let (wq, wk, wv) = (leaf(&q), leaf(&k), leaf(&v));
+        let wsk = sk.clone().map(|t| t.detach().require_grad());
+        let out = reference::attention(wq.clone(), wk.clone(), wv.clone(), wsk.clone(), scale, window, docs.as_ref());
+        let grads = (out.clone() * weights.clone()).sum().backward();
+        let want_out = values(out);
+        let want =
+            [values(wq.grad(&grads).unwrap()), values(wk.grad(&grads).unwrap()), values(wv.grad(&grads).unwrap())];
+        let want_sinks = wsk.map(|t| values(t.grad(&grads).unwrap()));
+
+        // The ring: what each worker holds, leaves of its own graph.
+        let held = chunks(s, c).unwrap();
+        let positions: Vec<Vec<usize>> = (0..c).map(|r| held_positions(s, c, r).unwrap()).collect();
+        let at = |x: &Tensor<B, 4>, r: usize| x.clone().detach().select(1, index_of(&positions[r])).require_grad();
+        let own: Vec<Block<B>> = (0..c).map(|r| Block { k: at(&k, r), v: at(&v, r), held: held[r].clone() }).collect();
+        let (mut got_out, mut got) =
+            (vec![0.0; want_out.len()], [vec![0.0; b * s * h * d], vec![0.0; b * s * g * d], vec![0.0; b * s * g * e]]);
+        // Per owner: the gradients of its keys and values, its own first, then the copies' in the
+        // order they come back.
+        let mut back: Vec<Vec<(Vec<f32>, Vec<f32>)>> = vec![Vec::new(); c];
+        let mut got_sinks = want_sinks.as_ref().map(|w| vec![0.0f32; w.len()]);
+        for r in 0..c {
+            let qr = at(&q, r);
+            let skr = sk.clone().map(|t| t.detach().require_grad());
+            // Step i brings worker r - i's block: its own, then copies received.
+            let ring: Vec<Block<B>> = (0..c)
+                .map(|i| {
+                    let o = (r + c - i) % c;
+                    if o == r {
+                        own[r].clone()
+                    } else {
+                        Block { k: leaf(&own[o].k), v: leaf(&own[o].v), held: held[o].clone() }
+                    }
+                })
+                .collect();
+            let out = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask);
+            let wr = weights.clone().detach().select(1, index_of(&positions[r]));
+            let grads = (out.clone() * wr).sum().backward();
+            place(&mut got_out, &values(out), b, s, &positions[r], h * e);
+            place(&mut got[0], &values(qr.grad(&grads).unwrap()), b, s, &positions[r], h * d);
+            for (i, block) in ring.iter().enumerate() {
+                let o = (r + c - i) % c;
+                let gk = block.k.grad(&grads).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * d]);
+                let gv = block.v.grad(&grads).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * e]);
+                back[o].push((gk, gv));
+            }
+            if let (Some(acc), Some(skr)) = (got_sinks.as_mut(), skr) {
+                for (a, x) in acc.iter_mut().zip(values(skr.grad(&grads).unwrap())) {
+                    *a += x;
+                }
+            }
+        }
+        for (o, parts) in back.iter().enumerate() {
+            assert_eq!(parts.len(), c, "{what}: worker {o}'s block went to every worker once");
+            let (mut gk, mut gv) = (parts[0].0.clone(), parts[0].1.clone());
+            for (pk, pv) in &parts[1..] {
+                gk.iter_mut().zip(pk).for_each(|(a, x)| *a += x);
+                gv.iter_mut().zip(pv).for_each(|(a, x)| *a += x);
+            }
+            place(&mut got[1], &gk, b, s, &positions[o], g * d);
+            place(&mut got[2], &gv, b, s, &positions[o], g * e);
+        }
+        let err = worst(&got_out, &want_out);
+        assert!(err <= 1e-5, "{what}: output differs by {err:e}");
+        for (name, (got, want)) in ["q", "k", "v"].iter().zip(got.iter().zip(&want)) {
+            let err = worst(got, want);
+            assert!(err <= 1e-5, "{what}: gradient of {name} differs by {err:e}");
+        }
+        if let (Some(got), Some(want)) = (got_sinks, want_sinks) {
+            let err = worst(&got, &want);
+            assert!(err <= 1e-5, "{what}: gradient of the sinks differs by {err:e}");
+        }
+        cases += 1;
+    }
+    assert_eq!(cases, 4);
+}
+
+/// The positions as an index tensor.
+fn index_of(positions: &[usize]) -> Tensor<B, 1, Int> {
+    Tensor::from_data(
+        TensorData::new(positions.iter().map(|&p| p as i64).collect(), [positions.len()]),
+        &Default::default(),
+    )
+}
+
+#[test]
+fn a_worker_outside_the_ring_is_refused() {
+    let e = held_positions(12, 3, 3).unwrap_err();
+    assert!(e.contains("worker 3") && e.contains("ring of 3"), "{e}");
+    assert_eq!(held_positions(10, 2, 1).unwrap(), vec![3, 4, 5, 6, 7]);
 }
