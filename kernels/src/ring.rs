@@ -160,7 +160,7 @@ pub struct Block<B: Backend> {
 ///
 /// Each block may be a leaf of the worker's own graph (what it received): the gradient of the
 /// objective with respect to it is what goes back to its owner, and an owner's keys and values
-/// get the sum of those over the ring ([`ring_attention`] checks this against the whole
+/// get the sum of those over the ring (`kernels/tests/ring.rs` checks this against the whole
 /// attention).
 pub fn worker_attention<B: Backend>(
     q: Tensor<B, 4>,
