@@ -162,6 +162,10 @@ pub struct Block<B: Backend> {
 /// objective with respect to it is what goes back to its owner, and an owner's keys and values
 /// get the sum of those over the ring (`kernels/tests/ring.rs` checks this against the whole
 /// attention).
+///
+/// # Errors
+/// An empty chunk, queries or a block whose length is not that of its chunks, or no block of
+/// this worker's own chunks.
 pub fn worker_attention<B: Backend>(
     q: Tensor<B, 4>,
     held: &[Range<usize>; 2],
@@ -169,7 +173,30 @@ pub fn worker_attention<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
     scale: f64,
     mask: Mask<'_>,
-) -> Tensor<B, 4> {
+) -> Result<Tensor<B, 4>, String> {
+    let len = |h: &[Range<usize>; 2]| h[0].len() + h[1].len();
+    if held.iter().any(|r| r.is_empty()) {
+        return Err(format!("a worker of the ring holds two non-empty chunks, got {held:?}"));
+    }
+    if q.dims()[1] != len(held) {
+        return Err(format!(
+            "queries over {} positions for the chunks {held:?} ({} positions)",
+            q.dims()[1],
+            len(held)
+        ));
+    }
+    for block in blocks {
+        let (k, v) = (block.k.dims()[1], block.v.dims()[1]);
+        if block.held.iter().any(|r| r.is_empty()) || k != len(&block.held) || v != len(&block.held) {
+            return Err(format!(
+                "a block of keys over {k} and values over {v} positions for the chunks {:?}",
+                block.held
+            ));
+        }
+    }
+    if !blocks.iter().any(|b| &b.held == held) {
+        return Err(format!("no block holds this worker's own chunks {held:?}: its queries would see no key"));
+    }
     let mut outs = Vec::with_capacity(2);
     let mut q_at = 0;
     for qr in held {
@@ -194,14 +221,15 @@ pub fn worker_attention<B: Backend>(
                 });
             }
         }
-        // Every query sees at least itself: its own chunk (in its own block) is never skipped.
+        // Every query sees at least itself: its own chunk (in its own block, checked above) is
+        // never skipped.
         let (out, lse) = acc.expect("a chunk attends to itself");
         outs.push(match &sinks {
             Some(sinks) => with_sinks(out, lse, sinks.clone()),
             None => out,
         });
     }
-    Tensor::cat(outs, 1)
+    Ok(Tensor::cat(outs, 1))
 }
 
 /// [`crate::reference::attention`] computed as `c` workers of a ring would: each with the queries
@@ -238,7 +266,7 @@ pub fn ring_attention<B: Backend>(
     for (r, own) in held.iter().enumerate() {
         // Step i brings worker r - i's block.
         let ring: Vec<Block<B>> = (0..c).map(|i| blocks[(r + c - i) % c].clone()).collect();
-        outs.push(worker_attention(take(&q, own), own, &ring, sinks.clone(), scale, mask));
+        outs.push(worker_attention(take(&q, own), own, &ring, sinks.clone(), scale, mask)?);
         order.extend(own[0].clone().chain(own[1].clone()));
     }
     // Back into sequence order.

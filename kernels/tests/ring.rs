@@ -7,7 +7,7 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::reference;
 use disagmoe_kernels::ring::{chunks, held_positions, ring_attention, worker_attention, Block, Mask};
@@ -18,9 +18,24 @@ fn values<const D: usize>(t: Tensor<impl Backend, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
 }
 
+/// Standard normal values from `seed` (Box-Muller over xorshift), from a generator of their own:
+/// the backend's seed is one for the process, and the tests run in parallel threads.
 fn rand<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
-    B::seed(&Default::default(), seed);
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    let mut uniform = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
 }
 
 /// Largest `|a - b| / (1 + |b|)`.
@@ -144,8 +159,8 @@ fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_b
         let own: Vec<Block<B>> = (0..c).map(|r| Block { k: at(&k, r), v: at(&v, r), held: held[r].clone() }).collect();
         let (mut got_out, mut got) =
             (vec![0.0; want_out.len()], [vec![0.0; b * s * h * d], vec![0.0; b * s * g * d], vec![0.0; b * s * g * e]]);
-        // Per owner: the gradients of its keys and values, its own first, then the copies' in the
-        // order they come back.
+        // Per owner: the gradients of its keys and values from every worker's backward (its own
+        // among them), in worker order.
         let mut back: Vec<Vec<(Vec<f32>, Vec<f32>)>> = vec![Vec::new(); c];
         let mut got_sinks = want_sinks.as_ref().map(|w| vec![0.0f32; w.len()]);
         for r in 0..c {
@@ -162,7 +177,7 @@ fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_b
                     }
                 })
                 .collect();
-            let out = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask);
+            let out = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask).unwrap();
             let wr = weights.clone().detach().select(1, index_of(&positions[r]));
             let grads = (out.clone() * wr).sum().backward();
             place(&mut got_out, &values(out), b, s, &positions[r], h * e);
@@ -213,8 +228,30 @@ fn index_of(positions: &[usize]) -> Tensor<B, 1, Int> {
 }
 
 #[test]
-fn a_worker_outside_the_ring_is_refused() {
+fn a_worker_outside_the_ring_and_blocks_that_do_not_fit_are_refused() {
     let e = held_positions(12, 3, 3).unwrap_err();
     assert!(e.contains("worker 3") && e.contains("ring of 3"), "{e}");
     assert_eq!(held_positions(10, 2, 1).unwrap(), vec![3, 4, 5, 6, 7]);
+    // Worker 1 of 2 over 10 tokens holds 3..6 and 6..8 (5 positions); worker 0 holds 0..3 and 8..10.
+    let mask = Mask { window: None, docs: None };
+    let held = [3..6, 6..8];
+    let block = |n: usize, held: [std::ops::Range<usize>; 2]| Block {
+        k: rand([1, n, 2, 4], 1),
+        v: rand([1, n, 2, 4], 2),
+        held,
+    };
+    let attend = |q: usize, blocks: &[Block<B>], held: &[std::ops::Range<usize>; 2]| {
+        worker_attention(rand([1, q, 2, 4], 3), held, blocks, None, 0.5, mask).map(|_| ()).unwrap_err()
+    };
+    let e = attend(6, &[block(5, held.clone())], &held);
+    assert!(e.contains("queries over 6 positions") && e.contains("(5 positions)"), "{e}");
+    let e = attend(5, &[block(5, held.clone()), block(4, [0..3, 8..10])], &held);
+    assert!(e.contains("keys over 4 and values over 4 positions"), "{e}");
+    let e = attend(5, &[block(5, [0..3, 8..10])], &held);
+    assert!(e.contains("no block holds this worker's own chunks"), "{e}");
+    let e = attend(5, &[], &held);
+    assert!(e.contains("no block holds"), "{e}");
+    let e = attend(3, &[block(3, [0..3, 3..3])], &[0..3, 3..3]);
+    assert!(e.contains("two non-empty chunks"), "{e}");
+    assert!(worker_attention(rand([1, 5, 2, 4], 3), &held, &[block(5, held.clone())], None, 0.5, mask).is_ok());
 }

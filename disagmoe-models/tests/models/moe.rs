@@ -40,7 +40,7 @@ fn grouped_experts_equal_the_per_token_reference_with_gradients() {
         // Each path's backward before the next forward, so the two graphs never live at once. (This
         // test also failed now and then when another test thread ran a backward meanwhile: Burn
         // 0.21's sweep of every thread's graphs, patched in vendor/burn-autodiff, see
-        // tests/autodiff_threads.rs.)
+        // tests/models/autodiff_threads.rs.)
         let (fast, _) = moe.forward(x.clone());
         let g_fast = (fast.clone() * probe.clone()).sum().backward();
         let slow = moe.forward_per_token(x.clone());
