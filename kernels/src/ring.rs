@@ -136,8 +136,13 @@ pub fn with_sinks<B: Backend>(out: Tensor<B, 4>, lse: Tensor<B, 4>, sinks: Tenso
 /// As [`chunks`], or `r` not below `c`.
 pub fn held_positions(seq: usize, c: usize, r: usize) -> Result<Vec<usize>, String> {
     let held = chunks(seq, c)?;
-    let [front, back] = held.get(r).cloned().ok_or_else(|| format!("worker {r} is not in a ring of {c} workers"))?;
-    Ok(front.chain(back).collect())
+    let own = held.get(r).ok_or_else(|| format!("worker {r} is not in a ring of {c} workers"))?;
+    Ok(positions_of(own))
+}
+
+/// The positions of two chunks, front then back.
+fn positions_of([front, back]: &[Range<usize>; 2]) -> Vec<usize> {
+    front.clone().chain(back.clone()).collect()
 }
 
 /// The keys and values one worker holds, as they come round the ring: `[B, T, G, D]` and
@@ -267,7 +272,7 @@ pub fn ring_attention<B: Backend>(
         // Step i brings worker r - i's block.
         let ring: Vec<Block<B>> = (0..c).map(|i| blocks[(r + c - i) % c].clone()).collect();
         outs.push(worker_attention(take(&q, own), own, &ring, sinks.clone(), scale, mask)?);
-        order.extend(own[0].clone().chain(own[1].clone()));
+        order.extend(positions_of(own));
     }
     // Back into sequence order.
     let mut inverse = vec![0i64; s];
