@@ -1478,13 +1478,11 @@ mod mpi {
                 assert_same_weights(&what, &out_dir.join("final"), &want.join("final"));
                 if WITH_COPIES.iter().any(|(n, _, _)| *n == name) {
                     // The distributed optimizer over MPI's reduce-scatter and all-gather against
-                    // the all-reduce's run under MPI: losses within 1e-6, every tensor within
-                    // 5e-6. Not 1e-6 as locally (where the two halves of one ring give its bits):
-                    // `MPI_Allreduce` and `MPI_Reduce_scatter_block` add four copies' gradients
-                    // in different orders, as MPI and the local ring already do. Measured: at
-                    // most 2.1e-6 (tiny-mixtral ep 4); on tiny-deepseek-v3 ep 4 (o_proj of layer
-                    // 3) MPI off vs local off 1.95e-6, MPI on vs MPI off 1.95e-6, MPI on vs local
-                    // off 3.9e-7; disagg 4+2 (two copies: one addition) at most 3.6e-7.
+                    // the all-reduce's run under MPI: losses and every tensor within 1e-6. The
+                    // copies' all-reduce is the same `MPI_Reduce_scatter_block` and `MPI_Allgather`
+                    // over the same vector (`Worker::reduce_copies`), so each gradient is added in
+                    // the same order; only the norm's sum differs (`MPI_Allreduce` would add four
+                    // copies' gradients in another order: 2.1e-6 apart on tiny-mixtral ep 4).
                     let off_dir = dir.path().join(format!("{preset}-{name}-off"));
                     let off = mpirun_np(workers(placement))
                         .arg(env!("CARGO_BIN_EXE_disagmoe"))
@@ -1497,7 +1495,7 @@ mod mpi {
                     let off = summary(&off);
                     let what = format!("{what}, distributed optimizer vs all-reduce");
                     assert_losses_within(&what, &got, &off, 1e-6);
-                    assert_same_weights_within(&what, &out_dir.join("final"), &off_dir.join("final"), 5e-6);
+                    assert_same_weights_within(&what, &out_dir.join("final"), &off_dir.join("final"), 1e-6);
                     assert!(state_of(&got, "optimizer") < state_of(&off, "optimizer"), "{what}");
                 }
                 assert_eq!(std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap().lines().count(), 5);

@@ -41,6 +41,85 @@ where
     part.attention.visit(v);
 }
 
+/// Flattens the gradients of the parameters the copies share (taking them out of `grads`) into
+/// `(values, presence flags)`: the values in visiting order, zeros where this copy has none, and a
+/// flag per parameter. The vector the copies reduce, with the distributed optimizer or without
+/// (then reduce-scattered and all-gathered: the same sums in the same order, see
+/// `Worker::reduce_copies`). `capacity`: the values' length, when known.
+pub(super) fn flatten_shared<AB, A, R, X>(
+    grads: &mut GradientsParams,
+    part: &WorkerPart<AB, A, R, X>,
+    capacity: usize,
+) -> (Vec<f32>, Vec<f32>)
+where
+    AB: AutodiffBackend,
+    A: TrainModule<AB>,
+    R: TrainModule<AB>,
+    X: TrainModule<AB>,
+{
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        data: Vec<f32>,
+        present: Vec<f32>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            match self.grads.remove::<AB::InnerBackend, D>(param.id) {
+                Some(g) => {
+                    self.present.push(1.0);
+                    self.data.extend(g.into_data().convert::<f32>().to_vec::<f32>().expect("f32"));
+                }
+                None => {
+                    self.present.push(0.0);
+                    let n: usize = param.val().dims().iter().product();
+                    self.data.extend(std::iter::repeat_n(0.0, n));
+                }
+            }
+        }
+    }
+    let mut take = Take { grads, data: Vec::with_capacity(capacity), present: Vec::new() };
+    visit_shared(part, &mut take);
+    (take.data, take.present)
+}
+
+/// Puts reduced values ([`flatten_shared`]'s layout, every value summed) back into `grads` as the
+/// gradients of the shared parameters flagged present in `present` (summed flags: present on any
+/// copy).
+pub(super) fn restore_shared<AB, A, R, X>(
+    grads: &mut GradientsParams,
+    part: &WorkerPart<AB, A, R, X>,
+    data: &[f32],
+    present: &[f32],
+) where
+    AB: AutodiffBackend,
+    A: TrainModule<AB>,
+    R: TrainModule<AB>,
+    X: TrainModule<AB>,
+{
+    struct Put<'a> {
+        grads: &'a mut GradientsParams,
+        data: &'a [f32],
+        present: &'a [f32],
+        pos: usize,
+        next: usize,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Put<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let shape = param.val().dims();
+            let n: usize = shape.iter().product();
+            let values = &self.data[self.pos..self.pos + n];
+            self.pos += n;
+            self.next += 1;
+            if self.present[self.next - 1] > 0.0 {
+                let device = param.val().device();
+                let t = Tensor::<AB::InnerBackend, D>::from_data(TensorData::new(values.to_vec(), shape), &device);
+                self.grads.register::<AB::InnerBackend, D>(param.id, t);
+            }
+        }
+    }
+    visit_shared(part, &mut Put { grads, data, present, pos: 0, next: 0 });
+}
+
 /// A parameter's place in the flattened vector.
 #[derive(Debug, Clone)]
 struct FlatParam {
@@ -103,11 +182,6 @@ impl<B: Backend> Sharded<B> {
         Self { group, params, len, shard, moments: HashMap::new() }
     }
 
-    /// Parameters in the flattened vector.
-    pub(super) fn count(&self) -> usize {
-        self.params.len()
-    }
-
     /// The part of parameter `p` in this copy's shard, as a range of the parameter's values.
     fn segment(&self, p: &FlatParam) -> Option<Range<usize>> {
         let a = p.offset.max(self.shard.start);
@@ -132,7 +206,7 @@ impl<B: Backend> Sharded<B> {
     }
 
     /// Flattens the gradients of the shared parameters (taking them out of `grads`) into
-    /// `(values, presence flags)`.
+    /// `(values, presence flags)` ([`flatten_shared`]).
     pub(super) fn flatten<AB, A, R, X>(
         &self,
         grads: &mut GradientsParams,
@@ -144,29 +218,7 @@ impl<B: Backend> Sharded<B> {
         R: TrainModule<AB>,
         X: TrainModule<AB>,
     {
-        struct Take<'a> {
-            grads: &'a mut GradientsParams,
-            data: Vec<f32>,
-            present: Vec<f32>,
-        }
-        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Take<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-                match self.grads.remove::<AB::InnerBackend, D>(param.id) {
-                    Some(g) => {
-                        self.present.push(1.0);
-                        self.data.extend(g.into_data().convert::<f32>().to_vec::<f32>().expect("f32"));
-                    }
-                    None => {
-                        self.present.push(0.0);
-                        let n: usize = param.val().dims().iter().product();
-                        self.data.extend(std::iter::repeat_n(0.0, n));
-                    }
-                }
-            }
-        }
-        let mut take = Take { grads, data: Vec::with_capacity(self.len), present: Vec::new() };
-        visit_shared(part, &mut take);
-        (take.data, take.present)
+        flatten_shared(grads, part, self.len)
     }
 
     /// The squares of this copy's shard of the reduced gradients, summed in f64; with the first

@@ -15,7 +15,7 @@ use disagmoe_models::TrainModule;
 
 use super::autodiff::{Flatten, MoveGrads, Restore, ZeroFill};
 use super::comm::StepMeters;
-use super::sharded::ShardGrads;
+use super::sharded::{flatten_shared, restore_shared, ShardGrads};
 use super::{Worker, WorkerPart};
 use crate::error::{Result, TrainError};
 use crate::metrics::ExchangeBytes;
@@ -186,38 +186,35 @@ where
     /// The copies' sum of their attention-side gradients (in place in `grads`) and router counts;
     /// with the distributed optimizer, the gradients reduce-scattered instead (taken out of
     /// `grads`: the returned shard holds them) and which of them exist summed with the counts.
+    ///
+    /// Without it the copies' all-reduce is the same reduce-scatter followed by an all-gather, over
+    /// the same vector: each sum is then added in the same order as with the distributed optimizer
+    /// (a library's all-reduce, `MPI_Allreduce`, would add four copies' gradients in another order
+    /// than its reduce-scatter), so the two differ only by the order of the norm's sum. The bytes
+    /// sent are the all-reduce's; under `local` the two halves are the ring all-reduce's.
     fn reduce_copies(
         &mut self,
         grads: &mut GradientsParams,
         replicas: &[usize],
         routed: &[usize],
     ) -> Result<Option<ShardGrads>> {
-        if let Some(sharded) = &self.sharded {
-            let (mut data, mut small) = sharded.flatten(grads, self.part());
-            let params = sharded.count();
-            small.extend(self.counts_to_add(routed));
-            self.all_reduce(replicas, &mut small)?;
-            self.reduce_scatter(replicas, &mut data)?;
-            self.take_summed_counts(routed, &small[params..]);
-            return Ok(Some(ShardGrads { data, present: small[..params].iter().map(|&x| x > 0.0).collect() }));
-        }
-        if replicas.len() <= 1 {
+        if self.sharded.is_none() && replicas.len() <= 1 {
             return Ok(None);
         }
-        // f32 gradients with a presence flag per parameter, then the routers' counts.
-        let part = self.part();
-        let mut flat = Flatten { grads, out: Vec::new() };
-        part.ends.visit(&mut flat);
-        part.attention.visit(&mut flat);
-        let mut data = flat.out;
-        data.extend(self.counts_to_add(routed));
-        self.all_reduce(replicas, &mut data)?;
-        let part = self.part();
-        let mut restore = Restore { grads, data: &data, pos: 0 };
-        part.ends.visit(&mut restore);
-        part.attention.visit(&mut restore);
-        let pos = restore.pos;
-        self.take_summed_counts(routed, &data[pos..]);
+        let (mut data, mut small) = match &self.sharded {
+            Some(sharded) => sharded.flatten(grads, self.part()),
+            None => flatten_shared(grads, self.part(), 0),
+        };
+        let params = small.len();
+        small.extend(self.counts_to_add(routed));
+        self.all_reduce(replicas, &mut small)?;
+        self.reduce_scatter(replicas, &mut data)?;
+        self.take_summed_counts(routed, &small[params..]);
+        if self.sharded.is_some() {
+            return Ok(Some(ShardGrads { data, present: small[..params].iter().map(|&x| x > 0.0).collect() }));
+        }
+        self.all_gather(replicas, &mut data)?;
+        restore_shared(grads, self.part(), &data, &small[..params]);
         Ok(None)
     }
 
