@@ -5,8 +5,9 @@
 # distributed optimizer: per rank the parameters held, the bytes of weights, gradients and
 # optimizer moments (`state_per_rank`, counted from the live tensors) and the peak RSS of its
 # process; then, per attention rank, its state with the optimizer on over its state with it off,
-# beside the planner's factor (4 + 4 + 8/2) / (4 + 4 + 8) = 0.75 (with `-- --optimizer-state-dtype
-# bf16`: (4 + 4 + 4/2) / (4 + 4 + 4) = 0.8333).
+# beside the planner's factor: under f32 (4 + 4 + 8/2) / (4 + 4 + 8) = 0.75, under bf16 (bf16
+# weights, f32 gradients, f32 master and moments) (2 + 4 + 12/2) / (2 + 4 + 12) = 0.6667 (with
+# `-- --optimizer-state-dtype bf16` the moments take 4 bytes instead of 8: 0.8333 and 0.7143).
 #
 #   cargo build --release --features mpi --bin disagmoe
 #   scripts/memory-table.sh [BINARY] [-- extra train options]
@@ -41,7 +42,9 @@ python3 - "$out" "$moments" <<'EOF'
 import json, sys
 out = sys.argv[1]
 moments = float(sys.argv[2])
-factor = (8 + moments / 2) / (8 + moments)
+# Weights + gradients, then the optimizer's bytes (master weights under bf16, then the moments).
+held = {"f32": (4 + 4, moments), "bf16": (2 + 4, 4 + moments)}
+factor = {p: (w + o / 2) / (w + o) for p, (w, o) in held.items()}
 runs = {(p, o): json.load(open(f"{out}/{p}-{o}.json")) for p in ("f32", "bf16") for o in ("off", "on")}
 print("| precision | distributed optimizer | rank | role | parameters | weights MB | gradients MB | optimizer MB | state MB | peak RSS MB |")
 print("|---|---|---|---|---|---|---|---|---|---|")
@@ -61,5 +64,5 @@ for p in ("f32", "bf16"):
         a, b = on["state_bytes_per_rank"][r], off["state_bytes_per_rank"][r]
         ra, rb = on["peak_rss_mb_per_rank"][r], off["peak_rss_mb_per_rank"][r]
         fmt = lambda l: ", ".join(f"{x:.4f}" for x in l)
-        print(f"| {p} | {r} | {a / b:.4f} | {factor:.4f} | {ra / rb:.3f} | {fmt(off['losses'])} | {fmt(on['losses'])} |")
+        print(f"| {p} | {r} | {a / b:.4f} | {factor[p]:.4f} | {ra / rb:.3f} | {fmt(off['losses'])} | {fmt(on['losses'])} |")
 EOF

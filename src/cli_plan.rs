@@ -20,7 +20,7 @@ use std::path::PathBuf;
 pub enum PlanPrecision {
     /// The runtime in f32.
     F32,
-    /// The runtime with bf16 products.
+    /// The runtime under `--precision bf16`: bf16 weights (f32 masters) and products.
     Bf16,
     /// Megatron-Core's mixed precision with its distributed optimizer.
     Megatron,

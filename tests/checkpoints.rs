@@ -642,6 +642,18 @@ fn bf16_moments_stop_and_resume_bit_identically() {
     stop_and_resume_bit_identically(Launch::Local, tmp.path(), "tiny-qwen3-moe", &placement, SMALL, 6);
 }
 
+/// bf16 working weights (`--precision bf16`): a checkpoint holds the f32 master weights (under
+/// disagg 4+2 in two groups, gathered from the distributed optimizer's shards), so stopped and
+/// resumed is the same run to the bit, on one device and on six workers.
+#[test]
+fn bf16_weights_stop_and_resume_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, placement) in [("single", SINGLE), ("disagg", DISAGG_4_2)] {
+        let placement = [placement, &["--precision", "bf16"]].concat();
+        stop_and_resume_bit_identically(Launch::Local, &tmp.path().join(name), "tiny-qwen3-moe", &placement, SMALL, 6);
+    }
+}
+
 #[test]
 fn sigterm_finishes_the_step_checkpoints_and_exits_zero() {
     let tmp = tempfile::tempdir().unwrap();

@@ -151,35 +151,44 @@ fn bf16_exchange() -> ExchangePrecision {
     ExchangePrecision::BF16
 }
 
-/// The runtime's (`disagmoe train`) under bf16 products, see [`Precision::runtime`].
+/// The runtime's (`disagmoe train`) under `--precision bf16`, see [`Precision::runtime_bf16`].
 impl Default for Precision {
     fn default() -> Self {
-        Self::runtime(true)
+        Self::runtime_bf16()
     }
 }
 
 impl Precision {
-    /// What `disagmoe train` holds under `--precision f32` (`bf16: false`) or `bf16`/`f16`:
-    /// f32 weights (the products cast them), f32 gradients, AdamW's two f32 moments (8 bytes,
-    /// sharded over a parameter's copies by the distributed optimizer; the f32 weights are their
-    /// own master copy), gradients all-reduced in f32, activations and the exchange in the
+    /// What `disagmoe train` holds under `--precision f32` (`low_products: false`) or `f16`
+    /// (`true`): f32 weights (the products cast them), f32 gradients, AdamW's two f32 moments (8
+    /// bytes, sharded over a parameter's copies by the distributed optimizer; the f32 weights are
+    /// their own master copy), gradients all-reduced in f32, activations and the exchange in the
     /// products' dtype.
-    pub fn runtime(bf16: bool) -> Self {
-        let low = if bf16 { 2.0 } else { 4.0 };
+    pub fn runtime(low_products: bool) -> Self {
+        let low = if low_products { 2.0 } else { 4.0 };
         Self {
             param_bytes: 4.0,
             grad_bytes: 4.0,
             optimizer_bytes: 8.0,
             activation_bytes: low,
             grad_comm_bytes: 4.0,
-            exchange: if bf16 { ExchangePrecision::BF16 } else { ExchangePrecision::F32 },
+            exchange: if low_products { ExchangePrecision::BF16 } else { ExchangePrecision::F32 },
         }
     }
 
+    /// What `disagmoe train` holds under `--precision bf16`: bf16 working weights, gradients taken
+    /// out of each backward in f32 and added and reduced in f32, an f32 master copy and AdamW's two
+    /// f32 moments in the optimizer (12 bytes, sharded over a parameter's copies by the
+    /// distributed optimizer), bf16 activations and exchange. The routers' weights and the
+    /// vectors (norms, biases) stay f32, a small part of a model the planner counts as bf16.
+    pub fn runtime_bf16() -> Self {
+        Self { param_bytes: 2.0, optimizer_bytes: 12.0, ..Self::runtime(true) }
+    }
+
     /// The runtime's with AdamW's two moments kept in bf16 (`--optimizer-state-dtype bf16`: 4
-    /// bytes of optimizer state per parameter instead of 8).
+    /// bytes of moments per parameter instead of 8; a master copy stays f32).
     pub fn with_bf16_moments(mut self) -> Self {
-        self.optimizer_bytes = 4.0;
+        self.optimizer_bytes -= 4.0;
         self
     }
 

@@ -141,7 +141,8 @@ impl<B: Backend> Embedding<B> {
         let [b, s] = ids.dims();
         let [_, h] = self.weight.dims();
         let flat = ids.reshape([b * s]);
-        let x = self.weight.val().select(0, flat.clone()); // [T, M]
+        // In f32 also from a table held in bf16 (`--precision bf16`'s working weights).
+        let x = self.weight.val().select(0, flat.clone()).cast(burn::tensor::DType::F32); // [T, M]
         let x = match self.padding_idx {
             // The padding rows' values, cut from the graph: no gradient reaches their table row.
             Some(p) => {

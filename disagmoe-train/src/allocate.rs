@@ -145,10 +145,13 @@ impl<F: FnMut(&RunConfig) -> Result<TrainSummary>> StepTimeOracle for MeasuredOr
 }
 
 /// The planner's bytes per element for what this run holds (`disagmoe_core::cost::Precision::runtime`
-/// under the run's `--precision`, with its exchange dtypes).
+/// under `--precision f32` and `f16`, `runtime_bf16` under `bf16`), with its exchange dtypes.
 pub fn runtime_precision(cfg: &RunConfig) -> disagmoe_core::cost::Precision {
     let compute = cfg.precision.compute;
-    let mut p = disagmoe_core::cost::Precision::runtime(compute != crate::config::Precision::F32);
+    let mut p = match compute {
+        crate::config::Precision::Bf16 => disagmoe_core::cost::Precision::runtime_bf16(),
+        other => disagmoe_core::cost::Precision::runtime(other != crate::config::Precision::F32),
+    };
     p.exchange = cfg.parallel.exchange_precision(compute);
     if cfg.optimizer.state_dtype == crate::config::StateDtype::Bf16 {
         p = p.with_bf16_moments();

@@ -455,7 +455,8 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     keep: usize,
 ) -> Result<PathBuf> {
     let tmp = begin(dir, state.step)?;
-    model.save_pretrained(&tmp, usize::MAX)?;
+    // The f32 master weights where the model holds bf16 working copies.
+    optimizer.masters_as(model.clone()).save_pretrained(&tmp, usize::MAX)?;
     for moment in Moment::BOTH {
         optimizer.moments_as(model.clone(), moment).save_pretrained(moment_dir(&tmp, moment), usize::MAX)?;
     }

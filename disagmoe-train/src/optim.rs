@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-#[cfg(feature = "flex")]
-use burn::tensor::DType;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 /// Peak learning rate at the end of warm-up, then cosine decay to `min_lr` at `total` steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,6 +130,8 @@ pub struct AdamW<B: AutodiffBackend> {
     settings: AdamWSettings,
     step: u64,
     state: HashMap<ParamId, Moments<B::InnerBackend>>,
+    /// The f32 master weights (flattened) of the parameters held in bf16 ([`AdamW::adopt_masters`]).
+    masters: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
 }
 
 /// Norm of the gradients of one step.
@@ -230,13 +230,52 @@ pub fn weight_and_grad_bytes<B: AutodiffBackend, M: Module<B>>(model: &M, grads:
     (count.params, count.grads_bytes)
 }
 
+/// Whether a run in precision `p` holds its matrices in bf16 (with f32 masters in the optimizer):
+/// under `bf16`. `f16` keeps f32 weights (its loss scaling needs the f32 update's range).
+pub fn bf16_weights(p: disagmoe_kernels::precision::Precision) -> bool {
+    p == disagmoe_kernels::precision::Precision::Bf16
+}
+
+/// Whether the parameter named `name`, of `dims` dimensions, is held in bf16 under bf16 weights:
+/// the matrices the products read (projections, experts, embeddings and heads), not the routers'
+/// weights (their logits decide the routing: kept f32, as Megatron-Core's `--moe-router-dtype
+/// fp32`), nor vectors and biases (norms, sinks, gpt-oss's expert biases), which are few bytes
+/// and added to f32 activations.
+pub fn held_in_bf16(name: &str, dims: usize) -> bool {
+    let router = name.ends_with(".gate.weight") || name.ends_with(".router.weight");
+    dims >= 2 && !router && !name.ends_with("bias")
+}
+
+/// The gradients in `grads` of `module`'s parameters in f32: those of parameters held in bf16
+/// ([`AdamW::adopt_masters`]) come out of a backward in bf16 and are cast once, there, so that
+/// micro-batches and copies add them in f32 (the planner's 4 gradient bytes per parameter).
+pub fn grads_in_f32<B: AutodiffBackend, M: Module<B>>(module: &M, mut grads: GradientsParams) -> GradientsParams {
+    struct Cast<'a> {
+        grads: &'a mut GradientsParams,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Cast<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.val().dtype() == DType::F32 {
+                return;
+            }
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                let g = if g.dtype() == DType::F32 { g } else { g.cast(DType::F32) };
+                self.grads.register::<B::InnerBackend, D>(param.id, g);
+            }
+        }
+    }
+    module.visit(&mut Cast { grads: &mut grads });
+    grads
+}
+
 struct SquareSum<'a, B: Backend> {
     parts: &'a mut Vec<Tensor<B, 1>>,
 }
 
 impl<B: Backend> ModuleVisitor<B> for SquareSum<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.parts.push(param.val().square().sum());
+        // In f32 whatever the parameter's dtype (the parts are concatenated).
+        self.parts.push(param.val().cast(DType::F32).square().sum());
     }
 }
 
@@ -266,8 +305,23 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
         };
         let require_grad = tensor.is_require_grad();
         let moments = self.opt.state.remove(&id).map(|Moments { m, v }| (m, v));
-        let (p, m, v) = self.opt.update(tensor.inner(), grad, moments, D >= 2, self.lr, self.grad_scale);
+        let shape = tensor.dims();
+        // A bf16 parameter is updated through its f32 master, and takes the master's rounding.
+        let (value, low) = match self.opt.masters.remove(&id) {
+            Some(master) => (master.reshape(shape), Some(tensor.dtype())),
+            None => (tensor.inner(), None),
+        };
+        let grad = if grad.dtype() == DType::F32 { grad } else { grad.cast(DType::F32) };
+        let (p, m, v) = self.opt.update(value, grad, moments, D >= 2, self.lr, self.grad_scale);
         self.opt.state.insert(id, Moments { m, v });
+        let p = match low {
+            Some(dtype) => {
+                let n = shape.iter().product::<usize>();
+                self.opt.masters.insert(id, p.clone().reshape([n]));
+                p.cast(dtype)
+            }
+            None => p,
+        };
         let mut out = Tensor::from_inner(p);
         if require_grad {
             out = out.require_grad();
@@ -279,7 +333,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for StepMapper<'_, B> {
 impl<B: AutodiffBackend> AdamW<B> {
     /// A fresh optimizer.
     pub fn new(settings: AdamWSettings) -> Self {
-        Self { settings, step: 0, state: HashMap::new() }
+        Self { settings, step: 0, state: HashMap::new(), masters: HashMap::new() }
     }
 
     /// One AdamW update of the values `param` (any shape: a parameter, or the part of a flattened
@@ -376,13 +430,88 @@ impl<B: AutodiffBackend> AdamW<B> {
         module.visit(&mut ids);
         for id in ids.0 {
             self.state.remove(&id);
+            self.masters.remove(&id);
         }
     }
 
-    /// Bytes of the moments this optimizer holds.
+    /// Bytes of the moments and master weights this optimizer holds.
     pub fn state_bytes(&self) -> u64 {
         let bytes = |t: &Tensor<B::InnerBackend, 1>| (t.dims()[0] * t.dtype().size()) as u64;
-        self.state.values().map(|Moments { m, v }| bytes(m) + bytes(v)).sum()
+        self.state.values().map(|Moments { m, v }| bytes(m) + bytes(v)).sum::<u64>()
+            + self.masters.values().map(bytes).sum::<u64>()
+    }
+
+    /// Holds the parameters of `module` that `low` picks in bf16 (the working copy the products
+    /// read), keeping their f32 values here as master weights: the update runs on the master and
+    /// writes its bf16 rounding into the parameter (Megatron-Core's bf16 parameters with f32 main
+    /// weights). Parameters already held in bf16 keep their master.
+    pub fn adopt_masters<M: AutodiffModule<B>>(&mut self, module: M, low: &dyn Fn(ParamId, usize) -> bool) -> M {
+        struct Adopt<'a, B: AutodiffBackend> {
+            masters: &'a mut HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+            low: &'a dyn Fn(ParamId, usize) -> bool,
+        }
+        impl<B: AutodiffBackend> ModuleMapper<B> for Adopt<'_, B> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                let (id, tensor, mapper) = param.consume();
+                if tensor.dtype() != DType::F32 || !(self.low)(id, D) {
+                    return Param::from_mapped_value(id, tensor, mapper);
+                }
+                let require_grad = tensor.is_require_grad();
+                let inner = tensor.inner();
+                let n = inner.dims().iter().product::<usize>();
+                self.masters.insert(id, inner.clone().reshape([n]));
+                // A leaf of its own (a cast of the f32 tensor would send its gradient there).
+                let mut t = Tensor::from_inner(inner.cast(DType::BF16));
+                if require_grad {
+                    t = t.require_grad();
+                }
+                Param::from_mapped_value(id, t, mapper)
+            }
+        }
+        module.map(&mut Adopt::<B> { masters: &mut self.masters, low })
+    }
+
+    /// Takes out the master weights of parameter `id` (flattened), when it is held in bf16.
+    pub fn take_master(&mut self, id: ParamId) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.masters.remove(&id)
+    }
+
+    /// A copy of `module` with the f32 master weights in place of the bf16 working copies: `full`
+    /// gives those of the parameters it names (flattened; a distributed optimizer's, gathered),
+    /// this optimizer the others; a parameter held in f32 is its own master. What a checkpoint
+    /// saves and a checksum sums.
+    pub fn masters_with<M: AutodiffModule<B>>(
+        &self,
+        module: M,
+        full: &HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    ) -> M {
+        struct Masters<'a, B: AutodiffBackend> {
+            masters: &'a HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+            full: &'a HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+        }
+        impl<B: AutodiffBackend> ModuleMapper<B> for Masters<'_, B> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                let Some(master) = self.full.get(&param.id).or_else(|| self.masters.get(&param.id)) else {
+                    return param;
+                };
+                let (id, tensor, mapper) = param.consume();
+                let require_grad = tensor.is_require_grad();
+                let mut t = Tensor::from_inner(master.clone().reshape(tensor.dims()));
+                if require_grad {
+                    t = t.require_grad();
+                }
+                Param::from_mapped_value(id, t, mapper)
+            }
+        }
+        if self.masters.is_empty() && full.is_empty() {
+            return module;
+        }
+        module.map(&mut Masters::<B> { masters: &self.masters, full })
+    }
+
+    /// [`AdamW::masters_with`] of this optimizer's masters alone.
+    pub fn masters_as<M: AutodiffModule<B>>(&self, module: M) -> M {
+        self.masters_with(module, &HashMap::new())
     }
 
     /// A copy of `module` whose parameters hold one of their moments: `full` gives those of the

@@ -20,7 +20,7 @@ use crate::checkpoint::{load_checkpoint, save_checkpoint, TrainState};
 use crate::config::{NonFinitePolicy, RunConfig};
 use crate::data::Batch;
 use crate::error::{Result, TrainError};
-use crate::optim::{grad_norm, poison_gradient, sum_of_squares, weight_and_grad_bytes, AdamW};
+use crate::optim::{grad_norm, grads_in_f32, poison_gradient, sum_of_squares, weight_and_grad_bytes, AdamW};
 use crate::trainer::{EngineInfo, FinalReport, StateBytes, StepEngine, StepReport, StepTiming};
 
 /// The whole model on one device.
@@ -83,6 +83,10 @@ impl<B: AutodiffBackend> SingleDevice<B> {
         model.set_routing(cfg.model.routing());
         let mconf = model.config();
         let names = model.state_dict_names();
+        if crate::optim::bf16_weights(cfg.precision.compute) {
+            let low = |id: ParamId, dims: usize| names.get(&id).is_some_and(|n| crate::optim::held_in_bf16(n, dims));
+            model = opt.adopt_masters(model, &low);
+        }
         let poison = match &cfg.faults.inject_nonfinite {
             Some(inj) => {
                 let id = names.iter().find(|(_, n)| **n == inj.tensor).map(|(id, _)| *id).ok_or_else(|| {
@@ -252,13 +256,13 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
                     self.with_aux,
                     self.recompute,
                     scale,
-                    &mut |g| acc.accumulate(model, GradientsParams::from_grads(g, model)),
+                    &mut |g| acc.accumulate(model, grads_in_f32(model, GradientsParams::from_grads(g, model))),
                 )?,
                 None => {
                     let (micro, total) = whole_model_loss(model, ids, docs.as_ref(), self.with_aux);
                     let total = if mbs > 1 { total.div_scalar(mbs as f64) } else { total };
                     let total = if loss_scale != 1.0 { total.mul_scalar(loss_scale) } else { total };
-                    acc.accumulate(model, GradientsParams::from_grads(total.backward(), model));
+                    acc.accumulate(model, grads_in_f32(model, GradientsParams::from_grads(total.backward(), model)));
                     micro
                 }
             };
@@ -345,10 +349,10 @@ impl<B: AutodiffBackend> StepEngine for SingleDevice<B> {
 
     fn finish(&mut self, out: Option<&Path>) -> Result<FinalReport> {
         if let Some(dir) = out {
-            self.model().valid().save_pretrained_as(dir, 2 << 30, self.save_dtype)?;
+            self.opt.masters_as(self.model().clone()).valid().save_pretrained_as(dir, 2 << 30, self.save_dtype)?;
         }
         Ok(FinalReport {
-            param_checksum: sum_of_squares(self.model()),
+            param_checksum: sum_of_squares(&self.opt.masters_as(self.model().clone())),
             peak_rss_mb_per_rank: vec![crate::metrics::peak_rss_mb()],
             state_per_rank: vec![self.peak_state],
         })

@@ -1,6 +1,8 @@
 //! Mixed precision: the dtype the models' matrix products run in.
 //!
-//! Parameters, optimizer moments and gradients stay f32 (master weights); under `bf16` or `f16`
+//! Under `f16` the parameters, optimizer moments and gradients stay f32; under `bf16` the training
+//! runtime holds the matrices in bf16 with f32 master weights in its optimizer (`disagmoe-train`'s
+//! `AdamW::adopt_masters`: casting a bf16 operand to bf16 is free). Under `bf16` or `f16`
 //! every matrix product of a model -- the dense projections and the LM head, the grouped expert
 //! products, attention's `q k^T` and `p v` -- goes through [`matmul`], which casts both operands
 //! to the low dtype, multiplies (Burn's backends accumulate in f32: flex converts to f32 for its
@@ -132,6 +134,8 @@ pub fn low() -> bool {
 /// are cast to it and the product back to f32.
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match precision().dtype() {
+        // A weight held in bf16 meets f32 activations only where no precision was set: in f32.
+        None if a.dtype() != b.dtype() => a.matmul(b.cast(DType::F32)),
         None => a.matmul(b),
         Some(low) => a.cast(low).matmul(b.cast(low)).cast(DType::F32),
     }

@@ -258,6 +258,7 @@ fn step_settings(cfg: &RunConfig, with_aux: bool, aux: Option<AuxLoss>, in_fligh
         exchange: cfg.parallel.exchange_precision(cfg.precision.compute),
         device_payloads: false,
         distributed_optimizer: cfg.parallel.distributed_optimizer,
+        bf16_weights: crate::optim::bf16_weights(cfg.precision.compute),
         placement_options: placement_options(cfg),
         rebalance_every: cfg.parallel.rebalance_every,
         redundant_experts: cfg.parallel.redundant_experts,

@@ -111,6 +111,9 @@ pub struct StepSettings {
     pub device_payloads: bool,
     /// Parameters held in copies are updated in shards ([`sharded`]).
     pub distributed_optimizer: bool,
+    /// The matrices are held in bf16 with f32 master weights in the optimizer (`--precision
+    /// bf16`, [`crate::optim::AdamW::adopt_masters`]).
+    pub bf16_weights: bool,
     /// The options an explicit expert placement was computed from, saved with it in checkpoints
     /// ([`crate::runtime::placement_options`]).
     pub placement_options: String,
@@ -204,13 +207,18 @@ where
         let settings_loads = settings.expert_loads.clone();
         let rank = comm.rank;
         let replicas = layout.replicas(rank);
+        let names = part.names(&layout, rank, ffn_name);
+        if settings.bf16_weights {
+            let low = |id: ParamId, dims: usize| names.get(&id).is_some_and(|n| crate::optim::held_in_bf16(n, dims));
+            part = opt.adopt_masters(part, &low);
+        }
         let sharded = (settings.distributed_optimizer && replicas.len() > 1).then(|| {
             let (n, pos) = (replicas.len(), replicas.iter().position(|&r| r == rank).expect("a copy of itself"));
             let mut s = Sharded::new(replicas.clone(), &part, |len| reducer.shard(n, pos, len));
             s.take_moments_from(&mut opt);
+            s.take_masters_from(&mut opt);
             s
         });
-        let names = part.names(&layout, rank, ffn_name);
         let attn_index = layout.attn_layers(rank).into_iter().enumerate().map(|(i, l)| (l, i)).collect();
         let ffn_index = layout.ffn_layers(rank).into_iter().enumerate().map(|(i, (l, _))| (l, i)).collect();
         Self {

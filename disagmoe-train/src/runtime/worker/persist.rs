@@ -55,6 +55,21 @@ where
     R: TrainModule<B> + Router<B>,
     X: TrainModule<B> + Experts<B>,
 {
+    /// This worker's part with the f32 master weights in place of the bf16 working copies (itself
+    /// without bf16 weights): what checkpoints and the final model save. Under the distributed
+    /// optimizer the copies gather their shards of the masters (every copy takes part).
+    fn master_part(&mut self) -> Result<super::WorkerPart<B, A, R, X>> {
+        let mut whole = std::collections::HashMap::new();
+        if self.settings.bf16_weights {
+            if let Some(sharded) = &self.sharded {
+                let (group, mut data) = (sharded.group.clone(), sharded.master_shard());
+                self.all_gather(&group, &mut data)?;
+                whole = self.sharded.as_ref().expect("sharded").split_masters(&data, self.part());
+            }
+        }
+        Ok(self.opt.masters_with(self.part().clone(), &whole))
+    }
+
     /// Parameters each worker holds (by rank) and parameters of the whole model (each counted once),
     /// the same on every worker; an error on every worker when no worker holds the tensor of the
     /// test-only fault `inject_nonfinite`.
@@ -102,7 +117,7 @@ where
     ) -> Result<(f64, Vec<f64>, Vec<StateBytes>)> {
         let rank = self.rank();
         self.comm.working_on("writing the final model".into());
-        let part = self.part();
+        let part = &self.master_part()?;
         let mut own = if self.layout.has_replicas() {
             // A replicated expert once, on its first holder.
             let counted: Vec<X> = part.counted_experts(&self.layout, rank).into_iter().cloned().collect();
@@ -183,7 +198,7 @@ where
             self.all_gather(&group, &mut data)?;
             whole.push(self.sharded.as_ref().expect("sharded").split(&data, &self.device));
         }
-        let part = self.part();
+        let part = &self.master_part()?;
         let mut reports =
             vec![write_shards(&partial, rank, &part.counted_once(&self.layout, rank, self.ffn_name), experts, F32)?];
         hook(CheckpointMoment::Writing);

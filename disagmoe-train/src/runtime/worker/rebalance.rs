@@ -159,6 +159,13 @@ where
             self.layout = next;
             let rank = self.rank();
             self.names = self.part().names(&self.layout, rank, self.ffn_name);
+            if self.settings.bf16_weights {
+                // The experts received arrive as f32 masters: held in bf16 like the others.
+                let names = &self.names;
+                let low = |id, dims| names.get(&id).is_some_and(|n| crate::optim::held_in_bf16(n, dims));
+                let part = self.part.take().expect("part");
+                self.part = Some(self.opt.adopt_masters(part, &low));
+            }
             let groups = self.layout.expert_replica_groups();
             self.reducer.regroup_experts(&mut self.comm, &groups)?;
         }
@@ -321,7 +328,8 @@ where
         let prefix = format!("model.layers.{layer}.{}.experts", self.ffn_name);
         let e = self.layout.experts;
         let refused = |cause: String| TrainError::option("rebalance_every", cause);
-        let mut all = expert_tensors::<B, X>(x, run, &prefix, e, 0).map_err(refused)?;
+        // The f32 master weights where the experts are held in bf16.
+        let mut all = expert_tensors::<B, X>(&self.opt.masters_as(x.clone()), run, &prefix, e, 0).map_err(refused)?;
         for (which, moment) in [(1, Moment::First), (2, Moment::Second)] {
             let m = self.opt.moments_as(x.clone(), moment);
             for (expert, t) in expert_tensors::<B, X>(&m, run, &prefix, e, which).map_err(refused)? {

@@ -153,6 +153,8 @@ pub(super) struct Sharded<B: Backend> {
     shard: Range<usize>,
     /// AdamW's moments of the part of each parameter in the shard.
     moments: HashMap<ParamId, (Tensor<B, 1>, Tensor<B, 1>)>,
+    /// The f32 master weights of the part in the shard of each parameter held in bf16.
+    masters: HashMap<ParamId, Tensor<B, 1>>,
 }
 
 /// A step's reduced gradients: this copy's shard of the sum (the rest of `data` undefined), and
@@ -179,7 +181,7 @@ impl<B: Backend> Sharded<B> {
         let (mut params, mut len) = (Vec::new(), 0);
         visit_shared(part, &mut List { out: &mut params, len: &mut len });
         let shard = shard(len);
-        Self { group, params, len, shard, moments: HashMap::new() }
+        Self { group, params, len, shard, moments: HashMap::new(), masters: HashMap::new() }
     }
 
     /// The part of parameter `p` in this copy's shard, as a range of the parameter's values.
@@ -201,6 +203,18 @@ impl<B: Backend> Sharded<B> {
                     Tensor::from_data(t.slice([r.clone()]).into_data(), &device)
                 };
                 self.moments.insert(p.id, (own(m), own(v)));
+            }
+        }
+    }
+
+    /// Takes this copy's shard of the master weights `opt` holds for the shared parameters held in
+    /// bf16 ([`AdamW::adopt_masters`]) and drops the rest.
+    pub(super) fn take_masters_from<AB: AutodiffBackend<InnerBackend = B>>(&mut self, opt: &mut AdamW<AB>) {
+        for p in &self.params {
+            let Some(master) = opt.take_master(p.id) else { continue };
+            if let Some(r) = self.segment(p) {
+                let device = master.device();
+                self.masters.insert(p.id, Tensor::from_data(master.slice([r]).into_data(), &device));
             }
         }
     }
@@ -270,9 +284,14 @@ impl<B: Backend> Sharded<B> {
                 debug_assert_eq!(p.id, param.id, "the same visiting order as the listing");
                 let Some(r) = self.sharded.segment(&p).filter(|_| self.g.present[i]) else { return };
                 let at = p.offset + r.start..p.offset + r.end;
-                let value = param.val().inner();
-                let device = value.device();
-                let part = value.reshape([p.len]).slice([r]);
+                // A parameter held in bf16 is updated through its master (see `AdamW::step`).
+                let master = self.sharded.masters.remove(&p.id);
+                let low = master.is_some();
+                let part = match master {
+                    Some(m) => m,
+                    None => param.val().inner().reshape([p.len]).slice([r]),
+                };
+                let device = part.device();
                 let grad = Tensor::<AB::InnerBackend, 1>::from_data(
                     TensorData::new(self.g.data[at.clone()].to_vec(), [at.len()]),
                     &device,
@@ -280,7 +299,10 @@ impl<B: Backend> Sharded<B> {
                 let moments = self.sharded.moments.remove(&p.id);
                 let (new, m, v) = self.opt.update(part, grad, moments, p.matrix, self.lr, self.grad_scale);
                 self.sharded.moments.insert(p.id, (m, v));
-                let values = new.into_data().convert::<f32>().to_vec::<f32>().expect("f32");
+                let values = new.clone().into_data().convert::<f32>().to_vec::<f32>().expect("f32");
+                if low {
+                    self.sharded.masters.insert(p.id, new);
+                }
                 self.g.data[at].copy_from_slice(&values);
             }
         }
@@ -317,6 +339,67 @@ impl<B: Backend> Sharded<B> {
         data
     }
 
+    /// The master weights of this copy's shard laid into a vector of the flattened length (zeros
+    /// elsewhere), for an all-gather.
+    pub(super) fn master_shard(&self) -> Vec<f32> {
+        let mut data = vec![0f32; self.len];
+        for p in &self.params {
+            if let (Some(r), Some(m)) = (self.segment(p), self.masters.get(&p.id)) {
+                let values = m.clone().into_data().convert::<f32>().to_vec::<f32>().expect("f32");
+                data[p.offset + r.start..p.offset + r.end].copy_from_slice(&values);
+            }
+        }
+        data
+    }
+
+    /// The gathered master weights `data` as whole flattened tensors, for the parameters held in
+    /// bf16 (those of `part` whose value is not f32).
+    pub(super) fn split_masters<AB, A, R, X>(
+        &self,
+        data: &[f32],
+        part: &WorkerPart<AB, A, R, X>,
+    ) -> HashMap<ParamId, Tensor<B, 1>>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        A: TrainModule<AB>,
+        R: TrainModule<AB>,
+        X: TrainModule<AB>,
+    {
+        struct Low(Vec<ParamId>);
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Low {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if param.val().dtype() != burn::tensor::DType::F32 {
+                    self.0.push(param.id);
+                }
+            }
+        }
+        let mut low = Low(Vec::new());
+        visit_shared(part, &mut low);
+        let mut all = self.split(data, &self.device_of(part));
+        all.retain(|id, _| low.0.contains(id));
+        all
+    }
+
+    fn device_of<AB, A, R, X>(&self, part: &WorkerPart<AB, A, R, X>) -> B::Device
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        A: TrainModule<AB>,
+        R: TrainModule<AB>,
+        X: TrainModule<AB>,
+    {
+        struct Dev<B: Backend>(Option<B::Device>);
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Dev<AB::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if self.0.is_none() {
+                    self.0 = Some(param.val().inner().device());
+                }
+            }
+        }
+        let mut d = Dev::<B>(None);
+        visit_shared(part, &mut d);
+        d.0.unwrap_or_default()
+    }
+
     /// The gathered moment `data` as whole flattened tensors per parameter.
     pub(super) fn split(&self, data: &[f32], device: &B::Device) -> HashMap<ParamId, Tensor<B, 1>> {
         (self.params.iter())
@@ -327,10 +410,11 @@ impl<B: Backend> Sharded<B> {
             .collect()
     }
 
-    /// Bytes of the moments this copy holds.
+    /// Bytes of the moments and master weights this copy holds.
     pub(super) fn state_bytes(&self) -> u64 {
         let bytes = |t: &Tensor<B, 1>| (t.dims()[0] * t.dtype().size()) as u64;
-        self.moments.values().map(|(m, v)| bytes(m) + bytes(v)).sum()
+        self.moments.values().map(|(m, v)| bytes(m) + bytes(v)).sum::<u64>()
+            + self.masters.values().map(bytes).sum::<u64>()
     }
 }
 
@@ -355,7 +439,10 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Load<'_, AB::InnerBackend> {
         let (shape, device, dtype) = (tensor.dims(), tensor.device(), tensor.dtype());
         drop(tensor);
         let values = self.g.data[p.offset..p.offset + p.len].to_vec();
-        let mut t = Tensor::<AB, D>::from_data(TensorData::new(values, shape).convert_dtype(dtype), &device);
+        // Cast on the device (`from_data` would make any data the backend's f32): a bf16 weight
+        // gets the rounding of `AdamW::step`'s cast.
+        let t = Tensor::<AB::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
+        let mut t = Tensor::<AB, D>::from_inner(if dtype == burn::tensor::DType::F32 { t } else { t.cast(dtype) });
         if require_grad {
             t = t.require_grad();
         }

@@ -285,7 +285,7 @@ where
 
     /// Adds the gradients of `module`'s parameters (a forked piece of the part) to the step's.
     fn accumulate<M: AutodiffModule<B>>(&mut self, grads: &mut B::Gradients, module: &M) {
-        let params = GradientsParams::from_module(grads, module);
+        let params = crate::optim::grads_in_f32(module, GradientsParams::from_module(grads, module));
         self.grads.accumulate(self.part.as_ref().expect("part"), params);
     }
 
@@ -384,7 +384,7 @@ where
         let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
         let shape = h.dims();
         let gh = grad_of(&Some(h), &mut grads, shape, &self.device);
-        let params = GradientsParams::from_module(&mut grads, &ends);
+        let params = crate::optim::grads_in_f32(&ends, GradientsParams::from_module(&mut grads, &ends));
         self.head_grads.accumulate(self.part.as_ref().expect("part"), params);
         self.send_input_grad(mb, layers, gh, &from, aux_coef)
     }
