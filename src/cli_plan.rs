@@ -55,8 +55,9 @@ pub struct JobArgs {
     #[arg(long, value_name = "f32|bf16|fp8")]
     pub exchange_dtype: Option<ExchangeDtype>,
     /// The products' dtype of the run being planned, as `disagmoe train --precision`: the memory
-    /// of each GPU is what the runtime holds under it (f32 weights, gradients and AdamW moments,
-    /// the moments sharded over copies; activations in the products' dtype); or `megatron`:
+    /// of each GPU is what the runtime holds under it (f32: f32 weights, gradients and AdamW
+    /// moments, the moments sharded over copies; bf16: bf16 weights, f32 gradients, f32 master
+    /// weights and moments sharded over copies; activations in the products' dtype); or `megatron`:
     /// Megatron-Core's mixed precision with its distributed optimizer (bf16 weights, f32
     /// gradients, f32 master copy and moments sharded), what `reproduce-paper` plans with
     /// [default: bf16].

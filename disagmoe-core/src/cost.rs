@@ -179,8 +179,9 @@ impl Precision {
     /// What `disagmoe train` holds under `--precision bf16`: bf16 working weights, gradients taken
     /// out of each backward in f32 and added and reduced in f32, an f32 master copy and AdamW's two
     /// f32 moments in the optimizer (12 bytes, sharded over a parameter's copies by the
-    /// distributed optimizer), bf16 activations and exchange. The routers' weights and the
-    /// vectors (norms, biases) stay f32, a small part of a model the planner counts as bf16.
+    /// distributed optimizer); activations and the exchange as [`Precision::runtime`] with low
+    /// products. The routers' weights and the vectors (norms, biases) stay f32, a small part of a
+    /// model the planner counts as bf16.
     pub fn runtime_bf16() -> Self {
         Self { param_bytes: 2.0, optimizer_bytes: 12.0, ..Self::runtime(true) }
     }

@@ -141,8 +141,13 @@ impl<B: Backend> Embedding<B> {
         let [b, s] = ids.dims();
         let [_, h] = self.weight.dims();
         let flat = ids.reshape([b * s]);
-        // In f32 also from a table held in bf16 (`--precision bf16`'s working weights).
-        let x = self.weight.val().select(0, flat.clone()).cast(burn::tensor::DType::F32); // [T, M]
+        // A table held in bf16 (`--precision bf16`'s working weights) is looked up in f32: the
+        // gradient of a row, a sum over the token's occurrences, is then added in f32 and rounded
+        // once (as PyTorch's embedding backward does), not in bf16 at each occurrence. The f32
+        // table is transient, the size of the f32 gradient the backward makes anyway.
+        let w = self.weight.val();
+        let w = if w.dtype() == burn::tensor::DType::F32 { w } else { w.cast(burn::tensor::DType::F32) };
+        let x = w.select(0, flat.clone()); // [T, M]
         let x = match self.padding_idx {
             // The padding rows' values, cut from the graph: no gradient reaches their table row.
             Some(p) => {

@@ -141,9 +141,9 @@ impl<B: AutodiffBackend> SingleDevice<B> {
         self.model.as_ref().expect("the model is only taken during the update")
     }
 
-    /// The trained model.
+    /// The trained model (with its f32 master weights where it held bf16 working copies).
     pub fn into_model(self) -> MoeCausalLm<B> {
-        self.model.expect("model")
+        self.opt.masters_as(self.model.expect("model"))
     }
 }
 

@@ -9,8 +9,9 @@
 //! gemm, CubeCL's matmul accumulates in f32 on tensor cores) and casts the product back to f32.
 //! Everything between products stays f32: norms, softmax, rotary embedding, router
 //! probabilities, the loss, gradient sums and norms. Autodiff casts each gradient back through the
-//! same casts, so a weight's gradient arrives in f32 and its products' gradients run in the low
-//! dtype too.
+//! same casts, so an f32 weight's gradient arrives in f32 (a bf16 weight's in bf16: the runtime
+//! casts it to f32 as it leaves the backward) and its products' gradients run in the low dtype
+//! too.
 //!
 //! The fused CPU operations that contain products (linear, attention, grouped experts) are f32
 //! only and step aside under a low precision ([`crate::fused`] returns `None` for them), so the
@@ -135,7 +136,7 @@ pub fn low() -> bool {
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match precision().dtype() {
         // A weight held in bf16 meets f32 activations only where no precision was set: in f32.
-        None if a.dtype() != b.dtype() => a.matmul(b.cast(DType::F32)),
+        None if a.dtype() != b.dtype() => a.cast(DType::F32).matmul(b.cast(DType::F32)),
         None => a.matmul(b),
         Some(low) => a.cast(low).matmul(b.cast(low)).cast(DType::F32),
     }

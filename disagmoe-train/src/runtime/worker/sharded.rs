@@ -11,6 +11,10 @@
 //! the same weights again. Which parameters had a gradient travels in a small all-reduce with the
 //! routers' expert counts. The global gradient norm adds each copy's shard once.
 //!
+//! Under `--precision bf16` the parameters' f32 master weights are sharded the same way: each copy
+//! updates its shard of the masters and the all-gather casts them to the bf16 working copy; a
+//! checkpoint gathers the masters whole too.
+//!
 //! A checkpoint gathers the moments whole (the files are laid out as without sharding, so they
 //! resume under any placement or number of copies); a resume slices each copy's shard out of the
 //! whole moments it read.
@@ -375,8 +379,9 @@ impl<B: Backend> Sharded<B> {
         }
         let mut low = Low(Vec::new());
         visit_shared(part, &mut low);
+        let low: std::collections::HashSet<ParamId> = low.0.into_iter().collect();
         let mut all = self.split(data, &self.device_of(part));
-        all.retain(|id, _| low.0.contains(id));
+        all.retain(|id, _| low.contains(id));
         all
     }
 
