@@ -662,39 +662,31 @@ fn the_distributed_optimizer_updates_in_shards_what_the_all_reduce_updated_whole
             }
         }
     }
-    // Without clipping nothing but the order of the norm's sum differed: the same bits.
-    let args = [WITH_COPIES[0].1, &["--grad-clip", "0"]].concat();
-    let on = dir.path().join("noclip-on");
-    let off = dir.path().join("noclip-off");
-    let a = train("tiny-qwen3-moe", &[&args[..], &["--out", on.to_str().unwrap()]].concat());
-    let b = train(
-        "tiny-qwen3-moe",
-        &[&args[..], &["--distributed-optimizer", "off", "--out", off.to_str().unwrap()]].concat(),
-    );
-    assert_eq!(a["losses"], b["losses"]);
-    assert_bit_identical_weights("tiny-qwen3-moe disagg 4+2 without clipping", &on.join("final"), &off.join("final"));
-    // bf16 working weights: each copy updates its shard of the f32 masters, which the all-gather
-    // rounds to bf16 on every copy; the same bits as the whole masters (saved: the masters).
-    let args = [&args[..], &["--precision", "bf16"]].concat();
-    let on = dir.path().join("noclip-bf16-on");
-    let off = dir.path().join("noclip-bf16-off");
-    let c = train("tiny-qwen3-moe", &[&args[..], &["--out", on.to_str().unwrap()]].concat());
-    let d = train(
-        "tiny-qwen3-moe",
-        &[&args[..], &["--distributed-optimizer", "off", "--out", off.to_str().unwrap()]].concat(),
-    );
-    assert_eq!(c["losses"], d["losses"]);
-    assert_bit_identical_weights(
-        "tiny-qwen3-moe bf16 disagg 4+2 without clipping",
-        &on.join("final"),
-        &off.join("final"),
-    );
-    // Every rank's weights in fewer bytes than in f32; the attention ranks' gradients in as many
-    // (f32; the expert ranks' depend on which experts were routed to).
-    for (rank, (bf16, f32)) in state_of(&c, "params").iter().zip(state_of(&a, "params")).enumerate() {
-        assert!(*bf16 < f32, "rank {rank}: {bf16} bytes of bf16 weights, {f32} in f32");
+    // Without clipping nothing but the order of the norm's sum differed: the same bits. Under
+    // bf16 working weights too: each copy updates its shard of the f32 masters, which the
+    // all-gather rounds to bf16 on every copy (saved: the masters).
+    let mut held = Vec::new();
+    for precision in ["f32", "bf16"] {
+        let args = [WITH_COPIES[0].1, &["--grad-clip", "0", "--precision", precision]].concat();
+        let on = dir.path().join(format!("noclip-{precision}-on"));
+        let off = dir.path().join(format!("noclip-{precision}-off"));
+        let a = train("tiny-qwen3-moe", &[&args[..], &["--out", on.to_str().unwrap()]].concat());
+        let b = train(
+            "tiny-qwen3-moe",
+            &[&args[..], &["--distributed-optimizer", "off", "--out", off.to_str().unwrap()]].concat(),
+        );
+        assert_eq!(a["losses"], b["losses"], "{precision}");
+        let what = format!("tiny-qwen3-moe {precision} disagg 4+2 without clipping");
+        assert_bit_identical_weights(&what, &on.join("final"), &off.join("final"));
+        held.push((state_of(&a, "params"), state_of(&a, "grads")));
     }
-    assert_eq!(state_of(&c, "grads")[..4], state_of(&a, "grads")[..4]);
+    // Every rank's weights in fewer bytes under bf16; the attention ranks' gradients in as many
+    // (f32; the expert ranks' depend on which experts were routed to).
+    let ((f32_params, f32_grads), (bf16_params, bf16_grads)) = (&held[0], &held[1]);
+    for (rank, (bf16, f32)) in bf16_params.iter().zip(f32_params).enumerate() {
+        assert!(bf16 < f32, "rank {rank}: {bf16} bytes of bf16 weights, {f32} in f32");
+    }
+    assert_eq!(bf16_grads[..4], f32_grads[..4]);
 }
 
 /// The planner's memory of a GPU (`disagmoe-core`'s cost model under `Precision::runtime`, and
