@@ -15,8 +15,12 @@ use disagmoe_train::{train, train_on, Placement, RunConfig};
 type B = Autodiff<WgpuCube>;
 
 /// Losses through the kernels against the reference's, relative, over the three families' 4
-/// steps: about ten times the worst measured on lavapipe (6.9e-7, tiny-qwen3-moe, 2026-12-02).
-const LOSS_TOL: f64 = 7e-6;
+/// steps. lavapipe's numbers depend on the host CPU: on an EPYC without AVX-512 the worst was
+/// 6.9e-7 (tiny-qwen3-moe, 2026-12-02); on one with AVX-512, 9.6e-6 (tiny-deepseek-v3 at steps
+/// 3-4, its first two steps bit-identical and its first-step gradients within 8.0e-6 of the
+/// reference's, 2026-12-07; stop 56's code, fb12f4d, gives the same numbers there). About three
+/// times the worst.
+const LOSS_TOL: f64 = 3e-5;
 /// The first step's gradients (see `gradient_error`): about ten times the worst measured (3.1e-6,
 /// tiny-qwen3-moe's k_norm).
 const GRAD_TOL: f64 = 3e-5;
