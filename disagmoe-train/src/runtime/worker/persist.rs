@@ -64,7 +64,7 @@ where
             if let Some(sharded) = &self.sharded {
                 let (group, mut data) = (sharded.group.clone(), sharded.master_shard());
                 self.all_gather(&group, &mut data)?;
-                whole = self.sharded.as_ref().expect("sharded").split_masters(&data, self.part());
+                whole = self.sharded.as_ref().expect("sharded").split_masters(&data, self.part(), &self.device);
             }
         }
         Ok(self.opt.masters_with(self.part().clone(), &whole))

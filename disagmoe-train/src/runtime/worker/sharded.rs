@@ -357,11 +357,12 @@ impl<B: Backend> Sharded<B> {
     }
 
     /// The gathered master weights `data` as whole flattened tensors, for the parameters held in
-    /// bf16 (those of `part` whose value is not f32).
+    /// bf16 (those of `part` whose value is not f32), on `device`.
     pub(super) fn split_masters<AB, A, R, X>(
         &self,
         data: &[f32],
         part: &WorkerPart<AB, A, R, X>,
+        device: &B::Device,
     ) -> HashMap<ParamId, Tensor<B, 1>>
     where
         AB: AutodiffBackend<InnerBackend = B>,
@@ -380,29 +381,9 @@ impl<B: Backend> Sharded<B> {
         let mut low = Low(Vec::new());
         visit_shared(part, &mut low);
         let low: std::collections::HashSet<ParamId> = low.0.into_iter().collect();
-        let mut all = self.split(data, &self.device_of(part));
+        let mut all = self.split(data, device);
         all.retain(|id, _| low.contains(id));
         all
-    }
-
-    fn device_of<AB, A, R, X>(&self, part: &WorkerPart<AB, A, R, X>) -> B::Device
-    where
-        AB: AutodiffBackend<InnerBackend = B>,
-        A: TrainModule<AB>,
-        R: TrainModule<AB>,
-        X: TrainModule<AB>,
-    {
-        struct Dev<B: Backend>(Option<B::Device>);
-        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Dev<AB::InnerBackend> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-                if self.0.is_none() {
-                    self.0 = Some(param.val().inner().device());
-                }
-            }
-        }
-        let mut d = Dev::<B>(None);
-        visit_shared(part, &mut d);
-        d.0.unwrap_or_default()
     }
 
     /// The gathered moment `data` as whole flattened tensors per parameter.
