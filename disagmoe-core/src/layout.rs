@@ -12,6 +12,13 @@
 //! - `ep` (the colocated baseline): each of `W` workers holds every attention layer and the ends (data
 //!   parallel) and `1/W` of every layer's experts; micro-batch `m` belongs to worker `m mod W`;
 //!   worker 0 also holds shared experts and dense MLPs.
+//! - **context parallelism** (`disagg` only, [`Layout::with_context_parallel`]): each attention
+//!   group's workers form rings of `C`, and each sequence of a micro-batch is cut over the `C`
+//!   workers of one ring (two chunks each: `disagmoe_kernels::ring`). The runtime's unit of work
+//!   is then a **unit** `u = mb * C + r`, the tokens of micro-batch `mb` that ring rank `r`
+//!   holds: units go through the attention stages and the token exchange as micro-batches do
+//!   without context parallelism (with `C = 1` a unit is a micro-batch), and the head of `mb`
+//!   gathers its `C` units on ring rank 0.
 
 use std::ops::Range;
 
@@ -83,6 +90,8 @@ pub struct Layout {
     /// of [`Layout::expert_range`] (`None`, or no entry): a balanced placement with redundant
     /// replicas of hot experts ([`Layout::set_expert_map`]); set by the runner.
     pub expert_maps: Vec<Option<ExpertMap>>,
+    /// Context parallelism `C`: the attention workers a sequence is cut over (1: none).
+    pub context_parallel: usize,
 }
 
 impl Layout {
@@ -116,6 +125,7 @@ impl Layout {
             shared_experts: vec![false; layers],
             sparse: vec![true; layers],
             expert_maps: vec![None; layers],
+            context_parallel: 1,
         })
     }
 
@@ -144,20 +154,71 @@ impl Layout {
             shared_experts: vec![false; layers],
             sparse: vec![true; layers],
             expert_maps: vec![None; layers],
+            context_parallel: 1,
         })
     }
 
-    /// The worker that runs the attention of `layer` for micro-batch `mb`.
-    pub fn attn_worker(&self, mb: usize, layer: usize) -> usize {
+    /// The same layout with each sequence cut over rings of `c` attention workers (see the
+    /// module doc); refused under `ep`, or unless `c` divides the attention workers of a group.
+    pub fn with_context_parallel(mut self, c: usize) -> Result<Self> {
+        if c == 0 {
+            return Err(invalid("context_parallel", c, "must be at least 1".into()));
+        }
+        if c > 1 && self.placement != Placement::Disagg {
+            return Err(invalid(
+                "context_parallel",
+                c,
+                "1 with placement ep (context parallelism needs disagg)".into(),
+            ));
+        }
+        if self.attn_per_group % c != 0 {
+            return Err(invalid(
+                "context_parallel",
+                c,
+                format!("a divisor of the attention workers per group ({})", self.attn_per_group),
+            ));
+        }
+        self.context_parallel = c;
+        Ok(self)
+    }
+
+    /// Units of a step: micro-batches times [`Layout::context_parallel`] (see the module doc).
+    pub fn units(&self) -> usize {
+        self.micro_batches * self.context_parallel
+    }
+
+    /// The micro-batch of unit `unit` and the ring rank that holds it.
+    pub fn unit_of(&self, unit: usize) -> (usize, usize) {
+        (unit / self.context_parallel, unit % self.context_parallel)
+    }
+
+    /// The units of the same micro-batch as `unit` (its ring), in ring-rank order, itself included.
+    pub fn ring_units(&self, unit: usize) -> std::ops::Range<usize> {
+        let first = unit - unit % self.context_parallel;
+        first..first + self.context_parallel
+    }
+
+    /// The worker that runs the attention of `layer` for unit `unit` (without context parallelism,
+    /// a unit is a micro-batch).
+    pub fn attn_worker(&self, unit: usize, layer: usize) -> usize {
         match self.placement {
-            Placement::Ep => mb % self.workers,
-            _ => layer_group(layer, self.groups) * self.attn_per_group + mb % self.attn_per_group,
+            Placement::Ep => unit % self.workers,
+            _ => {
+                let (mb, r) = self.unit_of(unit);
+                let rings = self.attn_per_group / self.context_parallel;
+                layer_group(layer, self.groups) * self.attn_per_group + (mb % rings) * self.context_parallel + r
+            }
         }
     }
 
-    /// The worker that embeds micro-batch `mb` and computes its loss.
+    /// The worker that computes micro-batch `mb`'s loss: the one that embeds its first unit.
     pub fn head_worker(&self, mb: usize) -> usize {
-        self.attn_worker(mb, 0)
+        self.attn_worker(mb * self.context_parallel, 0)
+    }
+
+    /// Units whose attention `worker` runs at `layer`, ascending.
+    pub fn attn_units(&self, worker: usize, layer: usize) -> Vec<usize> {
+        (0..self.units()).filter(|&u| self.attn_worker(u, layer) == worker).collect()
     }
 
     /// The workers holding `layer`'s experts, in expert order; the first also holds shared experts
@@ -297,15 +358,23 @@ impl Layout {
         }
     }
 
-    /// Micro-batches `worker` embeds, in the order it starts them.
-    pub fn own_micro_batches(&self, worker: usize) -> Vec<usize> {
-        (0..self.micro_batches).filter(|&m| self.head_worker(m) == worker).collect()
+    /// Units `worker` embeds, in the order it starts them (micro-batches without context
+    /// parallelism).
+    pub fn own_units(&self, worker: usize) -> Vec<usize> {
+        self.attn_units(worker, 0)
     }
 
-    /// The fewest micro-batches an embedding worker owns (the largest in-flight window every
-    /// embedding worker can fill).
+    /// Micro-batches `worker` embeds a unit of (whose token rows it reads), ascending.
+    pub fn own_micro_batches(&self, worker: usize) -> Vec<usize> {
+        let mut mbs: Vec<usize> = self.own_units(worker).into_iter().map(|u| self.unit_of(u).0).collect();
+        mbs.dedup();
+        mbs
+    }
+
+    /// The fewest units an embedding worker owns (the largest in-flight window every embedding
+    /// worker can fill).
     pub fn fewest_owned_micro_batches(&self) -> usize {
-        (0..self.workers).map(|w| self.own_micro_batches(w).len()).filter(|&n| n > 0).min().unwrap_or(1)
+        (0..self.workers).map(|w| self.own_units(w).len()).filter(|&n| n > 0).min().unwrap_or(1)
     }
 
     /// A name for logs and traces: `attn g0.w1`, `ffn g1.w0`, `ep 2`.
@@ -345,7 +414,31 @@ mod tests {
     }
 
     #[test]
+    fn context_parallel_rings_share_a_micro_batch_and_the_head_is_ring_rank_0() {
+        // 2 groups of 4 attention workers, rings of 2: micro-batch m on ring m % 2 of each group.
+        let l = Layout::disagg(4, 8, 4, 8, 4, 2).unwrap().with_context_parallel(2).unwrap();
+        assert_eq!(l.units(), 8);
+        assert_eq!(l.unit_of(5), (2, 1));
+        assert_eq!(l.ring_units(5), 4..6);
+        // Unit 5 (mb 2, rank 1): ring 0 of group 1 at layer 1, worker 4 + 0 * 2 + 1.
+        assert_eq!(l.attn_worker(5, 1), 5);
+        assert_eq!(l.attn_worker(3, 0), 3, "mb 1 on ring 1 of group 0, rank 1");
+        assert_eq!(l.head_worker(1), 2);
+        assert_eq!(l.own_units(2), vec![2, 6]);
+        assert_eq!(l.own_micro_batches(3), vec![1, 3]);
+        assert_eq!(l.attn_units(6, 3), vec![2, 6]);
+        assert_eq!(l.fewest_owned_micro_batches(), 2);
+        // Without context parallelism a unit is a micro-batch.
+        let plain = Layout::disagg(4, 8, 4, 8, 4, 2).unwrap();
+        assert!((0..4).all(|m| plain.attn_worker(m, 1) == 4 + m));
+        assert_eq!(plain.clone().with_context_parallel(1).unwrap(), plain);
+    }
+
+    #[test]
     fn bad_layouts_say_what_is_allowed() {
+        let e = Layout::disagg(4, 8, 4, 6, 2, 2).unwrap().with_context_parallel(2).unwrap_err().to_string();
+        assert!(e.contains("divisor of the attention workers per group (3)"), "{e}");
+        assert!(Layout::ep(4, 8, 4, 4).unwrap().with_context_parallel(2).unwrap_err().to_string().contains("disagg"));
         assert!(Layout::disagg(4, 8, 4, 3, 2, 2).unwrap_err().to_string().contains("attn_workers"));
         assert!(Layout::disagg(4, 8, 4, 2, 2, 5).unwrap_err().to_string().contains("between 1 and"));
         assert!(Layout::ep(4, 8, 6, 4).unwrap_err().to_string().contains("multiple of workers"));
