@@ -6,10 +6,15 @@
 //! Notation: B batch, S sequence, H query heads, G key/value heads (H % G == 0), D head dim,
 //! M model width.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use disagmoe_kernels::ring::{worker_attention, Block, Mask};
+
+use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
 use crate::init::Init;
 use crate::kv_cache::{append, attention_at, LayerCache};
@@ -198,6 +203,43 @@ impl<B: Backend> GqaAttention<B> {
         )
         .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, sinks, scale, self.window, docs)); // [B, S, H, D]
         self.o_proj.forward(out.reshape([b, s, self.heads * self.head_dim]))
+    }
+
+    /// Context parallelism's first half ([`crate::decoder::AttentionLayer::ring_project`]): the
+    /// queries and the rotated keys and values as one `[B, T, 2 G D]` block.
+    pub fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> RingProjection<B> {
+        let [b, t, _] = x.dims();
+        let (q, k, v) = self.qkv(x, cos, sin);
+        let gd = self.kv_heads * self.head_dim;
+        RingProjection { q, kv: Tensor::cat(vec![k.reshape([b, t, gd]), v.reshape([b, t, gd])], 2) }
+    }
+
+    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]): the
+    /// ring attention of `q` over the blocks (windows and sinks as the layer has them), projected.
+    pub fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _, _] = q.dims();
+        let (g, d) = (self.kv_heads, self.head_dim);
+        let blocks: Vec<Block<B>> = blocks
+            .into_iter()
+            .map(|RingBlock { kv, held }| {
+                let tk = kv.dims()[1];
+                let k = kv.clone().narrow(2, 0, g * d).reshape([b, tk, g, d]);
+                let v = kv.narrow(2, g * d, g * d).reshape([b, tk, g, d]);
+                Block { k, v, held }
+            })
+            .collect();
+        let scale = (self.head_dim as f64).powf(-0.5);
+        let sinks = self.sinks.as_ref().map(|p| p.val());
+        let mask = Mask { window: self.window, docs };
+        let out = worker_attention(q, held, &blocks, sinks, scale, mask)
+            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"));
+        self.o_proj.forward(out.reshape([b, t, self.heads * self.head_dim]))
     }
 
     /// [`GqaAttention::forward`] of new tokens at positions `past..past + S`, over them and the

@@ -6,6 +6,8 @@
 //! configuration ([`crate::families::FamilyConfig`]). A family's model is [`FamilyModel`] of its
 //! configuration type.
 
+use std::ops::Range;
+
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
@@ -22,6 +24,25 @@ use crate::mtp::{init_mtp, load_mtp, mtp_loss, save_mtp, MtpLayer};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::weights::{CheckpointReader, TensorSink};
+
+/// A ring worker's queries and the block of its keys and values that goes round the ring
+/// ([`AttentionLayer::ring_project`]).
+#[derive(Debug, Clone)]
+pub struct RingProjection<B: Backend> {
+    /// `[B, T, H, D]`, rotated.
+    pub q: Tensor<B, 4>,
+    /// `[B, T, W]`: what the keys and values are made of.
+    pub kv: Tensor<B, 3>,
+}
+
+/// A block of the ring: a worker's `[B, T, W]` keys-and-values payload over its two chunks.
+#[derive(Debug, Clone)]
+pub struct RingBlock<B: Backend> {
+    /// `[B, T, W]`.
+    pub kv: Tensor<B, 3>,
+    /// The two chunks of the sequence it covers, front then back.
+    pub held: [Range<usize>; 2],
+}
 
 /// A self-attention layer of a decoder.
 pub trait AttentionLayer<B: Backend> {
@@ -58,6 +79,28 @@ pub trait AttentionLayer<B: Backend> {
         *cache = LayerCache::Inputs(all);
         out.narrow(1, t - s, s)
     }
+    /// Context parallelism's first half (`disagmoe_kernels::ring`): of a ring worker's tokens
+    /// `x` (its two chunks of the sequence, front then back, rotated at their positions by `cos`,
+    /// `sin`), the queries `[B, T, H, D]` and the block that goes round the ring, `[B, T, W]`:
+    /// what the keys and values are made of (GQA: the rotated keys and the values; MLA: the
+    /// normalised latent and the rotated shared key). `None`: the attention type has no ring
+    /// attention, and a run with context parallelism refuses it.
+    fn ring_project(&self, _x: Tensor<B, 3>, _cos: Tensor<B, 4>, _sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
+        None
+    }
+    /// Context parallelism's second half: the attention of `q` (of [`AttentionLayer::ring_project`],
+    /// at the positions `held`) over the ring's blocks in ring order (this worker's own first),
+    /// projected out: `[B, T, M]`. Within each document of `docs` (over the whole `[B, S]`
+    /// sequence) when given. `None` as for [`AttentionLayer::ring_project`].
+    fn ring_attend(
+        &self,
+        _q: Tensor<B, 4>,
+        _held: &[Range<usize>; 2],
+        _blocks: Vec<RingBlock<B>>,
+        _docs: Option<&Documents>,
+    ) -> Option<Tensor<B, 3>> {
+        None
+    }
     /// Loads the layer's weights under `prefix` (e.g. `model.layers.3.self_attn`).
     fn load_attention(&mut self, ckpt: &mut CheckpointReader, prefix: &str, device: &B::Device) -> Result<()>;
     /// Saves them under the names it loads.
@@ -67,6 +110,18 @@ pub trait AttentionLayer<B: Backend> {
 impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     fn attend(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>, docs: Option<&Documents>) -> Tensor<B, 3> {
         self.forward(x, cos, sin, docs)
+    }
+    fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
+        Some(self.ring_project(x, cos, sin))
+    }
+    fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&Documents>,
+    ) -> Option<Tensor<B, 3>> {
+        Some(self.ring_attend(q, held, blocks, docs))
     }
     fn attend_cached(
         &self,

@@ -10,10 +10,15 @@
 //! value; the last `Dr` are one rotary key part **shared by every head**. RoPE touches only the `Dr`
 //! dims of q and k (stored as interleaved pairs when `rope_interleave`).
 
+use std::ops::Range;
+
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use disagmoe_kernels::ring::{worker_attention, Block, Mask};
+
+use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
 use crate::init::Init;
 use crate::kv_cache::{append, attention_at, LayerCache};
@@ -203,6 +208,38 @@ impl<B: Backend> MlaAttention<B> {
         let out = disagmoe_kernels::fused::attention(q.clone(), k.clone(), v.clone(), None, scale, None, docs)
             .unwrap_or_else(|| disagmoe_kernels::reference::attention(q, k, v, None, scale, None, docs)); // [B, S, H, Dv]
         self.o_proj.forward(out.reshape([b, s, h * dv]))
+    }
+
+    /// Context parallelism's first half ([`crate::decoder::AttentionLayer::ring_project`]): the
+    /// queries, and the normalised latent with the rotated shared key as one `[B, T, Rkv + Dr]`
+    /// block (the compressed form goes round the ring; each worker expands it per head).
+    pub fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> RingProjection<B> {
+        let q = self.queries(x.clone(), cos.clone(), sin.clone()).swap_dims(1, 2); // [B, T, H, Dq]
+        let (latent, k_rot) = self.latent(x, cos, sin);
+        RingProjection { q, kv: Tensor::cat(vec![latent, k_rot], 2) }
+    }
+
+    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]).
+    pub fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _, _] = q.dims();
+        let MlaShape { heads: h, v_head_dim: dv, kv_lora_rank: r, qk_rope_head_dim: dr, .. } = self.shape;
+        let blocks: Vec<Block<B>> = blocks
+            .into_iter()
+            .map(|RingBlock { kv, held }| {
+                let (k, v) = self.keys_values(kv.clone().narrow(2, 0, r), kv.narrow(2, r, dr));
+                Block { k, v, held }
+            })
+            .collect();
+        let mask = Mask { window: None, docs };
+        let out = worker_attention(q, held, &blocks, None, self.shape.softmax_scale, mask)
+            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"));
+        self.o_proj.forward(out.reshape([b, t, h * dv]))
     }
 
     /// [`MlaAttention::forward`] of new tokens at positions `past..past + S` over them and every

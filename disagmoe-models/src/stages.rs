@@ -30,7 +30,7 @@ use burn::tensor::{Int, Tensor};
 use disagmoe_kernels::documents::Documents;
 
 use crate::balance::AuxLoss;
-use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedForward};
+use crate::decoder::{init_ends, AttentionLayer, DecoderLayer, FamilyModel, FeedForward, RingBlock, RingProjection};
 use crate::error::Result;
 use crate::families::FamilyConfig;
 use crate::init::Init;
@@ -229,6 +229,33 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
         let normed = self.post_attention_layernorm.forward(residual.clone()); // [T, M]
         let route = self.router.as_ref().map(|r| r.route(normed.clone()));
         AttentionStageOutput { residual, normed, route }
+    }
+
+    /// Context parallelism's first half of the stage on a ring worker's tokens `h` (`[B, T, M]`,
+    /// its two chunks; `cos`, `sin` at their positions): the queries and the block of keys and
+    /// values that goes round the ring ([`AttentionLayer::ring_project`]); `None` when the
+    /// attention type has no ring attention.
+    pub fn ring_project(&self, h: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
+        self.self_attn.ring_project(self.input_layernorm.forward(h), cos, sin)
+    }
+
+    /// Context parallelism's second half: with the queries of [`AttentionStage::ring_project`] and
+    /// the ring's blocks (this worker's own first), what [`AttentionStage::forward`] hands on for
+    /// this worker's tokens `h` (their order: `[T, M]` rows of `[B, T]`).
+    pub fn ring_finish(
+        &self,
+        h: Tensor<B, 3>,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&Documents>,
+    ) -> Option<AttentionStageOutput<B>> {
+        let [b, t, m] = h.dims();
+        let x = h + self.self_attn.ring_attend(q, held, blocks, docs)?; // [B, T, M]
+        let residual = x.reshape([b * t, m]); // [T, M]
+        let normed = self.post_attention_layernorm.forward(residual.clone()); // [T, M]
+        let route = self.router.as_ref().map(|r| r.route(normed.clone()));
+        Some(AttentionStageOutput { residual, normed, route })
     }
 
     /// Experts chosen per token (`None` on dense layers).

@@ -8,7 +8,7 @@ use disagmoe_core::model_shape::{AttentionShape as ShapeOfAttention, ModelShape,
 
 use super::config::DeepseekV3Config;
 use super::router::{DeepseekRouter, DeepseekRouterConfig};
-use crate::decoder::{AttentionLayer, FamilyModel};
+use crate::decoder::{AttentionLayer, FamilyModel, RingBlock, RingProjection};
 use crate::error::Result;
 use crate::families::{FamilyConfig, ModelDims};
 use crate::init::Init;
@@ -32,6 +32,18 @@ impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
         docs: Option<&disagmoe_kernels::documents::Documents>,
     ) -> Tensor<B, 3> {
         self.forward(x, cos, sin, docs)
+    }
+    fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
+        Some(self.ring_project(x, cos, sin))
+    }
+    fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Option<Tensor<B, 3>> {
+        Some(self.ring_attend(q, held, blocks, docs))
     }
     fn attend_cached(
         &self,
