@@ -223,6 +223,10 @@ pub struct TrainArgs {
     /// no overlap; 2 is ep's ping-pong overlap].
     #[arg(long = "in-flight", alias = "max-in-flight", value_name = "N")]
     pub in_flight: Option<usize>,
+    /// disagg: cut each sequence over C attention workers of its group (context parallelism, ring
+    /// attention; divides the attention workers per group, --seq a multiple of 2C) [default: 1].
+    #[arg(long = "context-parallel", value_name = "C")]
+    pub context_parallel: Option<usize>,
     /// CPU threads each worker computes with, in its own pool [default: the cores shared evenly by
     /// the workers of this process, under mpirun by the ranks of this node].
     #[arg(long, value_name = "N")]
@@ -385,6 +389,7 @@ impl TrainArgs {
         set!(
             attn_workers => parallel.attn_workers, ffn_workers => parallel.ffn_workers, groups => parallel.groups,
             workers => parallel.workers, micro_batches => parallel.micro_batches, in_flight => parallel.in_flight,
+            context_parallel => parallel.context_parallel,
             threads_per_worker => parallel.threads_per_worker,
             link_gbps => parallel.link_gbps, link_latency_us => parallel.link_latency_us, trace => parallel.trace,
             comm_timeout_s => parallel.comm_timeout_s,

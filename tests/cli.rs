@@ -594,6 +594,7 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
         "workers",
         "micro-batches",
         "in-flight",
+        "context-parallel",
         "threads-per-worker",
         "link-gbps",
         "link-latency-us",
@@ -701,9 +702,8 @@ fn every_numeric_option_at_its_extremes_is_refused_in_one_line_or_runs() {
             // Under every placement for the options that only a distributed run reads.
             let placements: &[&str] = match *opt {
                 "attn-workers" | "ffn-workers" | "groups" | "workers" | "micro-batches" | "in-flight"
-                | "threads-per-worker" | "link-gbps" | "link-latency-us" | "comm-timeout-s" | "redundant-experts" => {
-                    &["single", "ep", "disagg"]
-                }
+                | "context-parallel" | "threads-per-worker" | "link-gbps" | "link-latency-us" | "comm-timeout-s"
+                | "redundant-experts" => &["single", "ep", "disagg"],
                 _ => &["default"],
             };
             for placement in placements {

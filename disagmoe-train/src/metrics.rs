@@ -184,17 +184,34 @@ pub struct ExchangeBytes {
     pub grad_residual: f64,
     /// Backward, expert holders -> attention: gradients of the dispatched rows and gate weights.
     pub grad_dispatch: f64,
+    /// Context parallelism: the keys and values going round the rings of attention workers.
+    #[serde(default)]
+    pub kv: f64,
+    /// Context parallelism, backward: their gradients going back to their owners.
+    #[serde(default)]
+    pub grad_kv: f64,
 }
 
 impl ExchangeBytes {
     /// From the bytes of each kind in field order (the order of `Msg::exchange_kind`).
-    pub fn from_kinds([dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch]: [f64; 6]) -> Self {
-        Self { dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch }
+    pub fn from_kinds(
+        [dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch, kv, grad_kv]: [f64; 8],
+    ) -> Self {
+        Self { dispatch, combine, residual, grad_combine, grad_residual, grad_dispatch, kv, grad_kv }
     }
 
     /// The bytes of each kind in field order.
-    pub fn kinds(&self) -> [f64; 6] {
-        [self.dispatch, self.combine, self.residual, self.grad_combine, self.grad_residual, self.grad_dispatch]
+    pub fn kinds(&self) -> [f64; 8] {
+        [
+            self.dispatch,
+            self.combine,
+            self.residual,
+            self.grad_combine,
+            self.grad_residual,
+            self.grad_dispatch,
+            self.kv,
+            self.grad_kv,
+        ]
     }
 
     /// All kinds.

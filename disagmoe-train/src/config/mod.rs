@@ -200,6 +200,7 @@ const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("expert_placement", "expert_placement"),
             ("expert_load", "expert_load"),
             ("rebalance_every", "rebalance_every"),
+            ("context_parallel", "context_parallel"),
         ],
     ),
     (
@@ -344,6 +345,31 @@ impl RunConfig {
     fn validate_shape(&self) -> Result<()> {
         self.data.validate()?;
         self.parallel.validate(self.data.batch)?;
+        let c = self.parallel.context_parallel;
+        if c > 1 {
+            if self.data.seq % (2 * c) != 0 {
+                return Err(TrainError::option(
+                    "seq",
+                    format!(
+                        "must be a multiple of 2 x context_parallel = {} (two equal chunks per worker), got {}",
+                        2 * c,
+                        self.data.seq
+                    ),
+                ));
+            }
+            if self.memory.recompute.attention() {
+                return Err(TrainError::option(
+                    "recompute",
+                    format!("none or experts with context_parallel {c} (a ring's attention is not recomputed yet)"),
+                ));
+            }
+            if self.model.capacity_factor.is_some() || self.model.force_balanced_routing {
+                return Err(TrainError::option(
+                    "context_parallel",
+                    format!("1 with capacity_factor or force_balanced_routing (they act on a whole micro-batch's tokens, a worker of a ring holds part of them), got {c}"),
+                ));
+            }
+        }
         let depth = self.model.mtp_depth;
         if depth > 0 && self.data.seq < depth + 2 {
             return Err(TrainError::option(

@@ -201,6 +201,11 @@ pub struct ParallelOptions {
     /// [`LOAD_EMA_DECAY`] per step), the experts that change holder moved with their optimizer
     /// state between expert workers. Needs `expert_placement = balanced`.
     pub rebalance_every: usize,
+    /// Context parallelism (`disagg`): each sequence of a micro-batch cut over this many attention
+    /// workers of its group, two chunks each (one from the front, its mirror from the back), the
+    /// attention computed as ring attention with the keys and values passed among them. Divides
+    /// the attention workers per group; `seq` a multiple of `2 C`. 1: none.
+    pub context_parallel: usize,
 }
 
 /// The weight the expert loads' moving average keeps of its past at each step (`rebalance_every`):
@@ -233,6 +238,7 @@ impl Default for ParallelOptions {
             expert_placement: None,
             expert_load: None,
             rebalance_every: 0,
+            context_parallel: 1,
         }
     }
 }
@@ -361,6 +367,34 @@ impl ParallelOptions {
         }
         if self.in_flight == Some(0) {
             return Err(TrainError::option("in_flight", "must be at least 1"));
+        }
+        let c = self.context_parallel;
+        if c == 0 {
+            return Err(TrainError::option("context_parallel", "must be at least 1"));
+        }
+        if c > 1 && self.placement != Placement::Disagg {
+            return Err(TrainError::option(
+                "context_parallel",
+                format!(
+                    "needs placement disagg (attention workers of a group share a sequence), got {c} with {}",
+                    self.placement.name()
+                ),
+            ));
+        }
+        if c > 1 && self.allocation == AllocationMode::Auto {
+            return Err(TrainError::option(
+                "context_parallel",
+                format!("1 with allocation auto (the planner's split is refined without it), got {c}"),
+            ));
+        }
+        if c > 1 && self.placement == Placement::Disagg && (self.attn_workers / self.groups.max(1)) % c != 0 {
+            return Err(TrainError::option(
+                "context_parallel",
+                format!(
+                    "must divide the attention workers per group ({} / {} groups), got {c}",
+                    self.attn_workers, self.groups
+                ),
+            ));
         }
         if let Some(t) = self.threads_per_worker {
             if !(1..=MAX_THREADS).contains(&t) {

@@ -270,8 +270,7 @@ impl Distributed {
             // worker reads the batch's document boundaries (the index, not the tokens).
             needs_data: ranks.iter().any(|&r| {
                 layout.holds_ends(r)
-                    || (cfg.data.masks_documents()
-                        && (0..layout.layers).any(|l| (0..layout.micro_batches).any(|m| layout.attn_worker(m, l) == r)))
+                    || (cfg.data.masks_documents() && (0..layout.layers).any(|l| !layout.attn_units(r, l).is_empty()))
             }),
             sparse_layers: (0..layout.layers).filter(|&l| layout.sparse[l]).collect(),
             model_type: facts.model_type,

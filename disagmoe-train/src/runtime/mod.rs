@@ -57,9 +57,9 @@ pub fn layout_of(cfg: &RunConfig, layers: usize, experts: usize) -> Result<Layou
     let p = &cfg.parallel;
     let mbs = cfg.micro_batches();
     match p.placement {
-        Placement::Disagg => {
-            Layout::disagg(layers, experts, mbs, p.attn_workers, p.ffn_workers, p.groups).map_err(layout::option_error)
-        }
+        Placement::Disagg => Layout::disagg(layers, experts, mbs, p.attn_workers, p.ffn_workers, p.groups)
+            .and_then(|l| l.with_context_parallel(p.context_parallel))
+            .map_err(layout::option_error),
         Placement::Ep => Layout::ep(layers, experts, mbs, p.workers).map_err(layout::option_error),
         Placement::Single => Err(TrainError::option("placement", "the runtime runs `disagg` or `ep`")),
     }
@@ -231,7 +231,8 @@ fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usiz
     if cfg.parallel.placement == Placement::Ep {
         return Ok(1);
     }
-    let tokens = cfg.data.batch / cfg.micro_batches() * cfg.data.seq;
+    // A unit's tokens: a micro-batch's, or a ring worker's share of them.
+    let tokens = cfg.data.batch / cfg.micro_batches() * cfg.data.seq / layout.context_parallel;
     let per_mb = activation_bytes(tokens, hidden, layout.attn_layers(0).len(), vocab, cfg.memory.recompute).max(1);
     let budget = crate::metrics::available_memory_bytes() / 2 / cfg.parallel.workers_here();
     Ok((budget / per_mb).clamp(1, own))

@@ -358,6 +358,24 @@ pub struct AuxSums {
     pub layers: Vec<LayerAux>,
 }
 
+impl AuxSums {
+    /// Adds the sums of another part of the same micro-batch (context parallelism: a ring
+    /// worker's tokens): per routed layer, the routed copies, tokens and score sums. The balance
+    /// losses are functions of these sums, so a micro-batch's loss is that of its parts' sums.
+    pub fn merge(&mut self, other: AuxSums) {
+        if self.layers.is_empty() {
+            *self = other;
+            return;
+        }
+        for (a, b) in self.layers.iter_mut().zip(other.layers) {
+            debug_assert_eq!(a.layer, b.layer, "the parts of a micro-batch pass the same layers");
+            a.routing.tokens += b.routing.tokens;
+            a.routing.counts.iter_mut().zip(&b.routing.counts).for_each(|(x, y)| *x += y);
+            a.prob_sum.iter_mut().zip(&b.prob_sum).for_each(|(x, y)| *x += y);
+        }
+    }
+}
+
 /// The gradient of the loss with respect to one routed layer's score sums (`[B, E]`), the
 /// coefficient and the micro-batch weight included.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -499,6 +517,31 @@ pub enum Msg {
         /// The expert's last message.
         last: bool,
     },
+    /// Context parallelism, forward (appended last: a variant's index is its tag on the wire): a ring worker's block of keys and values (its
+    /// `AttentionLayer::ring_project` payload, `[B T, W]`) for `layer`, from unit `mb` to unit
+    /// `to` of the same micro-batch.
+    Kv {
+        /// The sender's unit.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// The receiver's unit.
+        to: usize,
+        /// `[B T, W]`
+        kv: Packed,
+    },
+    /// Context parallelism, backward: the gradient of unit `mb`'s block of keys and values from
+    /// the attention of unit `from` (which received it in a [`Msg::Kv`]).
+    GradKv {
+        /// The owner's unit (the block's).
+        mb: usize,
+        /// Layer.
+        layer: usize,
+        /// The unit whose attention computed it.
+        from: usize,
+        /// `[B T, W]`
+        g: Packed,
+    },
 }
 
 /// One tensor of a moved expert: the rows (along dimension 0) `first..` of the tensor `name`
@@ -558,6 +601,7 @@ impl Msg {
             Msg::GradCombine { g, .. } => t(g),
             Msg::GradResidual { g, aux_coef, .. } => t(g) + aux_coef.iter().map(|c| c.values.len() * 4).sum::<usize>(),
             Msg::GradDispatch { gy, gw, .. } => t(gy) + gw.as_ref().map(t).unwrap_or(0),
+            Msg::Kv { kv: x, .. } | Msg::GradKv { g: x, .. } => t(x),
             Msg::Reduce { data, .. } => data.bytes(),
             Msg::Abort { cause, .. } => cause.len(),
             Msg::Trace(events) => events.len() * 64,
@@ -595,6 +639,8 @@ impl Msg {
                 rows("combine", out, tokens.len())
             }
             Msg::Residual { x, .. } => tensor("residual", x).map(drop),
+            Msg::Kv { kv: x, .. } => tensor("keys and values", x).map(drop),
+            Msg::GradKv { g: x, .. } => tensor("gradient of keys and values", x).map(drop),
             Msg::GradCombine { g, .. } | Msg::GradResidual { g, .. } => tensor("gradient", g).map(drop),
             Msg::GradDispatch { gy, gw, .. } => {
                 let n = tensor("gradient of a dispatch", gy)?;
@@ -606,8 +652,9 @@ impl Msg {
     }
 
     /// The message as it leaves for another worker: each tensor of the token exchange packed in
-    /// its kind's dtype (dispatched activations in `dispatch`; the holders' outputs, the residual
-    /// and gate weights in `combine`; gradients in `grads`); any other message as it is.
+    /// its kind's dtype (dispatched activations in `dispatch`; the holders' outputs, the residual,
+    /// gate weights and the ring's keys and values in `combine`; gradients in `grads`); any other
+    /// message as it is.
     pub fn pack(self, p: &ExchangePrecision) -> Msg {
         let (d, c, g) = (p.dispatch, p.combine, p.grads);
         match self {
@@ -623,6 +670,8 @@ impl Msg {
             Msg::GradDispatch { mb, layer, gy, gw } => {
                 Msg::GradDispatch { mb, layer, gy: gy.pack(g), gw: gw.map(|w| w.pack(g)) }
             }
+            Msg::Kv { mb, layer, to, kv } => Msg::Kv { mb, layer, to, kv: kv.pack(c) },
+            Msg::GradKv { mb, layer, from, g: t } => Msg::GradKv { mb, layer, from, g: t.pack(g) },
             other => other,
         }
     }
@@ -635,7 +684,9 @@ impl Msg {
             Msg::Combine { out: t, .. }
             | Msg::Residual { x: t, .. }
             | Msg::GradCombine { g: t, .. }
-            | Msg::GradResidual { g: t, .. } => vec![t],
+            | Msg::GradResidual { g: t, .. }
+            | Msg::Kv { kv: t, .. }
+            | Msg::GradKv { g: t, .. } => vec![t],
             Msg::GradDispatch { gy, gw, .. } => std::iter::once(gy).chain(gw.as_mut()).collect(),
             _ => Vec::new(),
         }
@@ -684,7 +735,8 @@ impl Msg {
     }
 
     /// A token-exchange message's kind, its field's place in `metrics::ExchangeBytes` (dispatch,
-    /// combine, residual, then their gradients); `None` for any other message.
+    /// combine, residual, then their gradients, then the ring's keys and values and their
+    /// gradients); `None` for any other message.
     pub fn exchange_kind(&self) -> Option<usize> {
         match self {
             Msg::Dispatch { .. } => Some(0),
@@ -693,6 +745,8 @@ impl Msg {
             Msg::GradCombine { .. } => Some(3),
             Msg::GradResidual { .. } => Some(4),
             Msg::GradDispatch { .. } => Some(5),
+            Msg::Kv { .. } => Some(6),
+            Msg::GradKv { .. } => Some(7),
             _ => None,
         }
     }
@@ -705,7 +759,9 @@ impl Msg {
             | Msg::Residual { mb, layer, .. }
             | Msg::GradCombine { mb, layer, .. }
             | Msg::GradResidual { mb, layer, .. }
-            | Msg::GradDispatch { mb, layer, .. } => Some((*mb, *layer)),
+            | Msg::GradDispatch { mb, layer, .. }
+            | Msg::Kv { mb, layer, .. }
+            | Msg::GradKv { mb, layer, .. } => Some((*mb, *layer)),
             _ => None,
         }
     }
@@ -719,6 +775,8 @@ impl Msg {
             Msg::GradCombine { .. } => "grad-combine",
             Msg::GradResidual { .. } => "grad-residual",
             Msg::GradDispatch { .. } => "grad-dispatch",
+            Msg::Kv { .. } => "keys-values",
+            Msg::GradKv { .. } => "grad-keys-values",
             Msg::Reduce { .. } => "reduce",
             Msg::Abort { .. } => "abort",
             Msg::Trace(_) => "trace",
@@ -781,11 +839,11 @@ pub struct ShardReport {
 pub struct RunBounds {
     /// Workers of the run (senders are `0..workers`).
     pub workers: usize,
-    /// Micro-batches per step.
+    /// Units per step (micro-batches times the context parallelism; `Layout::units`).
     pub micro_batches: usize,
     /// Decoder layers.
     pub layers: usize,
-    /// Tokens of a micro-batch.
+    /// Tokens of a unit.
     pub tokens: usize,
 }
 
@@ -798,7 +856,12 @@ impl Msg {
             return Err(format!("worker {src} is not one of the run's {}", run.workers));
         }
         let Some((mb, layer)) = self.at() else { return Ok(()) };
-        if mb >= run.micro_batches || layer >= run.layers {
+        let other = match *self {
+            Msg::Kv { to, .. } => to,
+            Msg::GradKv { from, .. } => from,
+            _ => mb,
+        };
+        if mb.max(other) >= run.micro_batches || layer >= run.layers {
             return Err(format!(
                 "{} of micro-batch {mb}, layer {layer} (the run has {} and {})",
                 self.kind(),

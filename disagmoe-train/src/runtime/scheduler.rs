@@ -26,6 +26,22 @@
 //!   next one whenever the layer-0 attention backward of one ends;
 //! - **end**: the step's tasks are done when every backward task of the worker has run (the
 //!   head's backward is part of the head task and is not counted).
+//!
+//! With context parallelism (`Layout::context_parallel` `C > 1`) the attention tasks work on
+//! units (a ring worker's tokens of a micro-batch, `Layout::units`) and each attention stage is two
+//! tasks each way, because a unit's attention needs the keys and values of the `C - 1` other units
+//! of its ring:
+//!
+//! | task              | ready when                                              | sends                               |
+//! |-------------------|---------------------------------------------------------|-------------------------------------|
+//! | attention fwd l   | as above, for the unit                                  | its keys and values to the ring     |
+//! | ring fwd l        | attention fwd l ran and the ring's `C - 1` blocks are here | as attention fwd l above         |
+//! | head              | every unit of the micro-batch has its inputs            | loss; grads to each unit's layer    |
+//! | attention bwd l   | as above, for the unit                                  | the blocks' gradients to their owners |
+//! | ring bwd l        | attention bwd l ran and the `C - 1` gradients of its block are here | grads to l-1's attention and holders |
+//!
+//! The ring's backward tasks have a backward-order key of their own; the window opens on a
+//! unit's layer-0 attention backward, as without context parallelism.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -63,9 +79,25 @@ pub enum Task {
         /// Layer.
         layer: usize,
     },
-    /// The backward of attention stage `layer`.
+    /// The backward of attention stage `layer` (with context parallelism: of its ring half).
     AttnBwd {
         /// Micro-batch.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// Context parallelism: the ring half of attention stage `layer` of unit `mb` (the attention
+    /// over the ring's keys and values, the output projection, the norm and the router).
+    RingFwd {
+        /// Unit.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// Context parallelism: the backward of the projection half of attention stage `layer` of
+    /// unit `mb`, once the gradients of its keys and values are back from the ring.
+    RingBwd {
+        /// Unit.
         mb: usize,
         /// Layer.
         layer: usize,
@@ -97,6 +129,8 @@ pub enum BackwardKind {
     Attention,
     /// An expert stage's backward.
     Experts,
+    /// The backward of an attention stage's projection half (context parallelism).
+    Ring,
 }
 
 impl Task {
@@ -107,22 +141,23 @@ impl Task {
             Task::Head { mb } => Some(((BackwardKind::Head, 0), mb)),
             Task::AttnBwd { mb, layer } => Some(((BackwardKind::Attention, layer), mb)),
             Task::FfnBwd { mb, layer } => Some(((BackwardKind::Experts, layer), mb)),
-            Task::AttnFwd { .. } | Task::FfnFwd { .. } => None,
+            Task::RingBwd { mb, layer } => Some(((BackwardKind::Ring, layer), mb)),
+            Task::AttnFwd { .. } | Task::FfnFwd { .. } | Task::RingFwd { .. } => None,
         }
     }
 
     /// The ready queue the task waits in.
     pub fn queue(&self) -> Queue {
         match self {
-            Task::Head { .. } | Task::FfnBwd { .. } | Task::AttnBwd { .. } => Queue::Backward,
+            Task::Head { .. } | Task::FfnBwd { .. } | Task::AttnBwd { .. } | Task::RingBwd { .. } => Queue::Backward,
             Task::FfnFwd { .. } => Queue::ExpertForward,
-            Task::AttnFwd { .. } => Queue::Forward,
+            Task::AttnFwd { .. } | Task::RingFwd { .. } => Queue::Forward,
         }
     }
 
     /// Whether the task counts among the step's backward tasks (the end rule).
     pub fn counts_as_backward(&self) -> bool {
-        matches!(self, Task::AttnBwd { .. } | Task::FfnBwd { .. })
+        matches!(self, Task::AttnBwd { .. } | Task::FfnBwd { .. } | Task::RingBwd { .. })
     }
 
     /// Whether the end of the task opens the in-flight window for the next micro-batch.
@@ -138,13 +173,15 @@ impl Task {
             Task::Head { mb } => format!("head mb{mb}"),
             Task::FfnBwd { mb, layer } => format!("bwd experts L{layer} mb{mb}"),
             Task::AttnBwd { mb, layer } => format!("bwd attn L{layer} mb{mb}"),
+            Task::RingFwd { mb, layer } => format!("fwd ring L{layer} unit{mb}"),
+            Task::RingBwd { mb, layer } => format!("bwd ring L{layer} unit{mb}"),
         }
     }
 
     /// The trace category: `forward` or `backward` (the head's task ends in its backward).
     pub fn category(&self) -> &'static str {
         match self {
-            Task::AttnFwd { .. } | Task::FfnFwd { .. } => "forward",
+            Task::AttnFwd { .. } | Task::FfnFwd { .. } | Task::RingFwd { .. } => "forward",
             _ => "backward",
         }
     }
@@ -197,6 +234,20 @@ pub enum Arrival {
         /// Layer.
         layer: usize,
     },
+    /// Context parallelism: a block of keys and values of `layer` for unit `mb`'s attention.
+    Kv {
+        /// The receiving unit.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
+    /// Context parallelism: a gradient of unit `mb`'s block of keys and values of `layer`.
+    GradKv {
+        /// The owning unit.
+        mb: usize,
+        /// Layer.
+        layer: usize,
+    },
 }
 
 impl Arrival {
@@ -209,6 +260,8 @@ impl Arrival {
             Msg::GradCombine { mb, layer, .. } => Arrival::GradCombine { mb, layer },
             Msg::GradResidual { mb, layer, .. } => Arrival::GradResidual { mb, layer },
             Msg::GradDispatch { mb, layer, .. } => Arrival::GradDispatch { mb, layer },
+            Msg::Kv { to, layer, .. } => Arrival::Kv { mb: to, layer },
+            Msg::GradKv { mb, layer, .. } => Arrival::GradKv { mb, layer },
             _ => return None,
         })
     }
@@ -223,17 +276,20 @@ pub struct BackwardOrder {
 impl BackwardOrder {
     /// The order of worker `rank`'s backward tasks in a step of `layout`.
     pub fn of(layout: &Layout, rank: usize) -> Self {
-        let mbs = 0..layout.micro_batches;
         let mut next = HashMap::new();
-        next.insert((BackwardKind::Head, 0), mbs.clone().filter(|&m| layout.head_worker(m) == rank).collect());
+        next.insert(
+            (BackwardKind::Head, 0),
+            (0..layout.micro_batches).filter(|&m| layout.head_worker(m) == rank).collect(),
+        );
         for l in layout.attn_layers(rank) {
-            next.insert(
-                (BackwardKind::Attention, l),
-                mbs.clone().filter(|&m| layout.attn_worker(m, l) == rank).collect(),
-            );
+            let units: VecDeque<usize> = layout.attn_units(rank, l).into();
+            if layout.context_parallel > 1 {
+                next.insert((BackwardKind::Ring, l), units.clone());
+            }
+            next.insert((BackwardKind::Attention, l), units);
         }
         for (l, _) in layout.ffn_layers(rank) {
-            next.insert((BackwardKind::Experts, l), mbs.clone().collect());
+            next.insert((BackwardKind::Experts, l), (0..layout.units()).collect());
         }
         Self { next }
     }
@@ -281,10 +337,20 @@ impl Gathered {
     }
 }
 
+/// A context-parallel half's inputs: whether the unit's other half ran, and the ring's messages
+/// (blocks of keys and values, or their gradients) received so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct RingInputs {
+    ran: bool,
+    got: usize,
+}
+
 /// One worker's schedule of one step (see the module doc).
 #[derive(Debug)]
 pub struct Scheduler {
     layers: usize,
+    /// Context parallelism `C`.
+    ring: usize,
     /// Holders of each layer's experts.
     holders: Vec<usize>,
     /// Ready tasks by [`Queue`].
@@ -296,30 +362,35 @@ pub struct Scheduler {
     order: BackwardOrder,
     inputs: HashMap<(usize, usize), Gathered>,
     grad_inputs: HashMap<(usize, usize), Gathered>,
+    /// Per micro-batch, its units whose head inputs are all here.
+    head_units: HashMap<usize, usize>,
+    /// Per (unit, layer), the ring half's inputs: forward, and backward.
+    ring_fwd: HashMap<(usize, usize), RingInputs>,
+    ring_bwd: HashMap<(usize, usize), RingInputs>,
 }
 
 impl Scheduler {
     /// Worker `rank`'s schedule of a step of `layout`, `in_flight` of its micro-batches started.
     pub fn new(layout: &Layout, rank: usize, in_flight: usize) -> Self {
-        let mbs = layout.micro_batches;
-        let attn: usize = layout
-            .attn_layers(rank)
-            .iter()
-            .map(|&l| (0..mbs).filter(|&m| layout.attn_worker(m, l) == rank).count())
-            .sum();
-        let mut waiting: VecDeque<usize> = layout.own_micro_batches(rank).into();
+        let halves = if layout.context_parallel > 1 { 2 } else { 1 };
+        let attn: usize = layout.attn_layers(rank).iter().map(|&l| layout.attn_units(rank, l).len() * halves).sum();
+        let mut waiting: VecDeque<usize> = layout.own_units(rank).into();
         let started = in_flight.max(1).min(waiting.len());
         let mut ready: [VecDeque<Task>; 3] = Default::default();
         ready[Queue::Forward as usize] = waiting.drain(..started).map(|mb| Task::AttnFwd { mb, layer: 0 }).collect();
         Self {
             layers: layout.layers,
+            ring: layout.context_parallel,
             holders: (0..layout.layers).map(|l| layout.ffn_holders(l).len()).collect(),
             ready,
             waiting,
-            bwd_left: attn + mbs * layout.ffn_layers(rank).len(),
+            bwd_left: attn + layout.units() * layout.ffn_layers(rank).len(),
             order: BackwardOrder::of(layout, rank),
             inputs: HashMap::new(),
             grad_inputs: HashMap::new(),
+            head_units: HashMap::new(),
+            ring_fwd: HashMap::new(),
+            ring_bwd: HashMap::new(),
         }
     }
 
@@ -337,7 +408,14 @@ impl Scheduler {
                 if got.complete(self.holders[layer]) {
                     self.inputs.remove(&(mb, layer + 1));
                     if layer + 1 == self.layers {
-                        self.ready(Task::Head { mb });
+                        // The head waits for every unit of its micro-batch.
+                        let m = mb / self.ring;
+                        let units = self.head_units.entry(m).or_default();
+                        *units += 1;
+                        if *units == self.ring {
+                            self.head_units.remove(&m);
+                            self.ready(Task::Head { mb: m });
+                        }
                     } else {
                         self.ready(Task::AttnFwd { mb, layer: layer + 1 });
                     }
@@ -354,6 +432,25 @@ impl Scheduler {
                     self.ready(Task::AttnBwd { mb, layer });
                 }
             }
+            Arrival::Kv { mb, layer } => self.ring_input(false, mb, layer, false),
+            Arrival::GradKv { mb, layer } => self.ring_input(true, mb, layer, false),
+        }
+    }
+
+    /// A ring half's input: the other half ran (`ran`), or a message of the ring came; the half
+    /// is ready once both are complete.
+    fn ring_input(&mut self, backward: bool, mb: usize, layer: usize, ran: bool) {
+        let peers = self.ring - 1;
+        let map = if backward { &mut self.ring_bwd } else { &mut self.ring_fwd };
+        let got = map.entry((mb, layer)).or_default();
+        if ran {
+            got.ran = true;
+        } else {
+            got.got += 1;
+        }
+        if got.ran && got.got == peers {
+            map.remove(&(mb, layer));
+            self.ready(if backward { Task::RingBwd { mb, layer } } else { Task::RingFwd { mb, layer } });
         }
     }
 
@@ -380,6 +477,13 @@ impl Scheduler {
         if task.counts_as_backward() {
             self.bwd_left -= 1;
         }
+        if self.ring > 1 {
+            match task {
+                Task::AttnFwd { mb, layer } => self.ring_input(false, mb, layer, true),
+                Task::AttnBwd { mb, layer } => self.ring_input(true, mb, layer, true),
+                _ => {}
+            }
+        }
         if task.releases_window() {
             if let Some(mb) = self.waiting.pop_front() {
                 self.ready(Task::AttnFwd { mb, layer: 0 });
@@ -402,15 +506,21 @@ impl Scheduler {
 mod tests {
     use super::*;
 
-    /// Every worker of `layout` with its scheduler, messages delivered at once: each round, every
-    /// worker runs one ready task, whose messages reach their receivers at the round's end. Returns
-    /// each worker's tasks in the order it ran them.
-    fn drive(layout: &Layout, in_flight: usize) -> Vec<Vec<Task>> {
-        let w = layout.workers;
+    /// Every worker of `layout` with its scheduler: each round, every worker runs one ready task,
+    /// whose messages reach their receivers at the round's end, in an order shuffled by `seed`
+    /// (0: as sent). Returns each worker's tasks in the order it ran them.
+    fn drive(layout: &Layout, in_flight: usize, seed: u64) -> Vec<Vec<Task>> {
+        let (w, c) = (layout.workers, layout.context_parallel);
         let mut s: Vec<Scheduler> = (0..w).map(|r| Scheduler::new(layout, r, in_flight)).collect();
         let mut ran = vec![Vec::new(); w];
-        let next_attn =
-            |mb, l: usize| if l + 1 == layout.layers { layout.head_worker(mb) } else { layout.attn_worker(mb, l + 1) };
+        let next_attn = |u: usize, l: usize| {
+            if l + 1 == layout.layers {
+                layout.head_worker(u / c)
+            } else {
+                layout.attn_worker(u, l + 1)
+            }
+        };
+        let mut state = seed;
         for _round in 0..10_000 {
             if s.iter().all(Scheduler::finished) {
                 return ran;
@@ -419,25 +529,38 @@ mod tests {
             for (r, sched) in s.iter_mut().enumerate() {
                 let Some(task) = sched.next() else { continue };
                 ran[r].push(task);
+                let grads_back = |sent: &mut Vec<(usize, Arrival)>, u: usize, l: usize| {
+                    for h in layout.ffn_holders(l) {
+                        sent.push((h, Arrival::GradCombine { mb: u, layer: l }));
+                    }
+                    sent.push((layout.attn_worker(u, l), Arrival::GradResidual { mb: u, layer: l }));
+                };
                 match task {
-                    Task::AttnFwd { mb, layer } => {
+                    Task::AttnFwd { mb, layer } if c > 1 => {
+                        for v in layout.ring_units(mb).filter(|&v| v != mb) {
+                            sent.push((layout.attn_worker(v, layer), Arrival::Kv { mb: v, layer }));
+                        }
+                    }
+                    Task::AttnFwd { mb, layer } | Task::RingFwd { mb, layer } => {
                         for h in layout.ffn_holders(layer) {
                             sent.push((h, Arrival::Dispatch { mb, layer, src: r }));
                         }
                         sent.push((next_attn(mb, layer), Arrival::Residual { mb, layer }));
                     }
                     Task::FfnFwd { mb, layer, .. } => sent.push((next_attn(mb, layer), Arrival::Combine { mb, layer })),
-                    Task::Head { mb } | Task::AttnBwd { mb, .. } => {
-                        let layer = match task {
-                            Task::AttnBwd { layer: 0, .. } => None,
-                            Task::AttnBwd { layer, .. } => Some(layer - 1),
-                            _ => Some(layout.layers - 1),
-                        };
-                        if let Some(l) = layer {
-                            for h in layout.ffn_holders(l) {
-                                sent.push((h, Arrival::GradCombine { mb, layer: l }));
-                            }
-                            sent.push((layout.attn_worker(mb, l), Arrival::GradResidual { mb, layer: l }));
+                    Task::Head { mb } => {
+                        for u in mb * c..(mb + 1) * c {
+                            grads_back(&mut sent, u, layout.layers - 1);
+                        }
+                    }
+                    Task::AttnBwd { mb, layer } if c > 1 => {
+                        for v in layout.ring_units(mb).filter(|&v| v != mb) {
+                            sent.push((layout.attn_worker(v, layer), Arrival::GradKv { mb: v, layer }));
+                        }
+                    }
+                    Task::AttnBwd { mb, layer } | Task::RingBwd { mb, layer } => {
+                        if layer > 0 {
+                            grads_back(&mut sent, mb, layer - 1);
                         }
                     }
                     Task::FfnBwd { mb, layer } => {
@@ -445,6 +568,16 @@ mod tests {
                     }
                 }
                 sched.done(task);
+            }
+            // A seeded shuffle of the round's deliveries (xorshift).
+            for i in (1..sent.len()).rev() {
+                if seed == 0 {
+                    break;
+                }
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                sent.swap(i, (state % (i as u64 + 1)) as usize);
             }
             for (dst, a) in sent {
                 s[dst].on_message(a);
@@ -455,13 +588,18 @@ mod tests {
 
     #[test]
     fn every_task_runs_once_backward_tasks_in_micro_batch_order_within_the_window() {
+        let cp = |l: Layout, c| l.with_context_parallel(c).unwrap();
         let layouts = [
-            (Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2),
-            (Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 1),
-            (Layout::ep(3, 4, 4, 2).unwrap(), 1),
+            (Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2, 0),
+            (Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 1, 0),
+            (Layout::ep(3, 4, 4, 2).unwrap(), 1, 0),
+            (cp(Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2), 2, 0),
+            (cp(Layout::disagg(3, 4, 4, 4, 2, 1).unwrap(), 2), 2, 7),
+            (cp(Layout::disagg(4, 8, 6, 8, 4, 2).unwrap(), 4), 3, 11),
+            (cp(Layout::disagg(4, 8, 4, 8, 2, 2).unwrap(), 2), 1, 5),
         ];
-        for (layout, window) in layouts {
-            let ran = drive(&layout, window);
+        for (layout, window, seed) in layouts {
+            let ran = drive(&layout, window, seed);
             for (r, tasks) in ran.iter().enumerate() {
                 // Each backward key runs its micro-batches in increasing order, each once.
                 let mut by_key: HashMap<(BackwardKind, usize), Vec<usize>> = HashMap::new();
@@ -475,8 +613,8 @@ mod tests {
                 for (key, mbs) in &by_key {
                     assert_eq!(mbs, &Vec::from(want.next[key].clone()), "worker {r} {key:?}");
                 }
-                // The window: micro-batch i + K starts after micro-batch i's layer-0 backward.
-                let own = layout.own_micro_batches(r);
+                // The window: unit i + K starts after unit i's layer-0 backward.
+                let own = layout.own_units(r);
                 let at = |t: Task| tasks.iter().position(|&x| x == t).unwrap();
                 for (i, &mb) in own.iter().enumerate().skip(window) {
                     let released = Task::AttnBwd { mb: own[i - window], layer: 0 };
@@ -484,12 +622,18 @@ mod tests {
                 }
                 // Every forward task of the worker ran, once.
                 let fwd = tasks.iter().filter(|t| t.backward_key().is_none()).count();
-                let attn: usize = layout
-                    .attn_layers(r)
-                    .iter()
-                    .map(|&l| (0..layout.micro_batches).filter(|&m| layout.attn_worker(m, l) == r).count())
-                    .sum();
-                assert_eq!(fwd, attn + layout.micro_batches * layout.ffn_layers(r).len(), "worker {r}");
+                let halves = if layout.context_parallel > 1 { 2 } else { 1 };
+                let attn: usize = layout.attn_layers(r).iter().map(|&l| layout.attn_units(r, l).len() * halves).sum();
+                assert_eq!(fwd, attn + layout.units() * layout.ffn_layers(r).len(), "worker {r}");
+                // A ring half runs after its projection half (forward) or its ring half (backward).
+                for (i, t) in tasks.iter().enumerate() {
+                    let before = match *t {
+                        Task::RingFwd { mb, layer } => Task::AttnFwd { mb, layer },
+                        Task::RingBwd { mb, layer } => Task::AttnBwd { mb, layer },
+                        _ => continue,
+                    };
+                    assert!(at(before) < i, "worker {r}: {t:?}");
+                }
             }
         }
     }

@@ -301,6 +301,8 @@ impl<C: Choices> Sampler<C> {
             11 => Msg::Heartbeat { busy_us: self.int(64) },
             12 => Msg::Alive,
             13 => Msg::ExpertWanted { layer, expert: self.usize() },
+            15 => Msg::Kv { mb, layer, to: self.usize(), kv: self.packed(None) },
+            16 => Msg::GradKv { mb, layer, from: self.usize(), g: self.packed(None) },
             _ => {
                 let n = self.below(4) as usize;
                 let tensors = (0..n)
@@ -336,4 +338,4 @@ impl<C: Choices> Sampler<C> {
 }
 
 /// How many message kinds [`Sampler::msg`] draws from (every variant of [`Msg`]).
-pub const KINDS: usize = 15;
+pub const KINDS: usize = 17;

@@ -472,6 +472,12 @@ pub struct Inbox {
     grads: HashMap<(usize, usize), GradInput>,
     dispatched: HashMap<(usize, usize), Dispatched>,
     grad_combines: HashMap<(usize, usize), Packed>,
+    /// Context parallelism: per (receiving unit, layer), the ring's blocks of keys and values by
+    /// sending unit.
+    ring_blocks: HashMap<(usize, usize), Vec<(usize, Packed)>>,
+    /// Context parallelism: per (owning unit, layer), the gradients of its block by the unit whose
+    /// attention computed them.
+    ring_grads: HashMap<(usize, usize), Vec<(usize, Packed)>>,
 }
 
 impl Inbox {
@@ -502,9 +508,31 @@ impl Inbox {
                 let (gy, gw) = (gy.unpacked(), gw.map(Packed::unpacked));
                 self.grads.entry((mb, layer)).or_default().dispatch.push(DispatchGrad { holder: src, gy, gw });
             }
+            Msg::Kv { mb, layer, to, kv } => {
+                self.ring_blocks.entry((to, layer)).or_default().push((mb, kv.unpacked()));
+            }
+            Msg::GradKv { mb, layer, from, g } => {
+                self.ring_grads.entry((mb, layer)).or_default().push((from, g.unpacked()));
+            }
             other => return Some(other),
         }
         None
+    }
+
+    /// The ring's blocks of keys and values of `layer` for unit `unit`'s attention, by sending
+    /// unit, ascending (context parallelism); its task is ready, so every one is here.
+    pub fn ring_blocks(&mut self, unit: usize, layer: usize) -> Vec<(usize, Packed)> {
+        let mut blocks = self.ring_blocks.remove(&(unit, layer)).unwrap_or_default();
+        blocks.sort_by_key(|(u, _)| *u);
+        blocks
+    }
+
+    /// The gradients of unit `unit`'s block of keys and values of `layer` from the other units of
+    /// its ring, by unit, ascending (the order they are added in).
+    pub fn ring_grads(&mut self, unit: usize, layer: usize) -> Vec<(usize, Packed)> {
+        let mut grads = self.ring_grads.remove(&(unit, layer)).unwrap_or_default();
+        grads.sort_by_key(|(u, _)| *u);
+        grads
     }
 
     /// The input of `layer` (or the head when `layer == layers`) of micro-batch `mb`, assembled

@@ -99,15 +99,19 @@ impl Build<'_> {
     /// Worker `w`'s `task` on `stream`, as op `kind` with its calibrated duration.
     fn task(&mut self, w: usize, task: Task) -> Result<OpId> {
         let kind = match task {
-            Task::AttnFwd { .. } => OpKind::AttentionForward,
+            Task::AttnFwd { .. } | Task::RingFwd { .. } => OpKind::AttentionForward,
             Task::FfnFwd { .. } => OpKind::ExpertForward,
             Task::Head { .. } => OpKind::HeadBackward,
             Task::FfnBwd { .. } => OpKind::ExpertBackward,
-            Task::AttnBwd { .. } => OpKind::AttentionBackward,
+            Task::AttnBwd { .. } | Task::RingBwd { .. } => OpKind::AttentionBackward,
         };
         let (mb, layer) = match task {
-            Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } => (mb, layer as u32),
-            Task::FfnBwd { mb, layer } | Task::AttnBwd { mb, layer } => (mb, layer as u32),
+            Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } | Task::RingFwd { mb, layer } => {
+                (mb, layer as u32)
+            }
+            Task::FfnBwd { mb, layer } | Task::AttnBwd { mb, layer } | Task::RingBwd { mb, layer } => {
+                (mb, layer as u32)
+            }
             Task::Head { mb } => (mb, NO_LAYER),
         };
         let name = task.name();
@@ -144,6 +148,15 @@ impl Build<'_> {
 /// The schedule the runtime executes for `layout` (see the module doc).
 pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<NetLink>) -> Result<Schedule> {
     let (workers, layers, mbs) = (layout.workers, layout.layers, layout.micro_batches);
+    if layout.context_parallel > 1 {
+        return Err(TrainError::option(
+            "context_parallel",
+            format!(
+                "1 for a prediction of the runtime's schedule (got {}): the ring's tasks are not in it yet",
+                layout.context_parallel
+            ),
+        ));
+    }
     if cal.end_of_step_s.len() != workers {
         return Err(TrainError::option(
             "workers",

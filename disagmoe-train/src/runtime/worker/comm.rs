@@ -31,7 +31,7 @@ pub(crate) struct StepMeters {
     /// (2(n-1)/n of the data per member), whatever reduces it.
     pub(crate) bytes_sent: u64,
     /// Of them, the token exchange's (packed payloads), by kind (`Msg::exchange_kind`).
-    pub(crate) exchange_bytes: [u64; 6],
+    pub(crate) exchange_bytes: [u64; 8],
     /// Payload bytes copied from the backend's tensors to the host (`super::payload`).
     pub(crate) payload_host_bytes: u64,
 }

@@ -15,6 +15,7 @@ mod comm;
 mod payload;
 mod persist;
 mod rebalance;
+mod ring;
 mod sharded;
 mod step_end;
 mod tasks;
@@ -156,6 +157,8 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     documents: HashMap<usize, disagmoe_kernels::documents::Documents>,
     inbox: Inbox,
     attn_saved: HashMap<(usize, usize), AttnSaved<B, A, R>>,
+    /// Context parallelism's halves of attention stages (`ring`).
+    ring: ring::RingState<B, A, R>,
     ffn_saved: HashMap<(usize, usize), FfnSaved<B, X>>,
     grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
     /// The head's gradients apart (a tied embedding also gets the first layer's: two sums, each in
@@ -240,6 +243,7 @@ where
             documents: HashMap::new(),
             inbox: Inbox::default(),
             attn_saved: HashMap::new(),
+            ring: ring::RingState::default(),
             ffn_saved: HashMap::new(),
             grads: GradientsAccumulator::new(),
             head_grads: GradientsAccumulator::new(),
@@ -304,9 +308,14 @@ where
                 });
             }
             let layers = self.layout.layers;
-            for m in
-                (0..self.layout.micro_batches).filter(|&m| (0..layers).any(|l| self.layout.attn_worker(m, l) == rank))
-            {
+            let attends = |m: usize| {
+                (0..layers).any(|l| {
+                    self.layout
+                        .ring_units(m * self.layout.context_parallel)
+                        .any(|u| self.layout.attn_worker(u, l) == rank)
+                })
+            };
+            for m in (0..self.layout.micro_batches).filter(|&m| attends(m)) {
                 if let Some(d) = batch.documents(m * rows_per..(m + 1) * rows_per)? {
                     self.documents.insert(m, d);
                 }
@@ -351,9 +360,9 @@ where
         }
         let bounds = RunBounds {
             workers: self.layout.workers,
-            micro_batches: self.layout.micro_batches,
+            micro_batches: self.layout.units(),
             layers: self.layout.layers,
-            tokens: self.settings.mb_rows * self.settings.seq,
+            tokens: self.settings.mb_rows * self.unit_seq(),
         };
         env.msg.admit(env.src, &bounds).map_err(|what| TrainError::Worker {
             worker: self.rank(),
@@ -391,6 +400,8 @@ where
             Task::AttnFwd { mb, layer } => self.attention_forward(mb, layer)?,
             Task::Head { mb } => self.head(mb)?,
             Task::AttnBwd { mb, layer } => self.attention_backward(mb, layer)?,
+            Task::RingFwd { mb, layer } => self.ring_forward(mb, layer)?,
+            Task::RingBwd { mb, layer } => self.ring_backward(mb, layer)?,
             Task::FfnFwd { mb, layer, src } => self.ffn_forward(src, mb, layer)?,
             Task::FfnBwd { mb, layer } => self.ffn_backward(mb, layer)?,
         }

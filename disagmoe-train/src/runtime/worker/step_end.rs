@@ -72,7 +72,7 @@ struct GlobalSums {
     /// Bytes sent.
     bytes_sent: f64,
     /// Of them, the token exchange's, by kind.
-    exchange_bytes: [f64; 6],
+    exchange_bytes: [f64; 8],
     /// Payload bytes read back to the host.
     payload_host_bytes: f64,
     /// Workers asked to stop (a signal reached their process).
@@ -90,7 +90,7 @@ type Field = fn(&mut GlobalSums) -> &mut f64;
 impl GlobalSums {
     /// The scalar fields in the order they travel (the expert counts follow). The order is part of
     /// the sums' bits (a ring adds each piece starting at another member), so it stays as it is.
-    const SCALARS: [Field; 19] = [
+    const SCALARS: [Field; 21] = [
         |g| &mut g.grad_sq,
         |g| &mut g.losses.total,
         |g| &mut g.losses.lm,
@@ -110,6 +110,8 @@ impl GlobalSums {
         |g| &mut g.exchange_bytes[5],
         |g| &mut g.payload_host_bytes,
         |g| &mut g.losses.mtp,
+        |g| &mut g.exchange_bytes[6],
+        |g| &mut g.exchange_bytes[7],
     ];
 
     fn into_vec(mut self) -> Vec<f64> {
@@ -520,19 +522,20 @@ mod tests {
             link_s: 8.0,
             stop: 9.0,
             bytes_sent: 10.0,
-            exchange_bytes: [12.0, 13.0, 14.0, 15.0, 16.0, 17.0],
+            exchange_bytes: [12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 20.0, 21.0],
             payload_host_bytes: 18.0,
-            expert_counts: vec![20.0, 21.0],
+            expert_counts: vec![22.0, 23.0],
         };
         let v = g.into_vec();
-        // The order they always travelled in (it is part of a ring sum's bits); the MTP loss,
-        // added last among the scalars, comes before the expert counts.
-        assert_eq!(v, (1..=21).map(f64::from).collect::<Vec<_>>());
+        // The order they always travelled in (it is part of a ring sum's bits); the MTP loss and
+        // the ring's key-value bytes, added last among the scalars, come before the expert counts.
+        assert_eq!(v, (1..=23).map(f64::from).collect::<Vec<_>>());
         let back = GlobalSums::from_vec(&v);
         assert_eq!(
             (back.losses.z, back.losses.mtp, back.bytes_sent, &back.expert_counts),
-            (11.0, 19.0, 10.0, &vec![20.0, 21.0])
+            (11.0, 19.0, 10.0, &vec![22.0, 23.0])
         );
+        assert_eq!(back.exchange_bytes[6..], [20.0, 21.0]);
         assert_eq!(back.into_vec(), v);
     }
 }

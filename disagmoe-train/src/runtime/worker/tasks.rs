@@ -16,6 +16,7 @@ use disagmoe_models::TrainModule;
 
 use super::autodiff::{grad_of, index, term_scale, Fork};
 use super::payload::{read_back, OnDevice};
+use super::ring::RingLeaves;
 use super::Worker;
 use crate::error::Result;
 use crate::runtime::exchange::{
@@ -28,16 +29,18 @@ use crate::runtime::msg::{AuxSums, LayerAux, LayerCoefficients, Msg, Packed};
 /// again there under `--recompute attention|full`), or without one (the first forward of a
 /// recomputed stage).
 pub(super) struct AttnGraph<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
-    stage: AttentionStage<B, A, R>,
+    pub(super) stage: AttentionStage<B, A, R>,
     /// Layer 0: the embedding, whose output is the input.
-    embed: Option<Embedding<B>>,
+    pub(super) embed: Option<Embedding<B>>,
     /// The input of layers past the first.
-    h: Option<Tensor<B, 3>>,
-    residual: Tensor<B, 2>,
+    pub(super) h: Option<Tensor<B, 3>>,
+    pub(super) residual: Tensor<B, 2>,
     /// `[T, M]`: the normed layer output the holders are sent rows of.
-    normed: Tensor<B, 2>,
+    pub(super) normed: Tensor<B, 2>,
     /// A routed layer's decision under the run's router options.
-    routed: Option<Routed<B>>,
+    pub(super) routed: Option<Routed<B>>,
+    /// Context parallelism: the ring half's leaves (the stage's `h` is then its input's leaf).
+    pub(super) ring: Option<RingLeaves<B>>,
 }
 
 /// What an attention forward keeps for its backward.
@@ -85,12 +88,12 @@ where
     X: TrainModule<B> + Experts<B>,
 {
     /// Sends every message of `msgs`, in order.
-    fn send_all(&mut self, msgs: Vec<(usize, Msg)>) -> Result<()> {
+    pub(super) fn send_all(&mut self, msgs: Vec<(usize, Msg)>) -> Result<()> {
         msgs.into_iter().try_for_each(|(dst, msg)| self.comm.send(dst, msg))
     }
 
     /// A payload for another worker: `t` left on the device, or read back to the host.
-    fn emit(&self, t: Tensor<B::InnerBackend, 2>) -> Packed {
+    pub(super) fn emit(&self, t: Tensor<B::InnerBackend, 2>) -> Packed {
         if self.settings.device_payloads {
             Packed::Device(OnDevice::wrap(t))
         } else {
@@ -100,7 +103,7 @@ where
 
     /// A received payload as a tensor of `shape` (its values row-major): a leaf that requires a
     /// gradient (`track`), or a constant of the graph.
-    fn take<const D: usize>(&self, p: &Packed, shape: [usize; D], track: bool) -> Tensor<B, D> {
+    pub(super) fn take<const D: usize>(&self, p: &Packed, shape: [usize; D], track: bool) -> Tensor<B, D> {
         let inner = match p {
             Packed::Device(d) => OnDevice::<B::InnerBackend>::tensor(d).reshape(shape),
             Packed::F32(h) => Tensor::from_data(TensorData::new(h.data.clone(), shape), &self.device),
@@ -120,10 +123,11 @@ where
         self.take(p, [shape[0], shape[1]], false)
     }
 
-    /// A layer input `[T, M]` as `[B, S, M]`: a leaf, or a constant (`track: false`).
-    fn hidden(&self, h: &Packed, track: bool) -> Tensor<B, 3> {
+    /// A unit's layer input `[T, M]` as `[B, S, M]` (`S`: the unit's positions): a leaf, or a
+    /// constant (`track: false`).
+    pub(super) fn hidden(&self, h: &Packed, track: bool) -> Tensor<B, 3> {
         let m = *h.shape().last().expect("[T, M]");
-        self.take(h, [self.settings.mb_rows, self.settings.seq, m], track)
+        self.take(h, [self.settings.mb_rows, self.unit_seq(), m], track)
     }
 
     /// Attention stage `layer` of micro-batch `mb` on `input` (layer 0: `None`, the token ids'
@@ -141,17 +145,26 @@ where
             Some(h) => (self.hidden(&h, track), None),
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
-        let docs = self.documents.get(&mb);
+        let docs = self.documents.get(&self.layout.unit_of(mb).0);
         let (cos, sin) = disagmoe_models::rope::document_tables(self.rope.0.clone(), self.rope.1.clone(), docs);
         let out = stage.forward(h.clone(), cos, sin, docs);
-        let routed = match (out.route, stage.top_k()) {
+        let routed = self.route(out.route, stage.top_k());
+        let h = past_first.then_some(h);
+        Ok(AttnGraph { stage, embed, h, residual: out.residual, normed: out.normed, routed, ring: None })
+    }
+
+    /// A routed layer's decision on the stage's output under the run's router options.
+    pub(super) fn route(
+        &self,
+        route: Option<disagmoe_models::moe::RouterOutput<B>>,
+        top_k: Option<usize>,
+    ) -> Option<Routed<B>> {
+        match (route, top_k) {
             (Some(decision), Some(k)) => {
                 Some(self.settings.routing.route(decision, self.settings.mb_rows, self.layout.experts, k))
             }
             _ => None,
-        };
-        let h = past_first.then_some(h);
-        Ok(AttnGraph { stage, embed, h, residual: out.residual, normed: out.normed, routed })
+        }
     }
 
     /// Records a routed layer's decision statistics: the load metrics, the aux-loss-free bias
@@ -160,7 +173,9 @@ where
     fn record_routing(&mut self, layer: usize, routed: &Routed<B>, aux: &mut AuxSums) {
         let stats = &routed.stats;
         if let Some(loss) = &stats.z_loss {
-            let value = loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0];
+            // A ring worker's z-loss is the mean over its share of the micro-batch's tokens.
+            let value =
+                loss.to_data().convert::<f64>().to_vec::<f64>().expect("f64")[0] / self.layout.context_parallel as f64;
             self.stats.losses.z += value;
             self.stats.losses.total += self.settings.routing.z_loss_coef * value;
         }
@@ -180,16 +195,34 @@ where
     }
 
     pub(super) fn attention_forward(&mut self, mb: usize, layer: usize) -> Result<()> {
-        let (mut input, mut aux, from) = if layer == 0 {
+        let (mut input, aux, from) = if layer == 0 {
             (None, AuxSums::default(), Vec::new())
         } else {
             let Assembled { h, aux, from } = self.inbox.assemble(mb, layer);
             (Some(h), aux, from)
         };
+        if self.layout.context_parallel > 1 {
+            return self.ring_project(mb, layer, input, aux, from);
+        }
         let recompute = self.settings.recompute.attention();
         // A recomputed stage keeps its input for the backward; a kept one hands it over.
         let first = if recompute { input.clone() } else { input.take() };
         let out = self.attend(mb, layer, first, !recompute)?;
+        self.hand_on(mb, layer, out, aux, from, input)
+    }
+
+    /// What an attention stage's forward sends on (the dispatch to the holders, the residual to the
+    /// next layer) and keeps for its backward: `input` when the stage is recomputed.
+    pub(super) fn hand_on(
+        &mut self,
+        mb: usize,
+        layer: usize,
+        out: AttnGraph<B, A, R>,
+        mut aux: AuxSums,
+        from: Vec<Share>,
+        input: Option<Packed>,
+    ) -> Result<()> {
+        let recompute = self.settings.recompute.attention();
         let [t, m] = out.normed.dims();
         let plan = match &out.routed {
             Some(routed) => {
@@ -230,16 +263,25 @@ where
 
     fn next_attn_worker(&self, mb: usize, layer: usize) -> usize {
         if layer + 1 == self.layout.layers {
-            self.layout.head_worker(mb)
+            self.layout.head_worker(self.layout.unit_of(mb).0)
         } else {
             self.layout.attn_worker(mb, layer + 1)
         }
     }
 
-    fn ids(&self, mb: usize) -> Result<Tensor<B, 2, Int>> {
+    /// The token ids of unit `unit` (its positions of its micro-batch's rows, [`Worker::positions`]).
+    pub(super) fn ids(&self, unit: usize) -> Result<Tensor<B, 2, Int>> {
+        let rows = &self.rows[&self.layout.unit_of(unit).0];
+        let positions = self.positions(unit);
+        let flat: Vec<i64> = rows.iter().flat_map(|r| positions.iter().map(|&p| r[p])).collect();
+        Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), positions.len()]), &self.device))
+    }
+
+    /// The token ids of micro-batch `mb`'s whole rows.
+    fn micro_batch_ids(&self, mb: usize) -> Tensor<B, 2, Int> {
         let rows = &self.rows[&mb];
         let flat: Vec<i64> = rows.iter().flatten().copied().collect();
-        Ok(Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device))
+        Tensor::from_data(TensorData::new(flat, [rows.len(), self.settings.seq]), &self.device)
     }
 
     /// Expert stage `layer` on a holder's rows, with its graph or without (`track`).
@@ -284,7 +326,7 @@ where
     }
 
     /// Adds the gradients of `module`'s parameters (a forked piece of the part) to the step's.
-    fn accumulate<M: AutodiffModule<B>>(&mut self, grads: &mut B::Gradients, module: &M) {
+    pub(super) fn accumulate<M: AutodiffModule<B>>(&mut self, grads: &mut B::Gradients, module: &M) {
         let params = crate::optim::grads_in_f32(module, GradientsParams::from_module(grads, module));
         self.grads.accumulate(self.part.as_ref().expect("part"), params);
     }
@@ -316,7 +358,7 @@ where
     }
 
     /// Sends the gradient of `layer`'s input (`[B, S, M]`) back ([`input_grad_messages`]).
-    fn send_input_grad(
+    pub(super) fn send_input_grad(
         &mut self,
         mb: usize,
         layer: usize,
@@ -348,9 +390,20 @@ where
 
     pub(super) fn head(&mut self, mb: usize) -> Result<()> {
         let layers = self.layout.layers;
-        let Assembled { h, aux, from } = self.inbox.assemble(mb, layers);
-        let h = self.hidden(&h, true);
-        let ids = self.ids(mb)?;
+        // Every unit of the micro-batch (one without context parallelism): its input as a leaf,
+        // the sums of its balance statistics, and who sent its rows.
+        let units: Vec<usize> = self.layout.ring_units(mb * self.layout.context_parallel).collect();
+        let mut leaves = Vec::with_capacity(units.len());
+        let mut froms = Vec::with_capacity(units.len());
+        let mut aux = AuxSums::default();
+        for &u in &units {
+            let Assembled { h, aux: unit_aux, from } = self.inbox.assemble(u, layers);
+            leaves.push(self.hidden(&h, true));
+            froms.push(from);
+            aux.merge(unit_aux);
+        }
+        let h = self.sequence_order(leaves.clone());
+        let ids = self.micro_batch_ids(mb);
         let mbs = self.layout.micro_batches as f64;
         let device = self.device.clone();
         let ends = self
@@ -382,11 +435,14 @@ where
         };
         let ce = ce.div_scalar(mbs);
         let mut grads = if self.loss_scale != 1.0 { ce.mul_scalar(self.loss_scale) } else { ce }.backward();
-        let shape = h.dims();
-        let gh = grad_of(&Some(h), &mut grads, shape, &self.device);
         let params = crate::optim::grads_in_f32(&ends, GradientsParams::from_module(&mut grads, &ends));
         self.head_grads.accumulate(self.part.as_ref().expect("part"), params);
-        self.send_input_grad(mb, layers, gh, &from, aux_coef)
+        for ((u, leaf), from) in units.into_iter().zip(leaves).zip(froms) {
+            let shape = leaf.dims();
+            let gh = grad_of(&Some(leaf), &mut grads, shape, &self.device);
+            self.send_input_grad(u, layers, gh, &from, aux_coef.clone())?;
+        }
+        Ok(())
     }
 
     pub(super) fn attention_backward(&mut self, mb: usize, layer: usize) -> Result<()> {
@@ -414,11 +470,20 @@ where
             }
         }
         if let Some(z) = graph.routed.as_ref().and_then(|r| r.stats.z_loss.as_ref()) {
-            let scale =
-                term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef) * self.loss_scale as f32;
+            // A ring worker's z-loss is the mean over its share of the micro-batch's tokens.
+            let scale = term_scale(self.layout.micro_batches, self.settings.routing.z_loss_coef)
+                * self.loss_scale as f32
+                / self.layout.context_parallel as f32;
             objective = objective + z.clone().mul_scalar(scale as f64);
         }
         let mut grads = objective.backward();
+        if let Some(ring) = graph.ring {
+            // Context parallelism: the ring half's backward; the projection half's waits for the
+            // gradients of this unit's keys and values from the ring.
+            self.accumulate(&mut grads, &graph.stage);
+            let h = graph.h.expect("a ring half's input leaf");
+            return self.ring_half_backward(mb, layer, ring, h, &mut grads, saved.from, aux_coef);
+        }
         let gh = graph.h.as_ref().map(|h| grad_of(&Some(h.clone()), &mut grads, h.dims(), &self.device));
         self.accumulate(&mut grads, &graph.stage);
         if let Some(embed) = &graph.embed {

@@ -1,0 +1,274 @@
+//! Context parallelism's task bodies (`--context-parallel C`): a unit's attention stage in two
+//! halves each way (the scheduler's module doc has the tasks and when they are ready).
+//!
+//! - **Projection half** (`AttnFwd`): the unit's input (its two chunks of the sequence,
+//!   `disagmoe_kernels::ring::chunks`), the input norm, the queries and the block of keys and
+//!   values at the unit's positions ([`AttentionStage::ring_project`]); the block goes to the
+//!   `C - 1` other units of the ring ([`Msg::Kv`]).
+//! - **Ring half** (`RingFwd`): with every block here, the attention of the unit's queries over
+//!   the blocks in ring order, the output projection, the norm and the router
+//!   ([`AttentionStage::ring_finish`]), on leaves of a graph of its own: the queries, the unit's
+//!   block, the received blocks and the input. Then the stage hands on as without context
+//!   parallelism (`Worker::hand_on`).
+//! - **Backward of the ring half** (`AttnBwd`): the stage's objective as without context
+//!   parallelism; the gradients of the received blocks go back to their owners
+//!   ([`Msg::GradKv`]); those of the queries, the unit's block and the input wait.
+//! - **Backward of the projection half** (`RingBwd`): with the ring's gradients of the unit's
+//!   block here (added in unit order after the unit's own), the projection's backward, and the
+//!   input's gradient sent back as without context parallelism.
+//!
+//! The two halves' graphs hold disjoint parameters (the input norm and the projections of the
+//! queries, keys and values or the latent; the output projection, the sinks, MLA's expansion of
+//! the latent, the post-attention norm and the router), each added to the step's gradients in
+//! unit order, so a run stays bit-reproducible.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use disagmoe_kernels::ring::chunks;
+use disagmoe_models::decoder::{AttentionLayer, RingBlock, RingProjection};
+use disagmoe_models::moe::{Experts, Router};
+use disagmoe_models::nn::Embedding;
+use disagmoe_models::stages::AttentionStage;
+use disagmoe_models::TrainModule;
+
+use super::autodiff::{grad_of, Fork};
+use super::tasks::AttnGraph;
+use super::Worker;
+use crate::error::{Result, TrainError};
+use crate::runtime::exchange::Share;
+use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
+
+/// The projection half of a unit's attention stage, kept for its backward.
+pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    stage: AttentionStage<B, A, R>,
+    /// Layer 0: the embedding, whose output is the input.
+    embed: Option<Embedding<B>>,
+    /// `[B, T, M]`: the input, a leaf past the first layer.
+    h: Tensor<B, 3>,
+    /// `[B, T, H, D]`
+    q: Tensor<B, 4>,
+    /// `[B, T, W]`: the unit's block of keys and values.
+    kv: Tensor<B, 3>,
+    /// The input's balance sums and who sent its rows, until the ring half runs.
+    aux: Option<(AuxSums, Vec<Share>)>,
+}
+
+/// The leaves of a ring half's graph besides its input.
+pub(super) struct RingLeaves<B: AutodiffBackend> {
+    q: Tensor<B, 4>,
+    kv: Tensor<B, 3>,
+    /// The other units' blocks, by unit.
+    peers: Vec<(usize, Tensor<B, 3>)>,
+}
+
+/// A ring half's backward, waiting for the ring's gradients of the unit's block.
+pub(super) struct RingPending<B: AutodiffBackend> {
+    gq: Tensor<B::InnerBackend, 4>,
+    gkv: Tensor<B::InnerBackend, 3>,
+    gh: Tensor<B::InnerBackend, 3>,
+    from: Vec<Share>,
+    aux_coef: Vec<LayerCoefficients>,
+}
+
+/// A step's context-parallel state of a worker, by (unit, layer).
+pub(super) struct RingState<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    halves: HashMap<(usize, usize), RingHalf<B, A, R>>,
+    pending: HashMap<(usize, usize), RingPending<B>>,
+}
+
+impl<B: AutodiffBackend, A: Module<B>, R: Module<B>> Default for RingState<B, A, R> {
+    fn default() -> Self {
+        Self { halves: HashMap::new(), pending: HashMap::new() }
+    }
+}
+
+impl<B, A, R, X> Worker<B, A, R, X>
+where
+    B: AutodiffBackend,
+    A: TrainModule<B> + AttentionLayer<B>,
+    R: TrainModule<B> + Router<B>,
+    X: TrainModule<B> + Experts<B>,
+{
+    /// Tokens of a unit per row: the sequence, or a ring worker's share of it.
+    pub(super) fn unit_seq(&self) -> usize {
+        self.settings.seq / self.layout.context_parallel
+    }
+
+    /// The two chunks of the sequence ring rank `r` holds.
+    fn held(&self, r: usize) -> [Range<usize>; 2] {
+        chunks(self.settings.seq, self.layout.context_parallel).expect("the config checks seq against the ring")[r]
+            .clone()
+    }
+
+    /// The positions of unit `unit`'s tokens in their sequence, in the order it holds them (every
+    /// position without context parallelism).
+    pub(super) fn positions(&self, unit: usize) -> Vec<usize> {
+        if self.layout.context_parallel == 1 {
+            return (0..self.settings.seq).collect();
+        }
+        let [a, b] = self.held(self.layout.unit_of(unit).1);
+        a.chain(b).collect()
+    }
+
+    /// The leaves of a micro-batch's units (`[B, T, M]` each, ring rank order) as its sequences
+    /// `[B, S, M]`, positions in order.
+    pub(super) fn sequence_order(&self, mut leaves: Vec<Tensor<B, 3>>) -> Tensor<B, 3> {
+        if leaves.len() == 1 {
+            return leaves.remove(0);
+        }
+        let order: Vec<usize> = (0..leaves.len()).flat_map(|r| self.positions(r)).collect();
+        let mut inverse = vec![0i64; order.len()];
+        for (at, &p) in order.iter().enumerate() {
+            inverse[p] = at as i64;
+        }
+        let inverse = Tensor::<B, 1, Int>::from_data(TensorData::new(inverse, [order.len()]), &self.device);
+        Tensor::cat(leaves, 1).select(1, inverse)
+    }
+
+    /// The rotary tables at unit `unit`'s positions (restarting per document when the run's
+    /// documents say so).
+    fn unit_tables(&self, unit: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let docs = self.documents.get(&self.layout.unit_of(unit).0);
+        let (cos, sin) = disagmoe_models::rope::document_tables(self.rope.0.clone(), self.rope.1.clone(), docs);
+        let positions: Vec<i64> = self.positions(unit).into_iter().map(|p| p as i64).collect();
+        let n = positions.len();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &self.device);
+        (cos.select(2, idx.clone()), sin.select(2, idx))
+    }
+
+    /// The projection half of `layer` for unit `unit` on its input (layer 0: `None`, the
+    /// embedding of its tokens); its block goes to the ring.
+    pub(super) fn ring_project(
+        &mut self,
+        unit: usize,
+        layer: usize,
+        input: Option<Packed>,
+        aux: AuxSums,
+        from: Vec<Share>,
+    ) -> Result<()> {
+        let device = self.device.clone();
+        let fork = &mut Fork { device: &device, track: true };
+        let (h, embed) = match input {
+            None => {
+                let ends = self.part().ends.as_ref().expect("the embedding worker holds the ends");
+                let embed = ends.embed_tokens.clone().map(fork);
+                (embed.forward(self.ids(unit)?), Some(embed))
+            }
+            Some(h) => (self.hidden(&h, true), None),
+        };
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
+        let (cos, sin) = self.unit_tables(unit);
+        let RingProjection { q, kv } = stage.ring_project(h.clone(), cos, sin).ok_or_else(|| {
+            TrainError::option(
+                "context_parallel",
+                "1 for this model: its attention type has no ring attention (GQA, with windows and sinks, and MLA have)",
+            )
+        })?;
+        let [b, t, w] = kv.dims();
+        for v in self.layout.ring_units(unit).filter(|&v| v != unit) {
+            let block = self.emit(kv.clone().inner().reshape([b * t, w]));
+            self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
+        }
+        self.ring.halves.insert((unit, layer), RingHalf { stage, embed, h, q, kv, aux: Some((aux, from)) });
+        Ok(())
+    }
+
+    /// The ring half of `layer` for unit `unit`, every block of the ring here.
+    pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
+        let half = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
+        let (aux, from) = half.aux.take().expect("one ring half per projection half");
+        let q = Tensor::<B, 4>::from_inner(half.q.clone().inner()).require_grad();
+        let kv = Tensor::<B, 3>::from_inner(half.kv.clone().inner()).require_grad();
+        let h = Tensor::<B, 3>::from_inner(half.h.clone().inner()).require_grad();
+        let [b, t, w] = kv.dims();
+        let peers: Vec<(usize, Tensor<B, 3>)> = (self.inbox.ring_blocks(unit, layer).into_iter())
+            .map(|(v, block)| (v, self.take(&block, [b, t, w], true)))
+            .collect();
+        // Ring order: the unit's own block, then those of ring ranks r - 1, r - 2, ...
+        let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
+        let mut blocks = vec![RingBlock { kv: kv.clone(), held: self.held(r) }];
+        for i in 1..c {
+            let rv = (r + c - i) % c;
+            let v = unit - r + rv;
+            let (_, block) = peers.iter().find(|(u, _)| *u == v).expect("every block of the ring is here");
+            blocks.push(RingBlock { kv: block.clone(), held: self.held(rv) });
+        }
+        let device = self.device.clone();
+        let stage =
+            self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track: true });
+        let docs = self.documents.get(&self.layout.unit_of(unit).0);
+        let out =
+            stage.ring_finish(h.clone(), q.clone(), &self.held(r), blocks, docs).expect("its projection half had one");
+        let routed = self.route(out.route, stage.top_k());
+        let graph = AttnGraph {
+            stage,
+            embed: None,
+            h: Some(h),
+            residual: out.residual,
+            normed: out.normed,
+            routed,
+            ring: Some(RingLeaves { q, kv, peers }),
+        };
+        self.hand_on(unit, layer, graph, aux, from, None)
+    }
+
+    /// The end of the ring half's backward (its objective's gradients in `grads`, its parameters'
+    /// taken): the received blocks' gradients go back to their owners; the rest waits for the
+    /// projection half's backward.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn ring_half_backward(
+        &mut self,
+        unit: usize,
+        layer: usize,
+        ring: RingLeaves<B>,
+        h: Tensor<B, 3>,
+        grads: &mut B::Gradients,
+        from: Vec<Share>,
+        aux_coef: Vec<LayerCoefficients>,
+    ) -> Result<()> {
+        let device = self.device.clone();
+        let gq = grad_of(&Some(ring.q.clone()), grads, ring.q.dims(), &device);
+        let gkv = grad_of(&Some(ring.kv.clone()), grads, ring.kv.dims(), &device);
+        let gh = grad_of(&Some(h.clone()), grads, h.dims(), &device);
+        for (v, block) in ring.peers {
+            let [b, t, w] = block.dims();
+            let g = grad_of(&Some(block), grads, [b, t, w], &device).reshape([b * t, w]);
+            let g = self.emit(g);
+            self.comm.send(self.layout.attn_worker(v, layer), Msg::GradKv { mb: v, layer, from: unit, g })?;
+        }
+        self.ring.pending.insert((unit, layer), RingPending { gq, gkv, gh, from, aux_coef });
+        Ok(())
+    }
+
+    /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
+    /// block here; the input's gradient goes back.
+    pub(super) fn ring_backward(&mut self, unit: usize, layer: usize) -> Result<()> {
+        let half = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
+        let RingPending { gq, mut gkv, gh, from, aux_coef } =
+            self.ring.pending.remove(&(unit, layer)).expect("the ring half's backward ran");
+        let [b, t, w] = gkv.dims();
+        // The unit's own attention's gradient, then the ring's in unit order.
+        for (_, g) in self.inbox.ring_grads(unit, layer) {
+            gkv = gkv + self.take::<3>(&g, [b, t, w], false).inner();
+        }
+        let constant = Tensor::<B, 4>::from_inner;
+        let objective = (half.q.clone() * constant(gq)).sum()
+            + (half.kv.clone() * Tensor::from_inner(gkv)).sum()
+            + (half.h.clone() * Tensor::from_inner(gh)).sum();
+        let mut grads = objective.backward();
+        let gh = (layer > 0).then(|| grad_of(&Some(half.h.clone()), &mut grads, half.h.dims(), &self.device));
+        self.accumulate(&mut grads, &half.stage);
+        if let Some(embed) = &half.embed {
+            self.accumulate(&mut grads, embed);
+        }
+        match gh {
+            Some(gh) => self.send_input_grad(unit, layer, gh, &from, aux_coef),
+            None => Ok(()),
+        }
+    }
+}
