@@ -1217,11 +1217,13 @@ const CP_TOLERANCE: f64 = 3e-5;
 /// reference; AdamW divides each step by the gradient's own size, so an element whose gradient is
 /// near zero (its update in the regime of epsilon) moves by that rounding many times over. Measured
 /// at seq 96 after 5 steps, one device with the reference attention against one with the fused
-/// attention: tiny-qwen3-moe 9.6e-6 (`layers.3.self_attn.o_proj`), tiny-gpt-oss 6.8e-6; context
-/// parallelism against one device: tiny-qwen3-moe 1.04e-5 with C = 2 and 1.16e-5 with C = 4
-/// (`layers.2.self_attn.k_proj`, 99.8% of it one element of 8192; 1.2e-6 after one step),
-/// tiny-gpt-oss 1.37e-5 (`layers.3.self_attn.o_proj`, one element of 16384), tiny-deepseek-v3
-/// 6.4e-6. Losses stay within 1e-5 (measured: within 5e-8).
+/// attention: tiny-qwen3-moe 9.6e-6 (`layers.3.self_attn.o_proj`), tiny-gpt-oss 6.8e-6,
+/// tiny-deepseek-v3 7.0e-6 (an expert's `down_proj`); context parallelism (the fused CPU block)
+/// against one device: tiny-qwen3-moe 6.7e-6 with C = 2 and 9.1e-6 with C = 4
+/// (`layers.2.self_attn.k_proj`), tiny-gpt-oss 4.8e-6 and 9.6e-6, tiny-deepseek-v3 1.5e-5 and
+/// 6.7e-6 (`layers.2.mlp.experts.5.down_proj`). With the ring's blocks composed of Burn's
+/// operations instead, tiny-gpt-oss was at 1.37e-5 (`layers.3.self_attn.o_proj`, one element of
+/// 16384). Losses stay within 1e-5 (measured: within 5e-8).
 #[test]
 fn context_parallelism_reproduces_the_run_without_it() {
     let dir = tempfile::tempdir().unwrap();

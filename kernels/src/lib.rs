@@ -233,6 +233,29 @@ pub mod fused {
         let how = if low { Implementation::Flash } else { ours::<B>(Implementation::Flash) };
         tally(Family::Attention, how, out)
     }
+    /// One block of ring attention with its log-sum-exp ([`crate::cpu::attention_block`]): our
+    /// CPU operation on the flex backend in f32; `None` elsewhere (the ring composes it from
+    /// Burn's operations, `crate::ring::partial`).
+    #[allow(clippy::too_many_arguments, unused_variables)]
+    pub fn attention_block<B: Backend>(
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        scale: f64,
+        window: Option<usize>,
+        docs: Option<&crate::documents::Documents>,
+        at: [usize; 3],
+        empty: f32,
+    ) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
+        if crate::precision::low() {
+            return None;
+        }
+        #[cfg(feature = "flex")]
+        if cpu_available::<B>() {
+            return crate::cpu::attention_block(q, k, v, scale, window, docs, at, empty);
+        }
+        None
+    }
     /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]` (f32 products only:
     /// `None` under a low [`crate::precision`]).
     #[allow(unused_variables)]

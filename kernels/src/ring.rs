@@ -82,6 +82,18 @@ pub fn partial<B: Backend>(
     qpos: &[usize],
     kpos: &[usize],
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    // Contiguous positions (a chunk each, as the ring has them): the fused operation where there
+    // is one, which keeps only the block's probabilities for the backward.
+    let contiguous = |p: &[usize]| p.windows(2).all(|w| w[1] == w[0] + 1);
+    if let (Some(&q0), Some(&k0), true) = (qpos.first(), kpos.first(), contiguous(qpos) && contiguous(kpos)) {
+        let seq = mask.docs.map_or((q0 + qpos.len()).max(k0 + kpos.len()), |d| d.seq());
+        let at = [seq, q0, k0];
+        if let Some(block) =
+            crate::fused::attention_block(q.clone(), k.clone(), v.clone(), scale, mask.window, mask.docs, at, EMPTY)
+        {
+            return block;
+        }
+    }
     let [b, s, h, _] = q.dims();
     let t = kpos.len();
     let device = q.device();

@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::reference;
-use disagmoe_kernels::ring::{chunks, held_positions, ring_attention, worker_attention, Block, Mask};
+use disagmoe_kernels::ring::{chunks, held_positions, partial, ring_attention, worker_attention, Block, Mask};
 
 type B = Autodiff<Flex>;
 
@@ -91,6 +91,61 @@ fn ring_attention_is_the_whole_attention_forward_and_backward() {
         for (name, (got, want)) in ["q", "k", "v", "sinks"].iter().zip(grads[1].iter().zip(&grads[0])) {
             let err = worst(got, want);
             assert!(err <= 1e-5, "{what}: gradient of {name} differs by {err:e}");
+        }
+        cases += 1;
+    }
+    assert_eq!(cases, 6);
+}
+
+/// The fused CPU block (`disagmoe_kernels::cpu::attention_block`, what `partial` runs on flex)
+/// against `partial` composed of Burn's operations: the output, the log-sum-exp, and the
+/// gradients of q, k and v through both (the log-sum-exp's gradient is what the merge of blocks
+/// sends back), over blocks on and off the diagonal, windows that empty some rows, documents, and
+/// a block no query sees.
+#[test]
+fn the_fused_block_is_the_composed_block_forward_and_backward() {
+    let (b, h, g, d, e) = (2, 4, 2, 8, 6);
+    let s = 40;
+    let docs = Documents::new(s, &[vec![7, 23], vec![30]]).unwrap();
+    let mut cases = 0;
+    for (q_at, k_at, window, cut) in [
+        (10..20, 10..20, None, false),
+        (30..40, 0..10, None, false),
+        (30..40, 12..25, Some(12), false),
+        (20..33, 3..19, None, true),
+        (25..35, 5..12, Some(6), true),
+        (5..15, 20..30, None, false),
+    ] {
+        let what = format!("queries {q_at:?}, keys {k_at:?}, window {window:?}, documents {cut}");
+        let mask = Mask { window, docs: cut.then_some(&docs) };
+        let (qpos, kpos): (Vec<usize>, Vec<usize>) = (q_at.clone().collect(), k_at.clone().collect());
+        let (sq, tk) = (qpos.len(), kpos.len());
+        let (wo, wl) = (rand([b, sq, h, e], 7), rand([b, h, sq, 1], 8));
+        let mut runs = Vec::new();
+        for fused in [false, true] {
+            disagmoe_kernels::set_enabled_for_thread(Some(fused));
+            let seed = (q_at.start * 100 + k_at.start) as u64;
+            let q = rand([b, sq, h, d], seed).require_grad();
+            let k = rand([b, tk, g, d], seed + 1).require_grad();
+            let v = rand([b, tk, g, e], seed + 2).require_grad();
+            let (out, lse) = partial(q.clone(), k.clone(), v.clone(), 0.35, mask, &qpos, &kpos);
+            // Rows that see no key carry the same stand-in log-sum-exp either way.
+            let seen = lse.clone().greater_elem(-1.0e29).float();
+            let objective = (out.clone() * wo.clone()).sum() + (lse.clone() * seen * wl.clone()).sum();
+            let grads = objective.backward();
+            runs.push([
+                values(out),
+                values(lse),
+                values(q.grad(&grads).unwrap()),
+                values(k.grad(&grads).unwrap()),
+                values(v.grad(&grads).unwrap()),
+            ]);
+        }
+        disagmoe_kernels::set_enabled_for_thread(None);
+        for (name, (got, want)) in ["output", "log-sum-exp", "dq", "dk", "dv"].iter().zip(runs[1].iter().zip(&runs[0]))
+        {
+            let err = worst(got, want);
+            assert!(err <= 2e-6, "{what}: {name} differs by {err:e}");
         }
         cases += 1;
     }

@@ -269,6 +269,90 @@ pub fn attention<B: Backend>(
     })
 }
 
+/// One block of ring attention (`crate::ring::partial`): queries at positions
+/// `q_start..q_start + Sq` over keys at `k_start..k_start + Tk` of sequences of `seq` tokens,
+/// causal, windowed and within documents as [`attention`], without sinks. Returns the output
+/// `[B, Sq, H, E]` normalised over the block's keys and its log-sum-exp `[B, H, Sq, 1]` (`empty`
+/// for a row that sees no key, whose output is 0), both differentiable; the probabilities kept for
+/// the backward are the block's, `[B, H, Sq, Tk]`.
+///
+/// # Shapes
+/// - q: `[B, Sq, H, D]`, k: `[B, Tk, G, D]`, v: `[B, Tk, G, E]` with `H % G == 0`; docs over
+///   `[B, seq]`
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scale: f64,
+    window: Option<usize>,
+    docs: Option<&Documents>,
+    [seq, q_start, k_start]: [usize; 3],
+    empty: f32,
+) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
+    let kind = kind::<B>()?;
+    let ([b, sq, h, d], [kb, tk, g, kd], [vb, vt, vg, e]) = (q.dims(), k.dims(), v.dims());
+    if g == 0 || h % g != 0 || (kb, kd) != (b, d) || (vb, vt, vg) != (b, tk, g) || window == Some(0) {
+        return None;
+    }
+    if q_start + sq > seq || k_start + tk > seq || docs.is_some_and(|d| (d.batch(), d.seq()) != (b, seq)) {
+        return None;
+    }
+    let starts: Option<Vec<u32>> = docs.filter(|d| !d.is_whole()).map(|d| d.bounds()[..b * seq].to_vec());
+    let shape = ops::BlockShape {
+        batch: b,
+        seq,
+        q_start,
+        sq,
+        k_start,
+        tk,
+        heads: h,
+        kv_heads: g,
+        qk_dim: d,
+        v_dim: e,
+        window,
+        scale: scale as f32,
+        empty,
+    };
+    let (qi, ki, vi) = (take(kind, q)?, take(kind, k)?, take(kind, v)?);
+    let (out, probs, lse) = ops::attention_block_forward(qi.data(), ki.data(), vi.data(), starts.as_deref(), shape);
+    // One node of two outputs: the output and the log-sum-exp side by side, `[B, Sq, H, E + 1]`.
+    let mut packed = Vec::with_capacity(b * sq * h * (e + 1));
+    for bi in 0..b {
+        for i in 0..sq {
+            for hi in 0..h {
+                let at = ((bi * sq + i) * h + hi) * e;
+                packed.extend_from_slice(&out[at..at + e]);
+                packed.push(lse[(bi * h + hi) * sq + i]);
+            }
+        }
+    }
+    let (qv, kv, vv) = (qi.values.clone(), ki.values.clone(), vi.values.clone());
+    let both = finish::<B, 4, 3>(kind, [&qi, &ki, &vi], flex(packed, &[b, sq, h, e + 1]), move |dpacked, _| {
+        let mut dout = Vec::with_capacity(b * sq * h * e);
+        let mut dlse = vec![0f32; b * h * sq];
+        for (r, row) in dpacked.chunks_exact(e + 1).enumerate() {
+            let (bi, i, hi) = (r / (sq * h), (r / h) % sq, r % h);
+            dout.extend_from_slice(&row[..e]);
+            dlse[(bi * h + hi) * sq + i] = row[e];
+        }
+        let (dq, dk, dv) = ops::attention_block_backward(
+            qv.as_slice::<f32>().expect("f32"),
+            kv.as_slice::<f32>().expect("f32"),
+            vv.as_slice::<f32>().expect("f32"),
+            &probs,
+            &dout,
+            &dlse,
+            starts.as_deref(),
+            shape,
+        );
+        [Some(flex(dq, &[b, sq, h, d])), Some(flex(dk, &[b, tk, g, d])), Some(flex(dv, &[b, tk, g, e]))]
+    });
+    let out = both.clone().narrow(3, 0, e);
+    let lse = both.narrow(3, e, 1).swap_dims(1, 2); // [B, H, Sq, 1]
+    Some((out, lse))
+}
+
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w`.
 ///
 /// # Shapes

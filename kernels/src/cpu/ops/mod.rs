@@ -15,7 +15,9 @@ mod rows;
 
 use gemm::{gemm, Parallelism};
 
-pub use attention::{attention_backward, attention_forward, AttnShape};
+pub use attention::{
+    attention_backward, attention_block_backward, attention_block_forward, attention_forward, AttnShape, BlockShape,
+};
 pub use experts::{experts_backward, experts_forward, gpt_oss_backward, gpt_oss_forward, ExpertsShape, GptOssShape};
 pub use linear::{linear_backward, linear_forward};
 pub use optim::{adamw, sum_squares};
