@@ -357,12 +357,6 @@ impl RunConfig {
                     ),
                 ));
             }
-            if self.memory.recompute.attention() {
-                return Err(TrainError::option(
-                    "recompute",
-                    format!("none or experts with context_parallel {c} (a ring's attention is not recomputed yet)"),
-                ));
-            }
             if self.model.capacity_factor.is_some() || self.model.force_balanced_routing {
                 return Err(TrainError::option(
                     "context_parallel",

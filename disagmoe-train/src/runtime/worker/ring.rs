@@ -17,6 +17,11 @@
 //!   block here (added in unit order after the unit's own), the projection's backward, and the
 //!   input's gradient sent back as without context parallelism.
 //!
+//! Under `--recompute attention|full` neither half keeps its graph: the projection half keeps its
+//! input (the token ids at layer 0) and the values of its queries, block and input, the ring half
+//! the blocks it received; the ring half's backward computes its graph again from those, and the
+//! projection half's backward its own from the input.
+//!
 //! The two halves' graphs hold disjoint parameters (the input norm and the projections of the
 //! queries, keys and values or the latent; the output projection, the sinks, MLA's expansion of
 //! the latent, the post-attention norm and the router), each added to the step's gradients in
@@ -43,8 +48,8 @@ use crate::error::{Result, TrainError};
 use crate::runtime::exchange::Share;
 use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
 
-/// The projection half of a unit's attention stage, kept for its backward.
-pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+/// The projection half of a unit's attention stage: its graph, or (recomputed) none.
+struct Projection<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     stage: AttentionStage<B, A, R>,
     /// Layer 0: the embedding, whose output is the input.
     embed: Option<Embedding<B>>,
@@ -54,6 +59,16 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     q: Tensor<B, 4>,
     /// `[B, T, W]`: the unit's block of keys and values.
     kv: Tensor<B, 3>,
+}
+
+/// The projection half of a unit's attention stage, kept for its backward.
+pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    /// The half's graph (without one when recomputed: its values).
+    half: Projection<B, A, R>,
+    /// A recomputed half's input (`None` at layer 0: the token ids).
+    input: Option<Option<Packed>>,
+    /// A recomputed ring half's received blocks, by unit.
+    blocks: Vec<(usize, Packed)>,
     /// The input's balance sums and who sent its rows, until the ring half runs.
     aux: Option<(AuxSums, Vec<Share>)>,
 }
@@ -142,24 +157,17 @@ where
     }
 
     /// The projection half of `layer` for unit `unit` on its input (layer 0: `None`, the
-    /// embedding of its tokens); its block goes to the ring.
-    pub(super) fn ring_project(
-        &mut self,
-        unit: usize,
-        layer: usize,
-        input: Option<Packed>,
-        aux: AuxSums,
-        from: Vec<Share>,
-    ) -> Result<()> {
+    /// embedding of its tokens), with its graph or without (`track`).
+    fn project(&self, unit: usize, layer: usize, input: Option<&Packed>, track: bool) -> Result<Projection<B, A, R>> {
         let device = self.device.clone();
-        let fork = &mut Fork { device: &device, track: true };
+        let fork = &mut Fork { device: &device, track };
         let (h, embed) = match input {
             None => {
                 let ends = self.part().ends.as_ref().expect("the embedding worker holds the ends");
                 let embed = ends.embed_tokens.clone().map(fork);
                 (embed.forward(self.ids(unit)?), Some(embed))
             }
-            Some(h) => (self.hidden(&h, true), None),
+            Some(h) => (self.hidden(h, track), None),
         };
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(fork);
         let (cos, sin) = self.unit_tables(unit);
@@ -169,43 +177,59 @@ where
                 "1 for this model: its attention type has no ring attention (GQA, with windows and sinks, and MLA have)",
             )
         })?;
-        let [b, t, w] = kv.dims();
+        Ok(Projection { stage, embed, h, q, kv })
+    }
+
+    /// The projection half of `layer` for unit `unit` (see [`Worker::project`]); its block goes
+    /// to the ring.
+    pub(super) fn ring_project(
+        &mut self,
+        unit: usize,
+        layer: usize,
+        input: Option<Packed>,
+        aux: AuxSums,
+        from: Vec<Share>,
+    ) -> Result<()> {
+        let recompute = self.settings.recompute.attention();
+        let half = self.project(unit, layer, input.as_ref(), !recompute)?;
+        let [b, t, w] = half.kv.dims();
         for v in self.layout.ring_units(unit).filter(|&v| v != unit) {
-            let block = self.emit(kv.clone().inner().reshape([b * t, w]));
+            let block = self.emit(half.kv.clone().inner().reshape([b * t, w]));
             self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
         }
-        self.ring.halves.insert((unit, layer), RingHalf { stage, embed, h, q, kv, aux: Some((aux, from)) });
+        let input = recompute.then_some(input);
+        let kept = RingHalf { half, input, blocks: Vec::new(), aux: Some((aux, from)) };
+        self.ring.halves.insert((unit, layer), kept);
         Ok(())
     }
 
-    /// The ring half of `layer` for unit `unit`, every block of the ring here.
-    pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
-        let half = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
-        let (aux, from) = half.aux.take().expect("one ring half per projection half");
-        let q = Tensor::<B, 4>::from_inner(half.q.clone().inner()).require_grad();
-        let kv = Tensor::<B, 3>::from_inner(half.kv.clone().inner()).require_grad();
-        let h = Tensor::<B, 3>::from_inner(half.h.clone().inner()).require_grad();
+    /// The ring half's graph (leaves: the queries, the unit's block, the received blocks and the
+    /// input), or its values only (`track: false`).
+    fn ring_graph(&self, unit: usize, layer: usize, blocks: &[(usize, Packed)], track: bool) -> AttnGraph<B, A, R> {
+        let half = &self.ring.halves[&(unit, layer)].half;
+        let q = Tensor::<B, 4>::from_inner(half.q.clone().inner());
+        let kv = Tensor::<B, 3>::from_inner(half.kv.clone().inner());
+        let h = Tensor::<B, 3>::from_inner(half.h.clone().inner());
+        let (q, kv, h) = if track { (q.require_grad(), kv.require_grad(), h.require_grad()) } else { (q, kv, h) };
         let [b, t, w] = kv.dims();
-        let peers: Vec<(usize, Tensor<B, 3>)> = (self.inbox.ring_blocks(unit, layer).into_iter())
-            .map(|(v, block)| (v, self.take(&block, [b, t, w], true)))
-            .collect();
+        let peers: Vec<(usize, Tensor<B, 3>)> =
+            blocks.iter().map(|(v, block)| (*v, self.take(block, [b, t, w], track))).collect();
         // Ring order: the unit's own block, then those of ring ranks r - 1, r - 2, ...
         let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
-        let mut blocks = vec![RingBlock { kv: kv.clone(), held: self.held(r) }];
+        let mut ring = vec![RingBlock { kv: kv.clone(), held: self.held(r) }];
         for i in 1..c {
             let rv = (r + c - i) % c;
             let v = unit - r + rv;
             let (_, block) = peers.iter().find(|(u, _)| *u == v).expect("every block of the ring is here");
-            blocks.push(RingBlock { kv: block.clone(), held: self.held(rv) });
+            ring.push(RingBlock { kv: block.clone(), held: self.held(rv) });
         }
         let device = self.device.clone();
-        let stage =
-            self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track: true });
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track });
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
         let out =
-            stage.ring_finish(h.clone(), q.clone(), &self.held(r), blocks, docs).expect("its projection half had one");
+            stage.ring_finish(h.clone(), q.clone(), &self.held(r), ring, docs).expect("its projection half had one");
         let routed = self.route(out.route, stage.top_k());
-        let graph = AttnGraph {
+        AttnGraph {
             stage,
             embed: None,
             h: Some(h),
@@ -213,8 +237,26 @@ where
             normed: out.normed,
             routed,
             ring: Some(RingLeaves { q, kv, peers }),
-        };
+        }
+    }
+
+    /// The ring half of `layer` for unit `unit`, every block of the ring here.
+    pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
+        let blocks = self.inbox.ring_blocks(unit, layer);
+        let recompute = self.settings.recompute.attention();
+        let graph = self.ring_graph(unit, layer, &blocks, !recompute);
+        let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
+        let (aux, from) = kept.aux.take().expect("one ring half per projection half");
+        if recompute {
+            kept.blocks = blocks;
+        }
         self.hand_on(unit, layer, graph, aux, from, None)
+    }
+
+    /// A recomputed ring half's graph, for its backward.
+    pub(super) fn ring_recompute(&self, unit: usize, layer: usize) -> AttnGraph<B, A, R> {
+        let blocks = &self.ring.halves[&(unit, layer)].blocks;
+        self.ring_graph(unit, layer, blocks, true)
     }
 
     /// The end of the ring half's backward (its objective's gradients in `grads`, its parameters'
@@ -248,7 +290,11 @@ where
     /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
     /// block here; the input's gradient goes back.
     pub(super) fn ring_backward(&mut self, unit: usize, layer: usize) -> Result<()> {
-        let half = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
+        let kept = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
+        let half = match kept.input {
+            Some(input) => self.project(unit, layer, input.as_ref(), true)?,
+            None => kept.half,
+        };
         let RingPending { gq, mut gkv, gh, from, aux_coef } =
             self.ring.pending.remove(&(unit, layer)).expect("the ring half's backward ran");
         let [b, t, w] = gkv.dims();

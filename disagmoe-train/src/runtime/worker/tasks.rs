@@ -451,6 +451,7 @@ where
         let GradResidualIn { g: g_res, aux_coef } = inp.residual.expect("grad residual");
         let graph = match saved.graph {
             Some(graph) => graph,
+            None if self.layout.context_parallel > 1 => self.ring_recompute(mb, layer),
             None => self.attend(mb, layer, saved.input, true)?,
         };
         let mut objective = (graph.residual.clone() * self.constant(&g_res)).sum();
