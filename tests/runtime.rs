@@ -1397,6 +1397,19 @@ fn bad_placements_are_refused_with_the_allowed_values() {
             "`context_parallel`: must divide the attention workers per group (2 / 2 groups), got 2",
         ),
         (
+            &[
+                "--placement",
+                "disagg",
+                "--attn-workers",
+                "1",
+                "--groups",
+                "2",
+                "--context-parallel",
+                "18446744073709551615",
+            ][..],
+            "`context_parallel`: must divide the attention workers per group (1 / 2 groups)",
+        ),
+        (
             &["--placement", "disagg", "--attn-workers", "3", "--groups", "1", "--context-parallel", "3"][..],
             "`seq`: must be a multiple of 2 x context_parallel = 6",
         ),

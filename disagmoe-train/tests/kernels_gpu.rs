@@ -27,6 +27,9 @@ const GRAD_TOL: f64 = 3e-5;
 /// Disagg 2+2 on four `wgpu:0` against one device, relative losses: about ten times the worst
 /// measured (2.7e-8).
 const DISAGG_TOL: f64 = 3e-7;
+/// Context parallelism 2 on four `wgpu:0` against one device, relative losses: the ring's blocks
+/// composed of Burn's operations against one device's flash kernel, at the kernels' own bound.
+const RING_TOL: f64 = LOSS_TOL;
 /// Disagg 2+2 on four `wgpu:0`, the exchange's payloads on the device against the host's,
 /// relative losses: the same additions in the same order (`runtime::exchange::add_shares`), so
 /// the bound the issue set (1e-6) holds with room.
@@ -185,6 +188,19 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
     assert!(
         worst <= PAYLOAD_TOL,
         "device payloads vs host payloads: {worst:.1e} relative (tolerance {PAYLOAD_TOL:.0e})"
+    );
+    // Context parallelism 2 on the device: both attention workers of one group share each
+    // sequence, the ring's blocks (composed of Burn's operations on a CubeCL backend) and their
+    // gradients travelling as device payloads, the head gathering the units on the device.
+    cfg.parallel.exchange_payloads = disagmoe_train::ExchangePayloads::Auto;
+    (cfg.parallel.groups, cfg.parallel.context_parallel) = (1, 2);
+    let ring = train_on::<B>(&cfg, &devices, &stop).expect("context parallelism on four wgpu:0 runs");
+    assert_eq!(ring.payload_host_bytes, 0.0, "the ring's payloads were read back to the host");
+    let worst = ring.losses.iter().zip(&single).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
+    eprintln!("context parallelism 2 on wgpu:0 x4: {:?}: worst relative {worst:.1e}", ring.losses);
+    assert!(
+        worst <= RING_TOL,
+        "context parallelism on wgpu:0 x4 vs single: {worst:.1e} relative (tolerance {RING_TOL:.0e})"
     );
     // f16 with loss scaling (lavapipe has f16, not bf16, in WGSL): the products in f16, the
     // kernels around them (permute, combine, norms, rotary, cross-entropy) in f32.

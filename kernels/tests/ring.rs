@@ -100,15 +100,18 @@ fn ring_attention_is_the_whole_attention_forward_and_backward() {
 /// The fused CPU block (`disagmoe_kernels::cpu::attention_block`, what `partial` runs on flex)
 /// against `partial` composed of Burn's operations: the output, the log-sum-exp, and the
 /// gradients of q, k and v through both (the log-sum-exp's gradient is what the merge of blocks
-/// sends back), over blocks on and off the diagonal, windows that empty some rows, documents, and
-/// a block no query sees.
+/// sends back), over blocks on and off the diagonal, blocks of several row tiles, windows that
+/// empty some rows, documents, and a block no query sees.
 #[test]
 fn the_fused_block_is_the_composed_block_forward_and_backward() {
     let (b, h, g, d, e) = (2, 4, 2, 8, 6);
-    let s = 40;
-    let docs = Documents::new(s, &[vec![7, 23], vec![30]]).unwrap();
+    let s = 200;
+    let docs = Documents::new(s, &[vec![7, 23, 120], vec![30, 170]]).unwrap();
     let mut cases = 0;
     for (q_at, k_at, window, cut) in [
+        // Blocks of several row tiles (64 rows each).
+        (60..200, 0..150, Some(70), true),
+        (100..180, 100..180, None, false),
         (10..20, 10..20, None, false),
         (30..40, 0..10, None, false),
         (30..40, 12..25, Some(12), false),
@@ -149,7 +152,7 @@ fn the_fused_block_is_the_composed_block_forward_and_backward() {
         }
         cases += 1;
     }
-    assert_eq!(cases, 6);
+    assert_eq!(cases, 8);
 }
 
 #[test]

@@ -387,7 +387,11 @@ impl ParallelOptions {
                 format!("1 with allocation auto (the planner's split is refined without it), got {c}"),
             ));
         }
-        if c > 1 && self.placement == Placement::Disagg && (self.attn_workers / self.groups.max(1)) % c != 0 {
+        let per_group = match self.attn_workers % self.groups.max(1) {
+            0 => self.attn_workers / self.groups.max(1),
+            _ => 0,
+        };
+        if c > 1 && self.placement == Placement::Disagg && (per_group == 0 || per_group % c != 0) {
             return Err(TrainError::option(
                 "context_parallel",
                 format!(

@@ -220,7 +220,7 @@ fn in_flight_window(cfg: &RunConfig, layout: &Layout, hidden: usize, vocab: usiz
             return Err(TrainError::option(
                 "in_flight",
                 format!(
-                    "must be from 1 to {own}: under {} with {} micro-batches each embedding worker owns {own}, got {n}",
+                    "must be from 1 to {own}: under {} with {} micro-batches each embedding worker owns {own} (with context parallelism: units, its shares of micro-batches), got {n}",
                     cfg.parallel.describe(),
                     layout.micro_batches
                 ),

@@ -845,6 +845,8 @@ pub struct RunBounds {
     pub layers: usize,
     /// Tokens of a unit.
     pub tokens: usize,
+    /// Units of a micro-batch (context parallelism; 1 without).
+    pub ring: usize,
 }
 
 impl Msg {
@@ -868,6 +870,16 @@ impl Msg {
                 run.micro_batches,
                 run.layers
             ));
+        }
+        if let Msg::Kv { kv: p, .. } | Msg::GradKv { g: p, .. } = self {
+            // A block of the ring: between two units of one micro-batch, a row per token.
+            let ring = run.ring.max(1);
+            if other == mb || other / ring != mb / ring {
+                return Err(format!("{} between units {mb} and {other}, not two of one ring of {ring}", self.kind()));
+            }
+            if p.shape().len() != 2 || p.shape()[0] != run.tokens {
+                return Err(format!("{} of shape {:?} for a unit of {} tokens", self.kind(), p.shape(), run.tokens));
+            }
         }
         let ids = match self {
             Msg::Dispatch { tokens, .. } | Msg::Combine { tokens, .. } => tokens.as_slice(),
@@ -947,19 +959,22 @@ mod tests {
 
     #[test]
     fn a_message_that_does_not_fit_the_run_is_refused_by_name() {
-        let run = RunBounds { workers: 4, micro_batches: 2, layers: 3, tokens: 8 };
+        let run = RunBounds { workers: 4, micro_batches: 2, layers: 3, tokens: 8, ring: 2 };
         let t = |rows: usize| Packed::from(HostTensor { shape: vec![rows, 2], data: vec![0.0; rows * 2] });
         let combine = |mb, layer, tokens: Vec<u32>| {
             let out = t(tokens.len());
             Msg::Combine { mb, layer, tokens, spans: Vec::new(), out }
         };
         assert_eq!(combine(1, 2, vec![0, 7]).admit(3, &run), Ok(()));
+        assert_eq!(Msg::Kv { mb: 1, layer: 2, to: 0, kv: t(8) }.admit(3, &run), Ok(()));
         assert_eq!(Msg::Shutdown.admit(3, &run), Ok(()));
         for (what, msg, src, says) in [
             ("sender", Msg::Shutdown, 4, "worker 4 is not one of the run's 4"),
             ("micro-batch", combine(2, 0, vec![0]), 0, "combine of micro-batch 2, layer 0 (the run has 2 and 3)"),
             ("layer", Msg::GradCombine { mb: 0, layer: 3, g: t(1) }, 0, "layer 3"),
             ("token", combine(0, 0, vec![1, 8]), 0, "combine names token 8 of a micro-batch of 8"),
+            ("ring", Msg::Kv { mb: 0, layer: 0, to: 0, kv: t(8) }, 0, "not two of one ring of 2"),
+            ("block", Msg::GradKv { mb: 1, layer: 0, from: 0, g: t(7) }, 0, "of shape [7, 2] for a unit of 8 tokens"),
         ] {
             let e = msg.admit(src, &run).expect_err(what);
             assert!(e.contains(says), "{what}: {e}");

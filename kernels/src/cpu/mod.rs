@@ -295,7 +295,12 @@ pub fn attention_block<B: Backend>(
     if g == 0 || h % g != 0 || (kb, kd) != (b, d) || (vb, vt, vg) != (b, tk, g) || window == Some(0) {
         return None;
     }
-    if q_start + sq > seq || k_start + tk > seq || docs.is_some_and(|d| (d.batch(), d.seq()) != (b, seq)) {
+    if sq == 0
+        || tk == 0
+        || q_start + sq > seq
+        || k_start + tk > seq
+        || docs.is_some_and(|d| (d.batch(), d.seq()) != (b, seq))
+    {
         return None;
     }
     let starts: Option<Vec<u32>> = docs.filter(|d| !d.is_whole()).map(|d| d.bounds()[..b * seq].to_vec());

@@ -363,6 +363,7 @@ where
             micro_batches: self.layout.units(),
             layers: self.layout.layers,
             tokens: self.settings.mb_rows * self.unit_seq(),
+            ring: self.layout.context_parallel,
         };
         env.msg.admit(env.src, &bounds).map_err(|what| TrainError::Worker {
             worker: self.rank(),
