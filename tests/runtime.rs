@@ -435,21 +435,7 @@ fn document_masks_train_alike_under_every_placement_and_learn() {
         let moved = rel(last(&unmasked), last(&single));
         assert!(moved > 1e-4, "{preset}: the mask moves the fifth loss only {moved:.1e}: {unmasked} vs {single}");
         let want = eval_losses(&out("single"));
-        let cp: (&str, &[&str]) = (
-            "disagg 2+2 in one group, context parallel 2",
-            &[
-                "--placement",
-                "disagg",
-                "--attn-workers",
-                "2",
-                "--ffn-workers",
-                "2",
-                "--groups",
-                "1",
-                "--context-parallel",
-                "2",
-            ],
-        );
+        let cp: (&str, &[&str]) = ("disagg 2+2 in one group, context parallel 2", CP2);
         for (name, args) in [PLACEMENTS[0], PLACEMENTS[3], cp] {
             let got = run(name, args);
             assert_same_run(&format!("{preset} {name} with document masks"), &got, &single);
@@ -1217,6 +1203,10 @@ fn compare_with_balancing_runs_each_placement_with_and_without_it() {
     assert!(!out.status.success() && err.contains("--balancing") && err.contains("--redundant-experts"), "{err}");
 }
 
+/// Context parallelism 2: disagg 2+2 in one group, both attention workers sharing each sequence.
+const CP2: &[&str] =
+    &["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1", "--context-parallel", "2"];
+
 /// The per-tensor tolerance of context parallelism against one device (see
 /// `context_parallelism_reproduces_the_run_without_it`).
 const CP_TOLERANCE: f64 = 3e-5;
@@ -1261,21 +1251,7 @@ fn context_parallelism_reproduces_the_run_without_it() {
         };
         let single = run("single", &["--placement", "single"]);
         for (name, args) in [
-            (
-                "disagg 2+2 in one group, cp 2",
-                &[
-                    "--placement",
-                    "disagg",
-                    "--attn-workers",
-                    "2",
-                    "--ffn-workers",
-                    "2",
-                    "--groups",
-                    "1",
-                    "--context-parallel",
-                    "2",
-                ][..],
-            ),
+            ("disagg 2+2 in one group, cp 2", CP2),
             (
                 "disagg 4+2 in one group, cp 4",
                 &[
@@ -1497,8 +1473,7 @@ mod mpi {
                     .arg(env!("CARGO_BIN_EXE_disagmoe"))
                     .args(shape)
                     .args(["--model-preset", preset, "--transport", "mpi", "--out", out("cp").to_str().unwrap()])
-                    .args(["--placement", "disagg", "--attn-workers", "2", "--ffn-workers", "2", "--groups", "1"])
-                    .args(["--context-parallel", "2"])
+                    .args(CP2)
                     .output()
                     .unwrap(),
             );
