@@ -27,9 +27,11 @@ const GRAD_TOL: f64 = 3e-5;
 /// Disagg 2+2 on four `wgpu:0` against one device, relative losses: about ten times the worst
 /// measured (2.7e-8).
 const DISAGG_TOL: f64 = 3e-7;
-/// Context parallelism 2 on four `wgpu:0` against one device, relative losses: the ring's blocks
-/// composed of Burn's operations against one device's flash kernel, at the kernels' own bound.
-const RING_TOL: f64 = LOSS_TOL;
+/// Context parallelism 2 on four `wgpu:0` against one device, relative losses: each block of the
+/// ring through the flash kernels, merged by log-sum-exp, against one device's flash kernel over
+/// whole rows. Measured 1.2e-7 (2026-12-07); lavapipe's figures move with the host CPU (see
+/// `LOSS_TOL`), hence the room.
+const RING_TOL: f64 = 1e-5;
 /// Disagg 2+2 on four `wgpu:0`, the exchange's payloads on the device against the host's,
 /// relative losses: the same additions in the same order (`runtime::exchange::add_shares`), so
 /// the bound the issue set (1e-6) holds with room.
@@ -190,12 +192,13 @@ fn tiny_models_train_through_the_kernels_with_the_reference_losses() {
         "device payloads vs host payloads: {worst:.1e} relative (tolerance {PAYLOAD_TOL:.0e})"
     );
     // Context parallelism 2 on the device: both attention workers of one group share each
-    // sequence, the ring's blocks (composed of Burn's operations on a CubeCL backend) and their
-    // gradients travelling as device payloads, the head gathering the units on the device.
+    // sequence, each block of the ring through the flash kernels, the blocks and their gradients
+    // travelling as device payloads, the head gathering the units on the device.
     cfg.parallel.exchange_payloads = disagmoe_train::ExchangePayloads::Auto;
     (cfg.parallel.groups, cfg.parallel.context_parallel) = (1, 2);
     let ring = train_on::<B>(&cfg, &devices, &stop).expect("context parallelism on four wgpu:0 runs");
     assert_eq!(ring.payload_host_bytes, 0.0, "the ring's payloads were read back to the host");
+    assert_eq!(ring.kernels.get("attention").map(String::as_str), Some("flash"), "{:?}", ring.kernels);
     let worst = ring.losses.iter().zip(&single).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
     eprintln!("context parallelism 2 on wgpu:0 x4: {:?}: worst relative {worst:.1e}", ring.losses);
     assert!(

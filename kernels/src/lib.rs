@@ -233,9 +233,11 @@ pub mod fused {
         let how = if low { Implementation::Flash } else { ours::<B>(Implementation::Flash) };
         tally(Family::Attention, how, out)
     }
-    /// One block of ring attention with its log-sum-exp ([`crate::cpu::attention_block`]): our
-    /// CPU operation on the flex backend in f32; `None` elsewhere (the ring composes it from
-    /// Burn's operations, `crate::ring::partial`).
+    /// One block of ring attention with its log-sum-exp: our CPU operation on the flex backend
+    /// ([`crate::cpu::attention_block`]), the flash kernels on CubeCL backends
+    /// (`crate::cube::attention_block`), both in f32; `None` elsewhere and under a low
+    /// [`crate::precision`] (the ring composes the block from Burn's operations,
+    /// `crate::ring::partial`).
     #[allow(clippy::too_many_arguments, unused_variables)]
     pub fn attention_block<B: Backend>(
         q: Tensor<B, 4>,
@@ -247,14 +249,17 @@ pub mod fused {
         at: [usize; 3],
         empty: f32,
     ) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
-        if crate::precision::low() {
-            return None;
-        }
-        #[cfg(feature = "flex")]
-        if cpu_available::<B>() {
-            return crate::cpu::attention_block(q, k, v, scale, window, docs, at, empty);
-        }
-        None
+        let out = (|| {
+            if crate::precision::low() {
+                return None;
+            }
+            #[cfg(feature = "flex")]
+            if cpu_available::<B>() {
+                return crate::cpu::attention_block(q, k, v, scale, window, docs, at, empty);
+            }
+            cube_or_none!(attention_block(q, k, v, scale, window, docs, at, empty))
+        })();
+        tally(Family::Attention, ours::<B>(Implementation::Flash), out)
     }
     /// See [`crate::cpu::linear`]: `x w^T`, x `[rows, in]`, w `[out, in]` (f32 products only:
     /// `None` under a low [`crate::precision`]).

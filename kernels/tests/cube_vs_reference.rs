@@ -13,6 +13,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
+use disagmoe_kernels::ring::{partial, ring_attention, Mask};
 use disagmoe_kernels::{cube, reference};
 
 #[cfg(feature = "cuda")]
@@ -176,6 +177,103 @@ fn attention_within_documents_matches_the_masked_reference_with_gradients() {
         if let Some(sk) = &sinks {
             let (a, r) = (sk.grad(&gk).unwrap(), sk.grad(&gr).unwrap());
             assert_close(&format!("{what} dsinks"), &values(a), &values(r), 2e-4);
+        }
+    }
+}
+
+/// One block of ring attention through the flash kernels (`cube::attention_block`, what
+/// `ring::partial` runs on a CubeCL backend) against the block composed of Burn's operations
+/// (kernels off): the output, the log-sum-exp, and the gradients of q, k and v through both (the
+/// log-sum-exp's gradient is what the merge of blocks sends back), over blocks on and off the
+/// diagonal, blocks of several tiles, windows that empty some rows, documents, and a block no
+/// query sees; then a whole ring of 2 and 3 workers against the whole attention.
+#[test]
+#[cfg_attr(
+    all(disagmoe_no_vulkan, not(feature = "cuda")),
+    ignore = "no Vulkan driver on this machine (apt-get install mesa-vulkan-drivers)"
+)]
+fn the_flash_block_of_ring_attention_is_the_composed_block_with_gradients() {
+    let _one = runtime_present("the_flash_block_of_ring_attention_is_the_composed_block_with_gradients");
+    let (b, h, g, d, e) = (2, 4, 2, 8, 6);
+    let s = 200;
+    let docs = Documents::new(s, &[vec![7, 23, 120], vec![30, 170]]).unwrap();
+    let mut cases = 0;
+    for (q_at, k_at, window, cut) in [
+        (60..200, 0..150, Some(70), true),
+        (100..180, 100..180, None, false),
+        (10..20, 10..20, None, false),
+        (30..40, 0..10, None, false),
+        (30..40, 12..25, Some(12), false),
+        (20..33, 3..19, None, true),
+        (25..35, 5..12, Some(6), true),
+        (5..15, 20..30, None, false),
+        (130..200, 0..70, None, false),
+    ] {
+        let what = format!("queries {q_at:?}, keys {k_at:?}, window {window:?}, documents {cut}");
+        let mask = Mask { window, docs: cut.then_some(&docs) };
+        let (qpos, kpos): (Vec<usize>, Vec<usize>) = (q_at.clone().collect(), k_at.clone().collect());
+        let (sq, tk) = (qpos.len(), kpos.len());
+        let (wo, wl) = (rand([b, sq, h, e], 7), rand([b, h, sq, 1], 8));
+        let mut runs = Vec::new();
+        for flash in [false, true] {
+            disagmoe_kernels::set_enabled_for_thread(Some(flash));
+            let seed = (q_at.start * 100 + k_at.start) as u64;
+            let q = rand([b, sq, h, d], seed).require_grad();
+            let k = rand([b, tk, g, d], seed + 1).require_grad();
+            let v = rand([b, tk, g, e], seed + 2).require_grad();
+            let before = cube::ops_run();
+            let (out, lse) = partial(q.clone(), k.clone(), v.clone(), 0.35, mask, &qpos, &kpos);
+            assert_eq!(cube::ops_run() - before, usize::from(flash), "{what}: the kernel ran");
+            // Rows that see no key carry the same stand-in log-sum-exp either way.
+            let seen = lse.clone().greater_elem(-1.0e29).float();
+            let objective = (out.clone() * wo.clone()).sum() + (lse.clone() * seen * wl.clone()).sum();
+            let grads = objective.backward();
+            runs.push([
+                values(out),
+                values(lse),
+                values(q.grad(&grads).unwrap()),
+                values(k.grad(&grads).unwrap()),
+                values(v.grad(&grads).unwrap()),
+            ]);
+        }
+        disagmoe_kernels::set_enabled_for_thread(None);
+        for (name, (got, want)) in ["output", "log-sum-exp", "dq", "dk", "dv"].iter().zip(runs[1].iter().zip(&runs[0]))
+        {
+            // Measured on lavapipe: 6.7e-7.
+            assert_close(&format!("{what} {name}"), got, want, 5e-6);
+        }
+        cases += 1;
+    }
+    assert_eq!(cases, 9);
+    // Whole rings over the flash blocks: 2 workers (windows, documents), 3 workers (sinks)
+    // (measured on lavapipe: 9.5e-7).
+    for (c, window, cut, with_sinks) in [(2, Some(30), true, false), (3, None, false, true)] {
+        let what = format!("ring of {c}, window {window:?}, documents {cut}, sinks {with_sinks}");
+        let s = 101;
+        let docs = Documents::new(s, &[vec![40], vec![]]).unwrap();
+        let docs = cut.then_some(&docs);
+        let seed = 500 + c as u64;
+        let q = rand([b, s, h, d], seed).require_grad();
+        let k = rand([b, s, g, d], seed + 1).require_grad();
+        let v = rand([b, s, g, e], seed + 2).require_grad();
+        let sinks = with_sinks.then(|| rand([h], seed + 3).require_grad());
+        let probe = rand([b, s, h, e], seed + 4);
+        let got =
+            ring_attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.35, Mask { window, docs }, c).unwrap();
+        let gk = (got.clone() * probe.clone()).sum().backward();
+        let want = reference::attention(q.clone(), k.clone(), v.clone(), sinks.clone(), 0.35, window, docs);
+        let gr = (want.clone() * probe).sum().backward();
+        assert_close(&format!("{what} output"), &values(got), &values(want), 1e-5);
+        for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            assert_close(&format!("{what} {name}"), &values(x.grad(&gk).unwrap()), &values(x.grad(&gr).unwrap()), 1e-5);
+        }
+        if let Some(sk) = &sinks {
+            assert_close(
+                &format!("{what} dsinks"),
+                &values(sk.grad(&gk).unwrap()),
+                &values(sk.grad(&gr).unwrap()),
+                1e-5,
+            );
         }
     }
 }

@@ -10,7 +10,8 @@
 //!   clamped SwiGLU) with input and weight gradients, as tiled grouped matrix products;
 //! - [`attention`]: flash attention, forward and backward (recomputing the probabilities from the
 //!   saved log-sum-exp), causal, grouped-query, sliding windows, per-head sinks, value head dim
-//!   different from the key head dim (MLA).
+//!   different from the key head dim (MLA); and one block of ring attention ([`attention_block`]:
+//!   a chunk of queries over a chunk of keys, with the block's log-sum-exp as a second output).
 //!
 //! Each family's `#[cube]` kernels sit beside their launchers (`route/kernels.rs`,
 //! `experts/kernels.rs`, `attention/kernels.rs`); they are generic over f32/f16/bf16 storage and
@@ -43,7 +44,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::CubeElement;
 
-pub use attention::attention;
+pub use attention::{attention, attention_block};
 pub use experts::{gpt_oss_experts, swiglu_experts, swiglu_experts_stacked};
 pub use route::{
     combine_rows, combine_rows_routed, permute_rows, permute_rows_routed, route, sequence_counts, top_k, Routing,

@@ -7,16 +7,23 @@
 
 use cubecl::prelude::*;
 
-/// What the attention kernels know of a call at run time: the sequence length, the query heads,
-/// the key/value head groups (`heads / groups` queries share one), the sliding window (0: none)
-/// and the score scale.
+/// What the attention kernels know of a call at run time: the query rows and key rows of the call,
+/// the sequence positions of the first of each and the sequence's length (a whole sequence: rows
+/// = keys = seq, both from 0; one block of ring attention: a chunk of queries over a chunk of
+/// keys), the query heads, the key/value head groups (`heads / groups` queries share one), the
+/// sliding window (0: none), the score scale, and the log-sum-exp of a row that sees no key.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
 pub struct Heads {
+    pub rows: u32,
+    pub keys: u32,
+    pub q_start: u32,
+    pub k_start: u32,
     pub seq: u32,
     pub heads: u32,
     pub groups: u32,
     pub window: u32,
     pub scale: f32,
+    pub empty: f32,
 }
 
 // "No score yet" in the online softmax is -1e30 (finite: WGSL has no -inf literal).
@@ -29,16 +36,18 @@ fn stage_row<F: Float>(src: &Tensor<F>, base: usize, dst: &mut SharedMemory<f32>
     }
 }
 
-/// Flash-attention forward. q `[B, S, H, D]`, k `[B, S, G, D]`, v `[B, S, G, E]` -> o
-/// `[B, S, H, E]` and the row log-sum-exp `lse [B, H, S]` (f32, with the scale folded in).
+/// Flash-attention forward. q `[B, Sq, H, D]`, k `[B, Tk, G, D]`, v `[B, Tk, G, E]` -> o
+/// `[B, Sq, H, E]` and the row log-sum-exp `lse [B, H, Sq]` (f32, with the scale folded in;
+/// `shape.empty` for a row that sees no key, whose output is 0).
 ///
 /// One cube per `(query tile, head, batch)`, one unit per query row; key/value tiles of `tile`
 /// rows are staged in shared memory; each row keeps its running max, sum and output in registers
-/// (online softmax), so nothing of size `S x S` exists. Keys visible to query `i`:
-/// `i - window < j <= i` (`window = 0`: all `j <= i`), and with `has_docs` also `j >=
-/// docs[b S + i]` (`docs`: every token's document start `[B * S]`, then its end `[B * S]`; key
-/// tiles before the query tile's first start are skipped). With sinks, head `h`'s sink logit
-/// joins the softmax denominator (the running state starts at `m = sink, l = 1`).
+/// (online softmax), so nothing of size `Sq x Tk` exists. Query row `i` is at position `p =
+/// q_start + i` of the sequence, key row `j` at `t = k_start + j`; keys visible to it: `p - window
+/// < t <= p` (`window = 0`: all `t <= p`), and with `has_docs` also `t >= docs[b seq + p]`
+/// (`docs`: every token's document start `[B * seq]`, then its end `[B * seq]`); key tiles outside
+/// the query tile's reach are skipped. With sinks, head `h`'s sink logit joins the softmax
+/// denominator (the running state starts at `m = sink, l = 1`).
 #[cube(launch)]
 pub fn flash_fwd<F: Float>(
     q: &Tensor<F>,
@@ -57,7 +66,11 @@ pub fn flash_fwd<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let neg = f32::new(-1.0e30);
-    let s_len = shape.seq as usize;
+    let sq = shape.rows as usize;
+    let tk = shape.keys as usize;
+    let q0 = shape.q_start as usize;
+    let k0 = shape.k_start as usize;
+    let seq = shape.seq as usize;
     let heads = shape.heads as usize;
     let groups = shape.groups as usize;
     let window = shape.window as usize;
@@ -68,11 +81,12 @@ pub fn flash_fwd<F: Float>(
     let g = h / (heads / groups);
     let u = UNIT_POS as usize;
     let i = qt * tile + u;
-    let valid = i < s_len;
-    let ic = select(valid, i, s_len - 1);
+    let valid = i < sq;
+    let ic = select(valid, i, sq - 1);
+    let pos = q0 + i;
 
     let mut qr = Array::<f32>::new(d);
-    let q_base = ((b * s_len + ic) * heads + h) * d;
+    let q_base = ((b * sq + ic) * heads + h) * d;
     for c in 0..d {
         qr[c] = f32::cast_from(q[q_base + c]) * scale;
     }
@@ -91,30 +105,43 @@ pub fn flash_fwd<F: Float>(
     let mut ks = SharedMemory::<f32>::new(tile * d);
     let mut vs = SharedMemory::<f32>::new(tile * e);
 
+    // The key rows the query tile can see: from the first query's window or document start to
+    // the last query's position.
     let first = qt * tile;
-    let mut hi = first + tile;
-    if hi > s_len {
-        hi = s_len;
+    let mut last = first + tile;
+    if last > sq {
+        last = sq;
     }
-    let mut lo = 0usize;
-    if window > 0 && first + 1 > window {
-        lo = first + 1 - window;
+    let mut hi = 0usize;
+    if q0 + last > k0 {
+        hi = q0 + last - k0;
+    }
+    if hi > tk {
+        hi = tk;
+    }
+    let mut lo_pos = 0usize;
+    if window > 0 && q0 + first + 1 > window {
+        lo_pos = q0 + first + 1 - window;
     }
     let mut doc_i = 0usize;
     if has_docs {
-        let doc_first = docs[b * s_len + first] as usize;
-        if doc_first > lo {
-            lo = doc_first;
+        let doc_first = docs[b * seq + q0 + first] as usize;
+        if doc_first > lo_pos {
+            lo_pos = doc_first;
         }
-        doc_i = docs[b * s_len + ic] as usize;
+        doc_i = docs[b * seq + q0 + ic] as usize;
+    }
+    let mut lo = 0usize;
+    if lo_pos > k0 {
+        lo = lo_pos - k0;
     }
     let mut kt = lo / tile;
     let kt_end = (hi + tile - 1) / tile;
     while kt < kt_end {
         let j_load = kt * tile + u;
-        let jc = select(j_load < s_len, j_load, s_len - 1);
-        let k_base = ((b * s_len + jc) * groups + g) * d;
-        let v_base = ((b * s_len + jc) * groups + g) * e;
+        let jc = select(j_load < tk, j_load, tk - 1);
+        let k_base = ((b * tk + jc) * groups + g) * d;
+        let v_base = ((b * tk + jc) * groups + g) * e;
         stage_row::<F>(k, k_base, &mut ks, u * d, d);
         stage_row::<F>(v, v_base, &mut vs, u * e, e);
         sync_cube();
@@ -122,7 +149,8 @@ pub fn flash_fwd<F: Float>(
             let mut tmax = neg;
             for jt in 0..tile {
                 let j = kt * tile + jt;
-                let visible = j <= i && (window == 0 || i < j + window) && j >= doc_i;
+                let t = k0 + j;
+                let visible = j < tk && t <= pos && (window == 0 || pos < t + window) && t >= doc_i;
                 let mut s = neg;
                 if visible {
                     s = 0.0f32;
@@ -157,25 +185,30 @@ pub fn flash_fwd<F: Float>(
     }
 
     if valid {
-        let inv = select(l > 0.0f32, 1.0f32 / l, 0.0f32);
-        let o_base = ((b * s_len + i) * heads + h) * e;
+        let seen = l > 0.0f32;
+        let inv = select(seen, 1.0f32 / l, 0.0f32);
+        let o_base = ((b * sq + i) * heads + h) * e;
         for c in 0..e {
             o[o_base + c] = F::cast_from(acc[c] * inv);
         }
-        lse[(b * heads + h) * s_len + i] = m + l.ln();
+        lse[(b * heads + h) * sq + i] = select(seen, m + l.ln(), shape.empty);
     }
 }
 
 /// `delta[b, h, i] = sum_c do[b, i, h, c] o[b, i, h, c]` (f32), the row term of the softmax
-/// backward. One unit per row.
+/// backward; with `has_dlse`, less the gradient of the row's log-sum-exp `dlse [B, H, S]` (a block
+/// of ring attention, whose log-sum-exp is an output: `ds = p (dp - delta + dlse)`). One unit per
+/// row.
 #[cube(launch)]
 pub fn flash_delta<F: Float>(
     o: &Tensor<F>,
     d_o: &Tensor<F>,
+    dlse: &Tensor<f32>,
     delta: &mut Tensor<f32>,
     s_len: u32,
     heads: u32,
     e: u32,
+    #[comptime] has_dlse: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS < delta.len() {
@@ -190,6 +223,9 @@ pub fn flash_delta<F: Float>(
         for c in 0..ee {
             acc += f32::cast_from(o[base + c]) * f32::cast_from(d_o[base + c]);
         }
+        if has_dlse {
+            acc -= dlse[ABSOLUTE_POS];
+        }
         delta[ABSOLUTE_POS] = acc;
     }
 }
@@ -197,7 +233,7 @@ pub fn flash_delta<F: Float>(
 /// Flash-attention backward for the queries (recomputing the probabilities from `lse`):
 /// `dq_i = scale sum_j p_ij (do_i . v_j - delta_i) k_j`; with sinks also each row's share of the
 /// sink gradient, `dsink[b, h, i] = -exp(sink_h - lse_i) delta_i` (summed by the caller).
-/// Same grid and tiling as [`flash_fwd()`].
+/// Same grid, tiling and positions as [`flash_fwd()`].
 #[cube(launch)]
 pub fn flash_bwd_q<F: Float>(
     q: &Tensor<F>,
@@ -218,7 +254,11 @@ pub fn flash_bwd_q<F: Float>(
     #[comptime] has_docs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let s_len = shape.seq as usize;
+    let sq = shape.rows as usize;
+    let tk = shape.keys as usize;
+    let q0 = shape.q_start as usize;
+    let k0 = shape.k_start as usize;
+    let seq = shape.seq as usize;
     let heads = shape.heads as usize;
     let groups = shape.groups as usize;
     let window = shape.window as usize;
@@ -229,59 +269,74 @@ pub fn flash_bwd_q<F: Float>(
     let g = h / (heads / groups);
     let u = UNIT_POS as usize;
     let i = qt * tile + u;
-    let valid = i < s_len;
-    let ic = select(valid, i, s_len - 1);
+    let valid = i < sq;
+    let ic = select(valid, i, sq - 1);
+    let pos = q0 + i;
 
     let mut qr = Array::<f32>::new(d);
     let mut dqr = Array::<f32>::new(d);
-    let q_base = ((b * s_len + ic) * heads + h) * d;
+    let q_base = ((b * sq + ic) * heads + h) * d;
     for c in 0..d {
         qr[c] = f32::cast_from(q[q_base + c]) * scale;
         dqr[c] = 0.0f32;
     }
     let mut dor = Array::<f32>::new(e);
-    let o_base = ((b * s_len + ic) * heads + h) * e;
+    let o_base = ((b * sq + ic) * heads + h) * e;
     for c in 0..e {
         dor[c] = f32::cast_from(d_o[o_base + c]);
     }
-    let row = (b * heads + h) * s_len + ic;
+    let row = (b * heads + h) * sq + ic;
     let lse_i = lse[row];
     let delta_i = delta[row];
 
     let mut ks = SharedMemory::<f32>::new(tile * d);
     let mut vs = SharedMemory::<f32>::new(tile * e);
 
+    // The key rows the query tile can see: from the first query's window or document start to
+    // the last query's position.
     let first = qt * tile;
-    let mut hi = first + tile;
-    if hi > s_len {
-        hi = s_len;
+    let mut last = first + tile;
+    if last > sq {
+        last = sq;
     }
-    let mut lo = 0usize;
-    if window > 0 && first + 1 > window {
-        lo = first + 1 - window;
+    let mut hi = 0usize;
+    if q0 + last > k0 {
+        hi = q0 + last - k0;
+    }
+    if hi > tk {
+        hi = tk;
+    }
+    let mut lo_pos = 0usize;
+    if window > 0 && q0 + first + 1 > window {
+        lo_pos = q0 + first + 1 - window;
     }
     let mut doc_i = 0usize;
     if has_docs {
-        let doc_first = docs[b * s_len + first] as usize;
-        if doc_first > lo {
-            lo = doc_first;
+        let doc_first = docs[b * seq + q0 + first] as usize;
+        if doc_first > lo_pos {
+            lo_pos = doc_first;
         }
-        doc_i = docs[b * s_len + ic] as usize;
+        doc_i = docs[b * seq + q0 + ic] as usize;
+    }
+    let mut lo = 0usize;
+    if lo_pos > k0 {
+        lo = lo_pos - k0;
     }
     let mut kt = lo / tile;
     let kt_end = (hi + tile - 1) / tile;
     while kt < kt_end {
         let j_load = kt * tile + u;
-        let jc = select(j_load < s_len, j_load, s_len - 1);
-        let k_base = ((b * s_len + jc) * groups + g) * d;
-        let v_base = ((b * s_len + jc) * groups + g) * e;
+        let jc = select(j_load < tk, j_load, tk - 1);
+        let k_base = ((b * tk + jc) * groups + g) * d;
+        let v_base = ((b * tk + jc) * groups + g) * e;
         stage_row::<F>(k, k_base, &mut ks, u * d, d);
         stage_row::<F>(v, v_base, &mut vs, u * e, e);
         sync_cube();
         if valid {
             for jt in 0..tile {
                 let j = kt * tile + jt;
-                let visible = j <= i && (window == 0 || i < j + window) && j >= doc_i;
+                let t = k0 + j;
+                let visible = j < tk && t <= pos && (window == 0 || pos < t + window) && t >= doc_i;
                 if visible {
                     let mut s = 0.0f32;
                     for c in 0..d {
@@ -317,9 +372,10 @@ pub fn flash_bwd_q<F: Float>(
 /// Flash-attention backward for the keys and values: one cube per `(key tile, group, batch)`,
 /// one unit per key row, looping over the group's heads and the query tiles that can see the
 /// key tile (staged in shared memory with their `lse` and `delta`):
-/// `dv_j = sum_i p_ij do_i`, `dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`. With
-/// `has_docs`, only queries of key `j`'s document (`i < docs[B S + b S + j]`, its end) see it, and
-/// query tiles past the key tile's last document end are skipped.
+/// `dv_j = sum_i p_ij do_i`, `dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`. Positions as in
+/// [`flash_fwd()`]; with `has_docs`, only queries of key `j`'s document (positions before
+/// `docs[B seq + b seq + t]`, its end) see it, and query tiles past the key tile's last document
+/// end are skipped.
 #[cube(launch)]
 pub fn flash_bwd_kv<F: Float>(
     q: &Tensor<F>,
@@ -338,7 +394,11 @@ pub fn flash_bwd_kv<F: Float>(
     #[comptime] has_docs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let s_len = shape.seq as usize;
+    let sq = shape.rows as usize;
+    let tk = shape.keys as usize;
+    let q0 = shape.q_start as usize;
+    let k0 = shape.k_start as usize;
+    let seq = shape.seq as usize;
     let heads = shape.heads as usize;
     let groups = shape.groups as usize;
     let window = shape.window as usize;
@@ -349,19 +409,20 @@ pub fn flash_bwd_kv<F: Float>(
     let per_group = heads / groups;
     let u = UNIT_POS as usize;
     let j = kt * tile + u;
-    let valid = j < s_len;
-    let jc = select(valid, j, s_len - 1);
+    let valid = j < tk;
+    let jc = select(valid, j, tk - 1);
+    let t = k0 + j;
 
     let mut kr = Array::<f32>::new(d);
     let mut dkr = Array::<f32>::new(d);
-    let k_base = ((b * s_len + jc) * groups + g) * d;
+    let k_base = ((b * tk + jc) * groups + g) * d;
     for c in 0..d {
         kr[c] = f32::cast_from(k[k_base + c]) * scale;
         dkr[c] = 0.0f32;
     }
     let mut vr = Array::<f32>::new(e);
     let mut dvr = Array::<f32>::new(e);
-    let v_base = ((b * s_len + jc) * groups + g) * e;
+    let v_base = ((b * tk + jc) * groups + g) * e;
     for c in 0..e {
         vr[c] = f32::cast_from(v[v_base + c]);
         dvr[c] = 0.0f32;
@@ -372,47 +433,57 @@ pub fn flash_bwd_kv<F: Float>(
     let mut ls = SharedMemory::<f32>::new(tile);
     let mut ds_ = SharedMemory::<f32>::new(tile);
 
-    // Queries that can see this key tile: from its first key to its last key + window - 1.
+    // Queries that can see this key tile: positions from its first key to its last key +
+    // window - 1, and before its last key's document end.
     let first = kt * tile;
-    let mut hi = s_len;
+    let mut qt_first = 0usize;
+    if k0 + first > q0 {
+        qt_first = (k0 + first - q0) / tile;
+    }
+    let mut hi_pos = q0 + sq;
     if window > 0 {
-        let last_key = first + tile - 1;
-        if last_key + window < s_len {
-            hi = last_key + window;
+        let last_key = k0 + first + tile - 1;
+        if last_key + window < hi_pos {
+            hi_pos = last_key + window;
         }
     }
     let ends = docs.len() / 2;
-    let mut doc_end_j = s_len;
+    let mut doc_end_j = seq;
     if has_docs {
         let mut last = first + tile - 1;
-        if last >= s_len {
-            last = s_len - 1;
+        if last >= tk {
+            last = tk - 1;
         }
-        let tile_end = docs[ends + b * s_len + last] as usize;
-        if tile_end < hi {
-            hi = tile_end;
+        let tile_end = docs[ends + b * seq + k0 + last] as usize;
+        if tile_end < hi_pos {
+            hi_pos = tile_end;
         }
-        doc_end_j = docs[ends + b * s_len + jc] as usize;
+        doc_end_j = docs[ends + b * seq + k0 + jc] as usize;
+    }
+    let mut hi = 0usize;
+    if hi_pos > q0 {
+        hi = hi_pos - q0;
     }
     let qt_end = (hi + tile - 1) / tile;
     for hh in 0..per_group {
         let h = g * per_group + hh;
-        let mut qt = kt;
+        let mut qt = qt_first;
         while qt < qt_end {
             let i_load = qt * tile + u;
-            let icl = select(i_load < s_len, i_load, s_len - 1);
-            let q_base = ((b * s_len + icl) * heads + h) * d;
-            let o_base = ((b * s_len + icl) * heads + h) * e;
+            let icl = select(i_load < sq, i_load, sq - 1);
+            let q_base = ((b * sq + icl) * heads + h) * d;
+            let o_base = ((b * sq + icl) * heads + h) * e;
             stage_row::<F>(q, q_base, &mut qs, u * d, d);
             stage_row::<F>(d_o, o_base, &mut dos, u * e, e);
-            let row = (b * heads + h) * s_len + icl;
+            let row = (b * heads + h) * sq + icl;
             ls[u] = lse[row];
             ds_[u] = delta[row];
             sync_cube();
             if valid {
                 for it in 0..tile {
                     let i = qt * tile + it;
-                    let visible = i < s_len && j <= i && (window == 0 || i < j + window) && i < doc_end_j;
+                    let pos = q0 + i;
+                    let visible = i < sq && t <= pos && (window == 0 || pos < t + window) && pos < doc_end_j;
                     if visible {
                         let mut s = 0.0f32;
                         for c in 0..d {
