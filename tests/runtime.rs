@@ -873,7 +873,7 @@ fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
         std::fs::write(&file, report.to_string()).unwrap();
         file
     };
-    let predict = |extra: &[&str]| {
+    let predict_on = |placement: &[&str], extra: &[&str]| {
         let out = bin()
             .args([
                 "predict",
@@ -886,7 +886,7 @@ fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
                 "--micro-batches",
                 "4",
             ])
-            .args(DISAGG)
+            .args(placement)
             .args(extra)
             .output()
             .unwrap();
@@ -896,6 +896,7 @@ fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
             String::from_utf8_lossy(&out.stderr).to_string(),
         )
     };
+    let predict = |extra: &[&str]| predict_on(DISAGG, extra);
     let from_trace = |link: &std::path::Path| {
         let (code, stdout, stderr) =
             predict(&["--in-flight", "2", "--calibration-trace", &path(&trace), "--link-fit", &path(link)]);
@@ -923,6 +924,12 @@ fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
     let own: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(own["link"]["gbps"], 0.5);
     assert!(own["link_source"].as_str().unwrap().starts_with("emulated"), "{own}");
+    // Context parallelism: the ring's halves and its blocks of keys and values in the schedule,
+    // from a calibration run of its own.
+    let (code, stdout, stderr) = predict_on(CP2, &["--link-gbps", "0.5", "--calibration-steps", "2"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let ring: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert!(step(&ring) > 0.0 && ring["predicted_exposed_comm_s"].as_f64().unwrap() > 0.0, "{ring}");
     // Refused: a trace without the window it ran with, a file that is no net-bench report.
     let (code, _, stderr) = predict(&["--calibration-trace", &path(&trace)]);
     assert!(code != Some(0) && stderr.contains("--calibration-trace needs --in-flight"), "{stderr}");

@@ -143,6 +143,9 @@ pub enum Transfer {
     N2m,
     /// Activations between pipeline stages.
     PipelineP2p,
+    /// Keys and values among the attention workers of a ring (context parallelism), or their
+    /// gradients.
+    Ring,
 }
 
 /// What an op does.
@@ -207,6 +210,7 @@ impl OpKind {
             Self::Send { transfer: Transfer::M2n, .. } => "m2n",
             Self::Send { transfer: Transfer::N2m, .. } => "n2m",
             Self::Send { transfer: Transfer::PipelineP2p, .. } => "p2p",
+            Self::Send { transfer: Transfer::Ring, .. } => "ring",
             Self::Recv { .. } => "recv",
             Self::Dispatch { .. } => "dispatch",
             Self::Combine { .. } => "combine",

@@ -14,6 +14,13 @@
 //!   link's rate, received the link's latency after its last byte (the emulated link of
 //!   `--link-gbps`/`--link-latency-us`, or one fitted to a real network, [`network`], whose ports
 //!   may be half duplex); messages to oneself never leave;
+//! - with context parallelism (`Layout::context_parallel` `C > 1`), units instead of micro-batches
+//!   for the attention and expert tasks, and each attention stage in two halves each way, as the
+//!   scheduler runs them: the projection half sends its block of keys and values to the ring's
+//!   other units (`keys-values`, a [`Transfer::Ring`] send) and the ring half waits for them; in
+//!   the backward the ring half's backward sends the blocks' gradients back (`grad-keys-values`)
+//!   and the projection half's backward waits for them; the head waits for every unit of its
+//!   micro-batch, the window counts each embedding worker's units;
 //! - the end of the step: every worker's all-reduces after the last backward task of all (their
 //!   bytes on the link, one latency per message of the ring), then its optimizer step.
 //!
@@ -114,11 +121,13 @@ impl Build<'_> {
             }
             Task::Head { mb } => (mb, NO_LAYER),
         };
+        // The ring halves of a context-parallel attention stage are its chunk 1.
+        let chunk = u16::from(matches!(task, Task::RingFwd { .. } | Task::RingBwd { .. }));
         let name = task.name();
         let secs = *self.cal.tasks.get(&(w, name.clone())).ok_or_else(|| {
             TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
         })?;
-        Ok(self.b.op(w, stream(task.queue()), kind, mb, layer, 0, Vec::new(), secs, 0.0, 0.0))
+        Ok(self.b.op(w, stream(task.queue()), kind, mb, layer, chunk, Vec::new(), secs, 0.0, 0.0))
     }
 
     fn after(&mut self, op: OpId, deps: impl IntoIterator<Item = OpId>) {
@@ -136,7 +145,11 @@ impl Build<'_> {
             TrainError::option("placement", format!("the calibration run has no message `{name}` from worker {from}"))
         })?;
         let backward = kind.starts_with("grad");
-        let transfer = if kind.ends_with("dispatch") { Transfer::M2n } else { Transfer::N2m };
+        let transfer = match kind {
+            "keys-values" | "grad-keys-values" => Transfer::Ring,
+            k if k.ends_with("dispatch") => Transfer::M2n,
+            _ => Transfer::N2m,
+        };
         let secs = self.link.map_or(0.0, |l| l.send_s(bytes));
         let kind = OpKind::Send { to, transfer, backward };
         let send = self.b.op(from, StreamKind::Comm, kind, mb, layer as u32, 0, vec![src], secs, 0.0, bytes);
@@ -148,15 +161,6 @@ impl Build<'_> {
 /// The schedule the runtime executes for `layout` (see the module doc).
 pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<NetLink>) -> Result<Schedule> {
     let (workers, layers, mbs) = (layout.workers, layout.layers, layout.micro_batches);
-    if layout.context_parallel > 1 {
-        return Err(TrainError::option(
-            "context_parallel",
-            format!(
-                "1 for a prediction of the runtime's schedule (got {}): the ring's tasks are not in it yet",
-                layout.context_parallel
-            ),
-        ));
-    }
     if cal.end_of_step_s.len() != workers {
         return Err(TrainError::option(
             "workers",
@@ -183,31 +187,62 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
     let mut last_bwd: HashMap<(usize, (BackwardKind, usize)), OpId> = HashMap::new();
     let mut layer0_bwd: HashMap<usize, OpId> = HashMap::new();
     let mut all_bwd = Vec::new();
-    let owned: Vec<Vec<usize>> = (0..workers).map(|w| layout.own_micro_batches(w)).collect();
+    let c = layout.context_parallel;
+    let owned: Vec<Vec<usize>> = (0..workers).map(|w| layout.own_units(w)).collect();
     for m in 0..mbs {
         let head_w = layout.head_worker(m);
-        // Forward: attention, dispatch to every holder, expert forward, combine and residual to
-        // the next layer's attention worker (the head's after the last layer).
-        let pos = owned[head_w].iter().position(|&o| o == m).unwrap_or(0);
-        let mut inputs: Vec<OpId> =
-            if pos >= in_flight { vec![layer0_bwd[&owned[head_w][pos - in_flight]]] } else { Vec::new() };
+        let ring: Vec<usize> = layout.ring_units(m * c).collect();
+        // Forward, per layer and unit of the micro-batch (without context parallelism, the one
+        // unit is the micro-batch): attention; with context parallelism its block of keys and
+        // values to the ring's other units and the ring half once they are all here; dispatch to
+        // every holder, expert forward, combine and residual to the next layer's attention worker
+        // (the head's after the last layer). A unit starts when the window of its embedding
+        // worker has room.
+        let mut inputs: Vec<Vec<OpId>> = ring
+            .iter()
+            .map(|&u| {
+                let e = layout.attn_worker(u, 0);
+                let pos = owned[e].iter().position(|&o| o == u).unwrap_or(0);
+                if pos >= in_flight {
+                    vec![layer0_bwd[&owned[e][pos - in_flight]]]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
         for l in 0..layers {
-            let a = layout.attn_worker(m, l);
-            let af = x.task(a, Task::AttnFwd { mb: m, layer: l })?;
-            x.after(af, inputs);
-            let next = if l + 1 < layers { layout.attn_worker(m, l + 1) } else { head_w };
-            let mut next_inputs = Vec::new();
-            for h in layout.ffn_holders(l) {
-                let d = x.message("dispatch", m, l, a, h, af)?;
-                let ff = x.task(h, Task::FfnFwd { mb: m, layer: l, src: a })?;
-                x.after(ff, [d]);
-                next_inputs.push(x.message("combine", m, l, h, next, ff)?);
+            let mut fwd = Vec::with_capacity(c);
+            for (i, &u) in ring.iter().enumerate() {
+                let a = layout.attn_worker(u, l);
+                let af = x.task(a, Task::AttnFwd { mb: u, layer: l })?;
+                x.after(af, std::mem::take(&mut inputs[i]));
+                fwd.push(af);
             }
-            next_inputs.push(x.message("residual", m, l, a, next, af)?);
-            inputs = next_inputs;
+            for (i, &u) in ring.iter().enumerate() {
+                let a = layout.attn_worker(u, l);
+                let out = if c > 1 {
+                    let mut deps = vec![fwd[i]];
+                    for (j, &v) in ring.iter().enumerate().filter(|&(j, _)| j != i) {
+                        deps.push(x.message("keys-values", v, l, layout.attn_worker(v, l), a, fwd[j])?);
+                    }
+                    let rf = x.task(a, Task::RingFwd { mb: u, layer: l })?;
+                    x.after(rf, deps);
+                    rf
+                } else {
+                    fwd[i]
+                };
+                let next = if l + 1 < layers { layout.attn_worker(u, l + 1) } else { head_w };
+                for h in layout.ffn_holders(l) {
+                    let d = x.message("dispatch", u, l, a, h, out)?;
+                    let ff = x.task(h, Task::FfnFwd { mb: u, layer: l, src: a })?;
+                    x.after(ff, [d]);
+                    inputs[i].push(x.message("combine", u, l, h, next, ff)?);
+                }
+                inputs[i].push(x.message("residual", u, l, a, next, out)?);
+            }
         }
         let head = x.task(head_w, Task::Head { mb: m })?;
-        x.after(head, inputs);
+        x.after(head, inputs.concat());
         let mut ordered = |x: &mut Build, op: OpId, w: usize, task: Task| {
             let (key, _) = task.backward_key().expect("a backward task");
             if let Some(prev) = last_bwd.insert((w, key), op) {
@@ -217,28 +252,54 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
         ordered(&mut x, head, head_w, Task::Head { mb: m });
         all_bwd.push(head);
         // Backward: the gradient of each layer's output goes to its attention worker (residual)
-        // and to its holders (their rows); their input gradients back to the attention worker.
-        let (mut src, mut src_w) = (head, head_w);
+        // and to its holders (their rows); their input gradients back to the attention worker;
+        // with context parallelism the ring half's backward sends the gradients of the blocks it
+        // received to their owners, whose projection half's backward waits for them.
+        let mut src: Vec<(OpId, usize)> = vec![(head, head_w); c];
         for l in (0..layers).rev() {
-            let a = layout.attn_worker(m, l);
-            let mut deps = vec![x.message("grad-residual", m, l, src_w, a, src)?];
-            for h in layout.ffn_holders(l) {
-                let gc = x.message("grad-combine", m, l, src_w, h, src)?;
-                let task = Task::FfnBwd { mb: m, layer: l };
-                let fb = x.task(h, task)?;
-                x.after(fb, [gc]);
-                ordered(&mut x, fb, h, task);
-                all_bwd.push(fb);
-                deps.push(x.message("grad-dispatch", m, l, h, a, fb)?);
+            let mut bwd = Vec::with_capacity(c);
+            for (i, &u) in ring.iter().enumerate() {
+                let a = layout.attn_worker(u, l);
+                let (s, s_w) = src[i];
+                let mut deps = vec![x.message("grad-residual", u, l, s_w, a, s)?];
+                for h in layout.ffn_holders(l) {
+                    let gc = x.message("grad-combine", u, l, s_w, h, s)?;
+                    let task = Task::FfnBwd { mb: u, layer: l };
+                    let fb = x.task(h, task)?;
+                    x.after(fb, [gc]);
+                    ordered(&mut x, fb, h, task);
+                    all_bwd.push(fb);
+                    deps.push(x.message("grad-dispatch", u, l, h, a, fb)?);
+                }
+                let task = Task::AttnBwd { mb: u, layer: l };
+                let ab = x.task(a, task)?;
+                x.after(ab, deps);
+                ordered(&mut x, ab, a, task);
+                all_bwd.push(ab);
+                bwd.push(ab);
+                src[i] = (ab, a);
             }
-            let task = Task::AttnBwd { mb: m, layer: l };
-            let ab = x.task(a, task)?;
-            x.after(ab, deps);
-            ordered(&mut x, ab, a, task);
-            all_bwd.push(ab);
-            (src, src_w) = (ab, a);
+            if c > 1 {
+                for (i, &u) in ring.iter().enumerate() {
+                    let a = layout.attn_worker(u, l);
+                    let mut deps = vec![bwd[i]];
+                    for (j, &v) in ring.iter().enumerate().filter(|&(j, _)| j != i) {
+                        deps.push(x.message("grad-keys-values", u, l, layout.attn_worker(v, l), a, bwd[j])?);
+                    }
+                    let task = Task::RingBwd { mb: u, layer: l };
+                    let rb = x.task(a, task)?;
+                    x.after(rb, deps);
+                    ordered(&mut x, rb, a, task);
+                    all_bwd.push(rb);
+                    src[i] = (rb, a);
+                }
+            }
+            if l == 0 {
+                for (i, &u) in ring.iter().enumerate() {
+                    layer0_bwd.insert(u, bwd[i]);
+                }
+            }
         }
-        layer0_bwd.insert(m, src);
     }
     // End of step: the all-reduces start when every worker's backward is done (they include the
     // global sums every worker takes part in), then each worker's optimizer step.
@@ -395,19 +456,30 @@ mod tests {
         for worker in 0..w {
             for mb in 0..layout.micro_batches {
                 cal.tasks.insert((worker, Task::Head { mb }.name()), 1.0);
+            }
+            for mb in 0..layout.units() {
                 for layer in 0..layout.layers {
                     for t in [
                         Task::AttnFwd { mb, layer },
                         Task::FfnFwd { mb, layer, src: 0 },
                         Task::FfnBwd { mb, layer },
                         Task::AttnBwd { mb, layer },
+                        Task::RingFwd { mb, layer },
+                        Task::RingBwd { mb, layer },
                     ] {
                         cal.tasks.insert((worker, t.name()), 1.0);
                     }
                     for to in 0..w {
-                        for kind in
-                            ["dispatch", "combine", "residual", "grad-combine", "grad-residual", "grad-dispatch"]
-                        {
+                        for kind in [
+                            "dispatch",
+                            "combine",
+                            "residual",
+                            "grad-combine",
+                            "grad-residual",
+                            "grad-dispatch",
+                            "keys-values",
+                            "grad-keys-values",
+                        ] {
                             cal.messages.insert((worker, format!("{kind} L{layer} mb{mb} -> {to}")), 1000.0);
                         }
                     }
@@ -417,25 +489,31 @@ mod tests {
         cal
     }
 
-    /// The order the prediction assumes is the scheduler's: on three layouts, each worker's
-    /// backward ops of one [`BackwardKind`] key run its micro-batches in the order of the
-    /// scheduler's [`super::super::scheduler::BackwardOrder`], each after the one before, and an
-    /// embedding worker's micro-batch `i + K` starts after the layer-0 backward of its `i`.
+    /// The order the prediction assumes is the scheduler's: on five layouts (two with context
+    /// parallelism), each worker's backward ops of one [`BackwardKind`] key run its micro-batches
+    /// (units) in the order of the scheduler's [`super::super::scheduler::BackwardOrder`], each
+    /// after the one before, and an embedding worker's unit `i + K` starts after the layer-0
+    /// backward of its `i`.
     #[test]
     fn the_predicted_schedule_orders_tasks_by_the_scheduler_s_rules() {
         use super::super::scheduler::BackwardOrder;
+        let cp = |l: Layout, c| l.with_context_parallel(c).unwrap();
         for (layout, window) in [
             (Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2),
             (Layout::disagg(4, 8, 4, 2, 2, 2).unwrap(), 1),
             (Layout::ep(3, 4, 4, 2).unwrap(), 1),
+            (cp(Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2), 2),
+            (cp(Layout::disagg(3, 8, 3, 4, 2, 2).unwrap(), 2), 1),
         ] {
             let sched = schedule(&layout, &uniform(&layout), window, None).unwrap();
             let task_of = |op: &disagmoe_core::schedule::Op| {
-                let (mb, layer) = (op.micro_batch as usize, op.layer as usize);
+                let (mb, layer, ring) = (op.micro_batch as usize, op.layer as usize, op.chunk == 1);
                 match op.kind {
+                    OpKind::AttentionForward if ring => Some(Task::RingFwd { mb, layer }),
                     OpKind::AttentionForward => Some(Task::AttnFwd { mb, layer }),
                     OpKind::HeadBackward => Some(Task::Head { mb }),
                     OpKind::ExpertBackward => Some(Task::FfnBwd { mb, layer }),
+                    OpKind::AttentionBackward if ring => Some(Task::RingBwd { mb, layer }),
                     OpKind::AttentionBackward => Some(Task::AttnBwd { mb, layer }),
                     _ => None,
                 }
@@ -460,7 +538,7 @@ mod tests {
                         assert!(sched.ops[pair[1].1].deps.contains(&pair[0].1), "worker {w} {key:?}: {pair:?} chained");
                     }
                 }
-                let own = layout.own_micro_batches(w);
+                let own = layout.own_units(w);
                 let op_of = |t: Task| mine.iter().find(|&&(_, x)| x == t).map(|&(i, _)| i).unwrap();
                 for (i, &mb) in own.iter().enumerate().skip(window) {
                     let released = op_of(Task::AttnBwd { mb: own[i - window], layer: 0 });
