@@ -14,12 +14,15 @@
 #    host (--exchange-payloads host): step time, exchange bytes per worker and step, and the
 #    payload bytes read back to the host per step (payload_host_bytes; 0 on the device path but
 #    for fp8's dispatch, which is packed on the host).
+#  cp: context parallelism on the GPU: the same 1B model in f32 (the flash kernel per ring block
+#    is f32), disagg 2+2 in one group on 1 GPU at seq 4096, without and with --context-parallel 2:
+#    step time, final loss, peak device memory and which attention ran (flash expected).
 #
 #   scripts/gpu-check.sh                      # with cargo: build (--features cuda), both parts
 #   scripts/gpu-check.sh --build-only DIR     # build the binaries into DIR (no GPU needed)
 #   scripts/gpu-check.sh --prebuilt DIR       # run binaries from DIR (a GPU machine without cargo)
-#   options: --part kernels|train|exchange|all (default all; if all does not fit one 10-minute
-#   device call, run --part kernels, --part train and --part exchange as separate calls), --dtype f32|f16|bf16 (kernel report dtype,
+#   options: --part kernels|train|exchange|cp|all (default all; if all does not fit one 10-minute
+#   device call, run --part kernels, --part train, --part exchange and --part cp as separate calls), --dtype f32|f16|bf16 (kernel report dtype,
 #   default f32), --json FILE (kernel report as JSON), --steps N (1B runs, default 6)
 #
 # CUDA libraries load at run time: building needs no GPU and no CUDA toolkit.
@@ -35,11 +38,11 @@ while [ $# -gt 0 ]; do
     --json) json="${2:?--json needs a file}"; shift 2 ;;
     --part) part="${2:?--part needs kernels, train or all}"; shift 2 ;;
     --steps) steps="${2:?--steps needs a number}"; shift 2 ;;
-    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --part kernels|train|exchange|all, --dtype f32|f16|bf16, --json FILE, --steps N)" >&2; exit 2 ;;
+    *) echo "unknown argument $1 (allowed: --build-only DIR, --prebuilt DIR, --part kernels|train|exchange|cp|all, --dtype f32|f16|bf16, --json FILE, --steps N)" >&2; exit 2 ;;
   esac
 done
 case "$dtype" in f32|f16|bf16) ;; *) echo "--dtype $dtype: allowed values are f32, f16, bf16" >&2; exit 2 ;; esac
-case "$part" in kernels|train|exchange|all) ;; *) echo "--part $part: allowed values are kernels, train, exchange, all" >&2; exit 2 ;; esac
+case "$part" in kernels|train|exchange|cp|all) ;; *) echo "--part $part: allowed values are kernels, train, exchange, cp, all" >&2; exit 2 ;; esac
 case "$steps" in ''|*[!0-9]*) echo "--steps $steps: a positive whole number" >&2; exit 2 ;; esac
 
 build() {
@@ -161,6 +164,13 @@ if [ "$part" = exchange ] || [ "$part" = all ]; then
   for x in f32 bf16; do
     exchange "exchange $x, payloads via host" --exchange-dtype "$x" --exchange-payloads host
   done
+fi
+if [ "$part" = cp ] || [ "$part" = all ]; then
+  echo "== 1B in f32, disagg 2+2 in one group on 1 GPU, $steps steps of 4 x 4096 tokens: without and with context parallelism 2"
+  cp=(--model-config "$dir/qwen3-moe-1b.json" --steps "$steps" --batch 4 --seq 4096 --precision f32 --placement disagg
+    --attn-workers 2 --ffn-workers 2 --groups 1 --micro-batches 2 --devices "$dev,$dev,$dev,$dev")
+  train "1B f32 disagg 2+2 one group" "${cp[@]}"
+  train "1B f32 disagg 2+2, --context-parallel 2" "${cp[@]}" --context-parallel 2
 fi
 if [ "$kernel_fallbacks" -gt 0 ]; then
   echo "$kernel_fallbacks CUDA run(s) ran attention or the experts without the kernels" >&2
