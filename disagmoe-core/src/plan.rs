@@ -315,10 +315,11 @@ pub fn simulate_schedules(
             let b = Baseline::parse(name).expect("validated above");
             ep_layout(cost, b).and_then(|l| {
                 let layout = format!(
-                    "pp {} x dp {} (ep {}), {} chunk(s)/stage, {} micro-batches/rank{}",
+                    "pp {} x dp {} (ep {}{}), {} chunk(s)/stage, {} micro-batches/rank{}",
                     l.pp,
                     l.dp,
                     l.ep,
+                    if l.cp > 1 { format!(", cp {}", l.cp) } else { String::new() },
                     l.chunks,
                     l.micro_batches,
                     if l.recompute { ", recompute" } else { "" }

@@ -179,7 +179,9 @@ pub fn reproduce_paper(opts: &ReproduceOptions) -> Result<usize> {
         "Workload: 64K tokens per micro-batch (`micro-batch = 65536 / seq` sequences), global batch `2 x GPUs x micro-batch`\n\
          sequences. AF-Pipe runs on the allocation `disagmoe plan` chooses (MILP + local search with the simulator);\n\
          each baseline runs on its own layout (smallest pipeline depth that fits, EP over the data-parallel ranks, full\n\
-         recomputation only when activations would not fit). Every step time below is the makespan of a simulated\n\
+         recomputation only when activations would not fit, and Megatron's context parallelism, each sequence split over\n\
+         the smallest power of two of ranks that fits, only when nothing fits without it: `cp` in the layout).\n\
+         Every step time below is the makespan of a simulated\n\
          schedule; no baseline is derived from another by a factor.\n"
     );
     let _ = writeln!(md, "## Summary beside the paper\n");

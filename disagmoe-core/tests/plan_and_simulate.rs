@@ -57,6 +57,27 @@ fn baseline_step_times_come_from_simulating_their_schedules() {
     assert!(ratios[3] - ratios[0] > 0.05, "{ratios:?}");
 }
 
+/// Context parallelism in the baselines, as Megatron's, only where nothing fits without it:
+/// Qwen3-235B at 32K on the paper's cluster fits no pipeline depth with whole sequences per rank
+/// (even recomputed), and fits with each sequence split over `cp > 1` ranks and simulates; at 8K
+/// the layout is the one without it.
+#[test]
+fn baselines_split_sequences_only_where_nothing_fits_without_it() {
+    use disagmoe_core::schedule::baselines::ep_layout;
+    let cluster = Cluster::preset("h800x16").unwrap();
+    let long = cost("qwen3-235b-a22b", cluster.clone(), 32768);
+    for b in [Baseline::Megatron, Baseline::Tutel, Baseline::Comet] {
+        let layout = ep_layout(&long, b).unwrap();
+        assert!(layout.cp > 1, "{}: {layout:?}", b.name());
+        // Each micro-batch is one sequence over `cp` ranks: `cp` times the micro-batches.
+        assert_eq!(layout.micro_batches, long.workload.global_batch.div_ceil(layout.dp / layout.cp), "{layout:?}");
+        let report = simulate(&build_baseline(&long, b).unwrap()).unwrap();
+        assert!(report.step_s.is_finite() && report.step_s > 0.0, "{}", b.name());
+    }
+    let short = cost("qwen3-235b-a22b", cluster, 8192);
+    assert_eq!(ep_layout(&short, Baseline::Megatron).unwrap().cp, 1);
+}
+
 /// The full reproduction grid (docs/paper-reproduction.md): every schedule simulates, and what
 /// the report derives from the simulations is consistent with them. Which schedule is faster in
 /// which setting is a reported figure (`disagmoe reproduce`), not something a test asserts.

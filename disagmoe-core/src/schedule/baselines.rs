@@ -23,7 +23,12 @@
 //! one sequence per rank per micro-batch, and the same global batch as AF-Pipe (DualPipe also
 //! needs an even number of micro-batches, at least `2 pp`). Under full
 //! recomputation (chosen only when activations would not fit) a layer's backward re-runs its
-//! forward, including the dispatch all-to-all, since only the layer input is kept.
+//! forward, including the dispatch all-to-all, since only the layer input is kept. When no
+//! pipeline depth fits even with recomputation, context parallelism as Megatron's (`cp`, the
+//! smallest power of two that fits): each sequence split over `cp` ranks of a stage in
+//! load-balanced chunks, a rank holding `seq / cp` of its tokens, attention as ring attention
+//! (the K/V blocks' transfers overlapping the blocks' compute, `CostModel::attention_layer_s`), and
+//! `cp` times the micro-batches, each one sequence per `cp` ranks.
 
 use super::dualpipe::{check_dualpipe, dualpipe_program, DualStep};
 use super::{OpId, OpKind, Schedule, ScheduleBuilder, StreamKind as K, Transfer, WorkerRole, NO_LAYER};
@@ -89,14 +94,17 @@ pub struct EpLayout {
     pub chunks: usize,
     /// Micro-batches per data-parallel rank per step.
     pub micro_batches: usize,
-    /// Sequences per rank per micro-batch.
+    /// Sequences per rank per micro-batch (with context parallelism: per `cp` ranks).
     pub seqs_per_micro_batch: usize,
+    /// Context-parallel ranks each sequence is split over (1: none).
+    pub cp: usize,
     /// Full activation recomputation (only each layer's input is kept; backward recomputes the
     /// forward), chosen when the activations would not fit otherwise.
     pub recompute: bool,
 }
 
 /// Memory of one GPU of a baseline stage holding `layers` layers (`copies` = 2 for DualPipe).
+#[allow(clippy::too_many_arguments)]
 fn ep_memory(
     cost: &CostModel,
     pp: usize,
@@ -105,6 +113,7 @@ fn ep_memory(
     copies: usize,
     in_flight: usize,
     recompute: bool,
+    cp: usize,
 ) -> f64 {
     let m = &cost.model;
     let layers = m.layers.div_ceil(pp) as f64 * copies as f64;
@@ -114,7 +123,7 @@ fn ep_memory(
     let table = (m.vocab * m.hidden) as f64;
     let dense = layers * dense_per_layer + 2.0 * table;
     let experts = layers * (m.moe.experts / ep) as f64 * m.expert_params();
-    let tokens = cost.workload.seq as f64;
+    let tokens = cost.workload.seq.div_ceil(cp) as f64;
     let per_layer = cost.attention_activation_per_token() + cost.ffn_activation_per_token();
     let act = if recompute {
         in_flight as f64 * layers / copies as f64 * tokens * m.hidden as f64 * cost.precision.activation_bytes
@@ -134,36 +143,43 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
     let mut smallest = f64::INFINITY;
     let mut unschedulable = None;
     let min_pp = if baseline == Baseline::DualPipe { 2 } else { 1 };
-    for pp in (0..)
-        .map(|e| 1usize << e)
-        .take_while(|&pp| pp <= m.layers.min(g))
-        .filter(|&pp| pp >= min_pp && g.is_multiple_of(pp))
-    {
-        let dp = g / pp;
-        let ep = (0..)
+    // Context parallelism only where no pipeline depth fits without it.
+    let cps = (0..).map(|e| 1usize << e).take_while(|&cp| cp == 1 || 2 * cp <= cost.workload.seq);
+    for cp in cps.take_while(|&cp| cp <= g) {
+        for pp in (0..)
             .map(|e| 1usize << e)
-            .take_while(|&e| e <= dp && m.moe.experts.is_multiple_of(e) && dp.is_multiple_of(e))
-            .last()
-            .unwrap_or(1);
-        let seqs = cost.workload.global_batch;
-        let micro_batches = seqs.div_ceil(dp).max(1);
-        if baseline == Baseline::DualPipe {
-            if let Err(e) = check_dualpipe(pp, micro_batches) {
-                unschedulable = Some(e);
+            .take_while(|&pp| pp <= m.layers.min(g))
+            .filter(|&pp| pp >= min_pp && g.is_multiple_of(pp))
+        {
+            let dp = g / pp;
+            if !dp.is_multiple_of(cp) {
                 continue;
             }
-        }
-        let in_flight = pp.min(micro_batches) + 1;
-        for recompute in [false, true] {
-            let mem = ep_memory(cost, pp, dp, ep, copies, in_flight, recompute);
-            smallest = smallest.min(mem);
-            if mem <= usable {
-                let chunks = match baseline {
-                    Baseline::DualPipe => 2,
-                    _ if pp > 1 && m.layers >= 2 * pp && micro_batches.is_multiple_of(pp) => 2,
-                    _ => 1,
-                };
-                return Ok(EpLayout { pp, dp, ep, chunks, micro_batches, seqs_per_micro_batch: 1, recompute });
+            let ep = (0..)
+                .map(|e| 1usize << e)
+                .take_while(|&e| e <= dp && m.moe.experts.is_multiple_of(e) && dp.is_multiple_of(e))
+                .last()
+                .unwrap_or(1);
+            let seqs = cost.workload.global_batch;
+            let micro_batches = seqs.div_ceil(dp / cp).max(1);
+            if baseline == Baseline::DualPipe {
+                if let Err(e) = check_dualpipe(pp, micro_batches) {
+                    unschedulable = Some(e);
+                    continue;
+                }
+            }
+            let in_flight = pp.min(micro_batches) + 1;
+            for recompute in [false, true] {
+                let mem = ep_memory(cost, pp, dp, ep, copies, in_flight, recompute, cp);
+                smallest = smallest.min(mem);
+                if mem <= usable {
+                    let chunks = match baseline {
+                        Baseline::DualPipe => 2,
+                        _ if pp > 1 && m.layers >= 2 * pp && micro_batches.is_multiple_of(pp) => 2,
+                        _ => 1,
+                    };
+                    return Ok(EpLayout { pp, dp, ep, chunks, micro_batches, seqs_per_micro_batch: 1, cp, recompute });
+                }
             }
         }
     }
@@ -173,7 +189,7 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
     Err(CoreError::Infeasible {
         constraint: format!("memory_{}", baseline.name()),
         detail: format!(
-            "no pipeline depth fits: the smallest footprint needs {:.1} GB per GPU, {:.1} GB usable (short by {:.1} GB)",
+            "no pipeline depth or context-parallel size fits: the smallest footprint needs {:.1} GB per GPU, {:.1} GB usable (short by {:.1} GB)",
             smallest / 1e9,
             usable / 1e9,
             (smallest - usable) / 1e9
@@ -234,17 +250,22 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     let layout = ep_layout(cost, baseline)?;
     let m = &cost.model;
     let (pp, dp, ep) = (layout.pp, layout.dp, layout.ep);
+    let cp = layout.cp;
     let mut rank = cost.clone();
     rank.workload.micro_batch = layout.seqs_per_micro_batch;
+    // A rank's tokens of a micro-batch: its share of the sequences, `seq / cp` of each under
+    // context parallelism (the expert group's, `ep` ranks' worth).
     let mut ep_group = cost.clone();
     ep_group.workload.micro_batch = layout.seqs_per_micro_batch * ep;
-    let tokens = rank.workload.tokens_per_micro_batch();
+    ep_group.workload.seq = cost.workload.seq.div_ceil(cp);
+    let tokens = rank.workload.tokens_per_micro_batch() / cp as f64;
     let layers: Vec<LayerCost> = (0..m.layers)
         .map(|l| {
-            let a = rank.attention_forward(l, 1, 1);
+            // `cp` ranks share each sequence: the ring's transfers overlap the blocks' compute.
+            let a = rank.attention_forward(l, cp, cp);
             let f = ep_group.ffn_forward(l, ep);
             LayerCost {
-                attn_s: cost.gpu_time(a),
+                attn_s: rank.attention_layer_s(l, cp, cp, false).0,
                 attn_flops: a.flops,
                 ffn_s: cost.gpu_time(f),
                 ffn_flops: f.flops,
@@ -284,7 +305,7 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     }
     let fwd_stream = if dual { K::ForwardCompute } else { K::Compute };
     let bwd_stream = if dual { K::BackwardCompute } else { K::Compute };
-    let head = rank.head_forward(1, 1);
+    let head = rank.head_forward(cp, cp);
     let p2p_bytes = tokens * m.hidden as f64 * cost.precision.activation_bytes * dp as f64;
     let n_virtual = pp * layout.chunks;
     // Worker of virtual stage `vs` in direction `dir` (DualPipe's second direction runs the
