@@ -480,6 +480,14 @@ pub struct Inbox {
     ring_grads: HashMap<(usize, usize), Vec<(usize, Packed)>>,
 }
 
+/// The ring's messages `map` holds for (unit, layer) `key`, taken out, by the other unit,
+/// ascending (the order the ring adds them in).
+fn by_unit(map: &mut HashMap<(usize, usize), Vec<(usize, Packed)>>, key: (usize, usize)) -> Vec<(usize, Packed)> {
+    let mut got = map.remove(&key).unwrap_or_default();
+    got.sort_by_key(|(u, _)| *u);
+    got
+}
+
 impl Inbox {
     /// Keeps an exchange message from `src` (the holders' shares with their place in the order of
     /// addition); any other message is handed back.
@@ -522,17 +530,13 @@ impl Inbox {
     /// The ring's blocks of keys and values of `layer` for unit `unit`'s attention, by sending
     /// unit, ascending (context parallelism); its task is ready, so every one is here.
     pub fn ring_blocks(&mut self, unit: usize, layer: usize) -> Vec<(usize, Packed)> {
-        let mut blocks = self.ring_blocks.remove(&(unit, layer)).unwrap_or_default();
-        blocks.sort_by_key(|(u, _)| *u);
-        blocks
+        by_unit(&mut self.ring_blocks, (unit, layer))
     }
 
     /// The gradients of unit `unit`'s block of keys and values of `layer` from the other units of
     /// its ring, by unit, ascending (the order they are added in).
     pub fn ring_grads(&mut self, unit: usize, layer: usize) -> Vec<(usize, Packed)> {
-        let mut grads = self.ring_grads.remove(&(unit, layer)).unwrap_or_default();
-        grads.sort_by_key(|(u, _)| *u);
-        grads
+        by_unit(&mut self.ring_grads, (unit, layer))
     }
 
     /// The input of `layer` (or the head when `layer == layers`) of micro-batch `mb`, assembled
