@@ -146,6 +146,11 @@ pub fn ep_layout(cost: &CostModel, baseline: Baseline) -> Result<EpLayout> {
     // Context parallelism only where no pipeline depth fits without it.
     let cps = (0..).map(|e| 1usize << e).take_while(|&cp| cp == 1 || 2 * cp <= cost.workload.seq);
     for cp in cps.take_while(|&cp| cp <= g) {
+        if cp > 1 && smallest.is_infinite() {
+            // Nothing was too large without it: what failed was the schedule (DualPipe's
+            // micro-batches), which splitting sequences must not paper over.
+            break;
+        }
         for pp in (0..)
             .map(|e| 1usize << e)
             .take_while(|&pp| pp <= m.layers.min(g))
@@ -207,6 +212,10 @@ fn stage_layers(layers: usize, n: usize, vs: usize) -> std::ops::Range<usize> {
 /// Per-rank costs of one layer.
 struct LayerCost {
     attn_s: f64,
+    /// The ring's transfers of a context-parallel attention, forward and backward (twice the
+    /// bytes), seconds: an attention op takes the longer of its compute and its ring's (0 without
+    /// context parallelism).
+    ring_s: (f64, f64),
     attn_flops: f64,
     ffn_s: f64,
     ffn_flops: f64,
@@ -258,14 +267,15 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
     let mut ep_group = cost.clone();
     ep_group.workload.micro_batch = layout.seqs_per_micro_batch * ep;
     ep_group.workload.seq = cost.workload.seq.div_ceil(cp);
-    let tokens = rank.workload.tokens_per_micro_batch() / cp as f64;
+    let tokens = rank.workload.micro_batch as f64 * cost.workload.seq.div_ceil(cp) as f64;
     let layers: Vec<LayerCost> = (0..m.layers)
         .map(|l| {
             // `cp` ranks share each sequence: the ring's transfers overlap the blocks' compute.
             let a = rank.attention_forward(l, cp, cp);
             let f = ep_group.ffn_forward(l, ep);
             LayerCost {
-                attn_s: rank.attention_layer_s(l, cp, cp, false).0,
+                attn_s: cost.gpu_time(a),
+                ring_s: (rank.ring_time(l, cp, cp, false), rank.ring_time(l, cp, cp, true)),
                 attn_flops: a.flops,
                 ffn_s: cost.gpu_time(f),
                 ffn_flops: f.flops,
@@ -404,7 +414,13 @@ pub fn build_baseline(cost: &CostModel, baseline: Baseline) -> Result<Schedule> 
             let stream = if backward { bwd_stream } else { fwd_stream };
             let attn = |b: &mut ScheduleBuilder, deps: Vec<OpId>| {
                 let kind = if backward { OpKind::AttentionBackward } else { OpKind::AttentionForward };
-                b.op(w, stream, kind, mb, lu, 0, deps, scale * c.attn_s, scale * c.attn_flops, 0.0)
+                // The ring's blocks go round again in a recomputed forward.
+                let ring = match backward {
+                    false => c.ring_s.0,
+                    true => c.ring_s.1 + if layout.recompute { c.ring_s.0 } else { 0.0 },
+                };
+                let secs = (scale * c.attn_s).max(ring);
+                b.op(w, stream, kind, mb, lu, 0, deps, secs, scale * c.attn_flops, 0.0)
             };
             let ekind = if backward { OpKind::ExpertBackward } else { OpKind::ExpertForward };
             if !backward {
