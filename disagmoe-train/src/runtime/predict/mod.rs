@@ -161,6 +161,8 @@ impl Build<'_> {
 /// The schedule the runtime executes for `layout` (see the module doc).
 pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Option<NetLink>) -> Result<Schedule> {
     let (workers, layers, mbs) = (layout.workers, layout.layers, layout.micro_batches);
+    // As the scheduler: a window of 0 starts one.
+    let in_flight = in_flight.max(1);
     if cal.end_of_step_s.len() != workers {
         return Err(TrainError::option(
             "workers",

@@ -297,6 +297,9 @@ impl<R: CubeRuntime> Flash<R> {
     fn delta(&self, o: &CubeTensor<R>, d_o: &CubeTensor<R>, dlse: Option<&CubeTensor<R>>) -> CubeTensor<R> {
         let x = &self.x;
         let delta = empty(&self.q, &[x.b, x.h, x.sq], DType::F32);
+        // Without one, a buffer of its own that the kernel does not read (not `delta`, which it
+        // writes: one binding read and written would alias).
+        let unread = empty(&self.q, &[1], DType::F32);
         let (count, dim) = elemwise(&self.q, x.b * x.h * x.sq);
         kernels::flash_delta::launch::<R>(
             &self.q.client,
@@ -304,7 +307,7 @@ impl<R: CubeRuntime> Flash<R> {
             dim,
             o.clone().into_tensor_arg(),
             d_o.clone().into_tensor_arg(),
-            dlse.unwrap_or(&delta).clone().into_tensor_arg(),
+            dlse.unwrap_or(&unread).clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
             x.sq as u32,
             x.h as u32,
