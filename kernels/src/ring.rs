@@ -66,6 +66,30 @@ impl Mask<'_> {
     }
 }
 
+/// Whether queries `q` `[B, Sq, H, D]`, keys `k` `[B, Tk, G, D]` and values `v` `[B, Tk, G, E]`
+/// at `[seq, q_start, k_start]` (positions `q_start..q_start + Sq` and `k_start..k_start + Tk` of
+/// sequences of `seq` tokens), with `window` and `docs` over `[B, seq]`, make a block the fused
+/// block operations take (`crate::fused::attention_block`): grouped-query heads, no empty side,
+/// both inside the sequence, a window of at least one token.
+pub(crate) fn block_fits(
+    [q, k, v]: [[usize; 4]; 3],
+    window: Option<usize>,
+    docs: Option<&Documents>,
+    [seq, q_start, k_start]: [usize; 3],
+) -> bool {
+    let ([b, sq, h, d], [kb, tk, g, kd], [vb, vt, vg, _]) = (q, k, v);
+    g != 0
+        && h % g == 0
+        && (kb, kd) == (b, d)
+        && (vb, vt, vg) == (b, tk, g)
+        && window != Some(0)
+        && sq != 0
+        && tk != 0
+        && q_start + sq <= seq
+        && k_start + tk <= seq
+        && docs.is_none_or(|x| (x.batch(), x.seq()) == (b, seq))
+}
+
 /// One block of attention: queries at positions `q` of the sequence over keys and values at
 /// positions `k`, without sinks. Returns the normalised output `[B, Sq, H, E]` and its
 /// log-sum-exp `[B, H, Sq, 1]` (f32; a query that sees no key gets output 0 and a log-sum-exp far

@@ -291,18 +291,10 @@ pub fn attention_block<B: Backend>(
     empty: f32,
 ) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
     let kind = kind::<B>()?;
-    let ([b, sq, h, d], [kb, tk, g, kd], [vb, vt, vg, e]) = (q.dims(), k.dims(), v.dims());
-    if g == 0 || h % g != 0 || (kb, kd) != (b, d) || (vb, vt, vg) != (b, tk, g) || window == Some(0) {
+    if !crate::ring::block_fits([q.dims(), k.dims(), v.dims()], window, docs, [seq, q_start, k_start]) {
         return None;
     }
-    if sq == 0
-        || tk == 0
-        || q_start + sq > seq
-        || k_start + tk > seq
-        || docs.is_some_and(|d| (d.batch(), d.seq()) != (b, seq))
-    {
-        return None;
-    }
+    let ([b, sq, h, d], [_, tk, g, _], [.., e]) = (q.dims(), k.dims(), v.dims());
     let starts: Option<Vec<u32>> = docs.filter(|d| !d.is_whole()).map(|d| d.bounds()[..b * seq].to_vec());
     let shape = ops::BlockShape {
         batch: b,

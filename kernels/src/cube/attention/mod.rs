@@ -185,17 +185,12 @@ fn attention_block_on<B: Backend, C: Cube>(
     [seq, q_start, k_start]: [usize; 3],
     empty: f32,
 ) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
-    let ([b, sq, h, d], [kb, tk, g, kd], [vb, vt, vg, e]) = (q.dims(), k.dims(), v.dims());
-    if g == 0 || h % g != 0 || (kb, kd) != (b, d) || (vb, vt, vg) != (b, tk, g) || window == Some(0) {
+    if !crate::ring::block_fits([q.dims(), k.dims(), v.dims()], window, docs, [seq, q_start, k_start]) {
         return None;
     }
-    if b == 0 || sq == 0 || tk == 0 || d == 0 || e == 0 || d > MAX_HEAD_DIM || e > MAX_HEAD_DIM {
-        return None;
-    }
-    if q_start + sq > seq || k_start + tk > seq || seq > u32::MAX as usize / 2 {
-        return None;
-    }
-    if docs.is_some_and(|x| (x.batch(), x.seq()) != (b, seq)) {
+    let ([b, sq, h, d], [_, tk, g, _], [.., e]) = (q.dims(), k.dims(), v.dims());
+    // What the kernels' registers and 32-bit indexing reach.
+    if b == 0 || d == 0 || e == 0 || d > MAX_HEAD_DIM || e > MAX_HEAD_DIM || seq > u32::MAX as usize / 2 {
         return None;
     }
     let (q, k, v) = (take::<B, C, 4>(kind, q)?, take::<B, C, 4>(kind, k)?, take::<B, C, 4>(kind, v)?);
