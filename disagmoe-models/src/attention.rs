@@ -12,7 +12,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use disagmoe_kernels::ring::{worker_attention, Block, Mask};
+use disagmoe_kernels::ring::{finish, worker_partial, Block, Mask, Partial};
 
 use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
@@ -214,31 +214,57 @@ impl<B: Backend> GqaAttention<B> {
         RingProjection { q, kv: Tensor::cat(vec![k.reshape([b, t, gd]), v.reshape([b, t, gd])], 2) }
     }
 
-    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]): the
-    /// ring attention of `q` over the blocks (windows and sinks as the layer has them), projected.
-    pub fn ring_attend(
+    /// A block of the ring as this layer's keys and values.
+    fn ring_block(&self, RingBlock { kv, held }: RingBlock<B>) -> Block<B> {
+        let [b, tk, _] = kv.dims();
+        let (g, d) = (self.kv_heads, self.head_dim);
+        let k = kv.clone().narrow(2, 0, g * d).reshape([b, tk, g, d]);
+        let v = kv.narrow(2, g * d, g * d).reshape([b, tk, g, d]);
+        Block { k, v, held }
+    }
+
+    /// The attention of `q` over `blocks` onto `start` ([`worker_partial`]), windowed as the layer is.
+    fn ring_partial(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
+        start: Option<Partial<B>>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Partial<B> {
+        let blocks: Vec<Block<B>> = blocks.into_iter().map(|b| self.ring_block(b)).collect();
+        let scale = (self.head_dim as f64).powf(-0.5);
+        let mask = Mask { window: self.window, docs };
+        worker_partial(q, held, &blocks, start, scale, mask)
+            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
+    }
+
+    /// Context parallelism's own block ([`crate::decoder::AttentionLayer::ring_own`]): the
+    /// attention of `q` over the worker's own keys and values `kv`, before the sinks.
+    pub fn ring_own(
+        &self,
+        q: Tensor<B, 4>,
+        kv: Tensor<B, 3>,
+        held: &[Range<usize>; 2],
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Partial<B> {
+        self.ring_partial(q, held, vec![RingBlock { kv, held: held.clone() }], None, docs)
+    }
+
+    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]): the
+    /// ring attention of `q` over the other workers' blocks onto its own block's, `own` (windows
+    /// and sinks as the layer has them), projected.
+    pub fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        own: Partial<B>,
+        blocks: Vec<RingBlock<B>>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
     ) -> Tensor<B, 3> {
         let [b, t, _, _] = q.dims();
-        let (g, d) = (self.kv_heads, self.head_dim);
-        let blocks: Vec<Block<B>> = blocks
-            .into_iter()
-            .map(|RingBlock { kv, held }| {
-                let tk = kv.dims()[1];
-                let k = kv.clone().narrow(2, 0, g * d).reshape([b, tk, g, d]);
-                let v = kv.narrow(2, g * d, g * d).reshape([b, tk, g, d]);
-                Block { k, v, held }
-            })
-            .collect();
-        let scale = (self.head_dim as f64).powf(-0.5);
-        let sinks = self.sinks.as_ref().map(|p| p.val());
-        let mask = Mask { window: self.window, docs };
-        let out = worker_attention(q, held, &blocks, sinks, scale, mask)
-            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"));
+        let all = self.ring_partial(q, held, blocks, Some(own), docs);
+        let out = finish(all, self.sinks.as_ref().map(|p| p.val()));
         self.o_proj.forward(out.reshape([b, t, self.heads * self.head_dim]))
     }
 

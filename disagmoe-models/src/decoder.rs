@@ -12,6 +12,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use disagmoe_kernels::documents::Documents;
+use disagmoe_kernels::ring::Partial;
 
 use crate::attention::GqaAttention;
 use crate::causal_lm::{causal_lm_loss, input_ids, lm_logits, CausalLmOutput, LossParts};
@@ -88,14 +89,29 @@ pub trait AttentionLayer<B: Backend> {
     fn ring_project(&self, _x: Tensor<B, 3>, _cos: Tensor<B, 4>, _sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         None
     }
-    /// Context parallelism's second half: the attention of `q` (of [`AttentionLayer::ring_project`],
-    /// at the positions `held`) over the ring's blocks in ring order (this worker's own first),
-    /// projected out: `[B, T, M]`. Within each document of `docs` (over the whole `[B, S]`
-    /// sequence) when given. `None` as for [`AttentionLayer::ring_project`].
+    /// Context parallelism's own block, computed while the block travels: the attention of `q` (of
+    /// [`AttentionLayer::ring_project`], at the positions `held`) over the worker's own block `kv`,
+    /// before any sinks (`disagmoe_kernels::ring::worker_partial`). Within each document of `docs`
+    /// (over the whole `[B, S]` sequence) when given. `None` as for
+    /// [`AttentionLayer::ring_project`].
+    fn ring_own(
+        &self,
+        _q: Tensor<B, 4>,
+        _kv: Tensor<B, 3>,
+        _held: &[Range<usize>; 2],
+        _docs: Option<&Documents>,
+    ) -> Option<Partial<B>> {
+        None
+    }
+    /// Context parallelism's second half: the attention of `q` over the other workers' blocks in
+    /// ring order (those of ring ranks `r - 1`, `r - 2`, ...), merged onto `own`
+    /// ([`AttentionLayer::ring_own`]), the sinks added, projected out: `[B, T, M]`. `None` as for
+    /// [`AttentionLayer::ring_project`].
     fn ring_attend(
         &self,
         _q: Tensor<B, 4>,
         _held: &[Range<usize>; 2],
+        _own: Partial<B>,
         _blocks: Vec<RingBlock<B>>,
         _docs: Option<&Documents>,
     ) -> Option<Tensor<B, 3>> {
@@ -114,14 +130,24 @@ impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         Some(self.ring_project(x, cos, sin))
     }
+    fn ring_own(
+        &self,
+        q: Tensor<B, 4>,
+        kv: Tensor<B, 3>,
+        held: &[Range<usize>; 2],
+        docs: Option<&Documents>,
+    ) -> Option<Partial<B>> {
+        Some(self.ring_own(q, kv, held, docs))
+    }
     fn ring_attend(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
+        own: Partial<B>,
         blocks: Vec<RingBlock<B>>,
         docs: Option<&Documents>,
     ) -> Option<Tensor<B, 3>> {
-        Some(self.ring_attend(q, held, blocks, docs))
+        Some(self.ring_attend(q, held, own, blocks, docs))
     }
     fn attend_cached(
         &self,

@@ -16,7 +16,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use disagmoe_kernels::ring::{worker_attention, Block, Mask};
+use disagmoe_kernels::ring::{finish, worker_partial, Block, Mask, Partial};
 
 use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
@@ -219,16 +219,16 @@ impl<B: Backend> MlaAttention<B> {
         RingProjection { q, kv: Tensor::cat(vec![latent, k_rot], 2) }
     }
 
-    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]).
-    pub fn ring_attend(
+    /// The attention of `q` over `blocks` (each expanded per head) onto `start` ([`worker_partial`]).
+    fn ring_partial(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
+        start: Option<Partial<B>>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Tensor<B, 3> {
-        let [b, t, _, _] = q.dims();
-        let MlaShape { heads: h, v_head_dim: dv, kv_lora_rank: r, qk_rope_head_dim: dr, .. } = self.shape;
+    ) -> Partial<B> {
+        let MlaShape { kv_lora_rank: r, qk_rope_head_dim: dr, .. } = self.shape;
         let blocks: Vec<Block<B>> = blocks
             .into_iter()
             .map(|RingBlock { kv, held }| {
@@ -237,8 +237,33 @@ impl<B: Backend> MlaAttention<B> {
             })
             .collect();
         let mask = Mask { window: None, docs };
-        let out = worker_attention(q, held, &blocks, None, self.shape.softmax_scale, mask)
-            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"));
+        worker_partial(q, held, &blocks, start, self.shape.softmax_scale, mask)
+            .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
+    }
+
+    /// Context parallelism's own block ([`crate::decoder::AttentionLayer::ring_own`]).
+    pub fn ring_own(
+        &self,
+        q: Tensor<B, 4>,
+        kv: Tensor<B, 3>,
+        held: &[Range<usize>; 2],
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Partial<B> {
+        self.ring_partial(q, held, vec![RingBlock { kv, held: held.clone() }], None, docs)
+    }
+
+    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]).
+    pub fn ring_attend(
+        &self,
+        q: Tensor<B, 4>,
+        held: &[Range<usize>; 2],
+        own: Partial<B>,
+        blocks: Vec<RingBlock<B>>,
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _, _] = q.dims();
+        let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
+        let out = finish(self.ring_partial(q, held, blocks, Some(own), docs), None);
         self.o_proj.forward(out.reshape([b, t, h * dv]))
     }
 

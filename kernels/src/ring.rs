@@ -7,7 +7,8 @@
 //! results with the online softmax: each partial result carries its log-sum-exp, merged in f32.
 //!
 //! [`partial`] and [`merge`] are the steps a worker takes, [`worker_attention`] one worker's whole
-//! computation over the [`Block`]s in ring order; [`ring_attention`] runs the `C` workers one after
+//! computation over the [`Block`]s in ring order ([`worker_partial`] the same in pieces: its own
+//! block first, while the others travel, then the rest onto that); [`ring_attention`] runs the `C` workers one after
 //! the other over a whole sequence (the schedule, not the transport), equal to
 //! [`crate::reference::attention`] up to rounding, forward and backward.
 
@@ -193,11 +194,22 @@ pub struct Block<B: Backend> {
     pub held: [Range<usize>; 2],
 }
 
+/// A worker's attention so far over some of the ring's blocks, before the sinks: the output of
+/// its queries normalised over the keys seen, `[B, T, H, E]`, and its log-sum-exp `[B, H, T, 1]`
+/// (f32), over both of the worker's chunks in the order of its queries ([`worker_partial`]).
+#[derive(Clone, Debug)]
+pub struct Partial<B: Backend> {
+    /// `[B, T, H, E]`.
+    pub out: Tensor<B, 4>,
+    /// `[B, H, T, 1]`.
+    pub lse: Tensor<B, 4>,
+}
+
 /// What one worker of the ring computes: the attention of its queries (`q`, `[B, T, H, D]` over
 /// its chunks `held`, front then back) over the blocks of keys and values in ring order (its own
 /// first, then those of workers `r - 1`, `r - 2`, ... as they arrive), the chunk pairs the mask
 /// empties skipped, the partial results merged in f32, the sinks added last. Returns
-/// `[B, T, H, E]` in the order of `q`.
+/// `[B, T, H, E]` in the order of `q`: [`finish`] of [`worker_partial`] without a start.
 ///
 /// Each block may be a leaf of the worker's own graph (what it received): the gradient of the
 /// objective with respect to it is what goes back to its owner, and an owner's keys and values
@@ -205,8 +217,7 @@ pub struct Block<B: Backend> {
 /// attention).
 ///
 /// # Errors
-/// An empty chunk, queries or a block whose length is not that of its chunks, or no block of
-/// this worker's own chunks.
+/// As [`worker_partial`].
 pub fn worker_attention<B: Backend>(
     q: Tensor<B, 4>,
     held: &[Range<usize>; 2],
@@ -215,16 +226,32 @@ pub fn worker_attention<B: Backend>(
     scale: f64,
     mask: Mask<'_>,
 ) -> Result<Tensor<B, 4>, String> {
+    Ok(finish(worker_partial(q, held, blocks, None, scale, mask)?, sinks))
+}
+
+/// A worker's attention over `blocks` (in ring order), merged in f32 onto `start` when given
+/// (the attention over the blocks before them: a worker computes its own block's while the
+/// others are on their way, then the rest as they arrive). The result is the same, bit for bit,
+/// as one call over all the blocks.
+///
+/// # Errors
+/// An empty chunk, queries or a block whose length is not that of its chunks, a start of another
+/// shape than the queries', or (without a start) no block of this worker's own chunks.
+pub fn worker_partial<B: Backend>(
+    q: Tensor<B, 4>,
+    held: &[Range<usize>; 2],
+    blocks: &[Block<B>],
+    start: Option<Partial<B>>,
+    scale: f64,
+    mask: Mask<'_>,
+) -> Result<Partial<B>, String> {
     let len = |h: &[Range<usize>; 2]| h[0].len() + h[1].len();
     if held.iter().any(|r| r.is_empty()) {
         return Err(format!("a worker of the ring holds two non-empty chunks, got {held:?}"));
     }
-    if q.dims()[1] != len(held) {
-        return Err(format!(
-            "queries over {} positions for the chunks {held:?} ({} positions)",
-            q.dims()[1],
-            len(held)
-        ));
+    let [b, t, h, _] = q.dims();
+    if t != len(held) {
+        return Err(format!("queries over {t} positions for the chunks {held:?} ({} positions)", len(held)));
     }
     for block in blocks {
         let (k, v) = (block.k.dims()[1], block.v.dims()[1]);
@@ -235,16 +262,31 @@ pub fn worker_attention<B: Backend>(
             ));
         }
     }
-    if !blocks.iter().any(|b| &b.held == held) {
-        return Err(format!("no block holds this worker's own chunks {held:?}: its queries would see no key"));
+    match &start {
+        Some(Partial { out, lse }) => {
+            let [ob, ot, oh, _] = out.dims();
+            if [ob, ot, oh] != [b, t, h] || lse.dims() != [b, h, t, 1] {
+                return Err(format!(
+                    "a start of outputs {:?} and log-sum-exp {:?} for queries {:?}",
+                    out.dims(),
+                    lse.dims(),
+                    q.dims()
+                ));
+            }
+        }
+        None if !blocks.iter().any(|b| &b.held == held) => {
+            return Err(format!("no block holds this worker's own chunks {held:?}: its queries would see no key"));
+        }
+        None => {}
     }
-    let mut outs = Vec::with_capacity(2);
+    let (mut outs, mut lses) = (Vec::with_capacity(2), Vec::with_capacity(2));
     let mut q_at = 0;
     for qr in held {
         let qpos: Vec<usize> = qr.clone().collect();
         let qc = q.clone().narrow(1, q_at, qr.len());
+        let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> =
+            start.as_ref().map(|p| (p.out.clone().narrow(1, q_at, qr.len()), p.lse.clone().narrow(2, q_at, qr.len())));
         q_at += qr.len();
-        let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
         for block in blocks {
             let mut k_at = 0;
             for kr in &block.held {
@@ -262,15 +304,21 @@ pub fn worker_attention<B: Backend>(
                 });
             }
         }
-        // Every query sees at least itself: its own chunk (in its own block, checked above) is
-        // never skipped.
+        // Every query sees at least itself: its own chunk (in its own block, checked above, or
+        // in the start) is never skipped.
         let (out, lse) = acc.expect("a chunk attends to itself");
-        outs.push(match &sinks {
-            Some(sinks) => with_sinks(out, lse, sinks.clone()),
-            None => out,
-        });
+        outs.push(out);
+        lses.push(lse);
     }
-    Ok(Tensor::cat(outs, 1))
+    Ok(Partial { out: Tensor::cat(outs, 1), lse: Tensor::cat(lses, 2) })
+}
+
+/// A worker's output once every block is in: the sinks, when given, join the softmax.
+pub fn finish<B: Backend>(p: Partial<B>, sinks: Option<Tensor<B, 1>>) -> Tensor<B, 4> {
+    match sinks {
+        Some(sinks) => with_sinks(p.out, p.lse, sinks),
+        None => p.out,
+    }
 }
 
 /// [`crate::reference::attention`] computed as `c` workers of a ring would: each with the queries

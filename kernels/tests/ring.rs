@@ -10,7 +10,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::reference;
-use disagmoe_kernels::ring::{chunks, held_positions, partial, ring_attention, worker_attention, Block, Mask};
+use disagmoe_kernels::ring::{
+    chunks, finish, held_positions, partial, ring_attention, worker_attention, worker_partial, Block, Mask, Partial,
+};
 
 type B = Autodiff<Flex>;
 
@@ -175,11 +177,14 @@ fn place(full: &mut [f32], part: &[f32], b: usize, s: usize, positions: &[usize]
 }
 
 /// The ring's messages, as workers with graphs of their own exchange them: worker `r` holds the
-/// queries, keys and values of its two chunks (leaves of its graph) and receives a copy of every
-/// other worker's block (a leaf of its graph too); after its backward pass, the gradient of each
-/// received copy goes back to the block's owner, which adds them to its own. The queries', keys'
-/// and values' gradients so gathered, and the sinks' summed over the workers (a parameter each
-/// holds), are the whole attention's.
+/// queries, keys and values of its two chunks (leaves of its graph) and attends over its own
+/// block first (while the block travels); it receives a copy of every other worker's block, and
+/// attends over those onto its own block's result in a second graph (leaves: copies of the
+/// queries and of that result, and the received blocks), its output the same bits as one call
+/// over every block. After the second graph's backward, the gradient of each received copy goes
+/// back to the block's owner, which adds them to its own from the first graph's backward. The
+/// queries', keys' and values' gradients so gathered, and the sinks' summed over the workers (a
+/// parameter each holds), are the whole attention's.
 #[test]
 fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_blocks_sent_back() {
     let mut cases = 0;
@@ -235,15 +240,28 @@ fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_b
                     }
                 })
                 .collect();
-            let out = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask).unwrap();
+            // The own block while the others travel (the first graph), the rest onto it (the second).
+            let first = worker_partial(qr.clone(), &held[r], &ring[..1], None, scale, mask).unwrap();
+            let (q2, out2, lse2) = (leaf(&qr), leaf(&first.out), leaf(&first.lse));
+            let start = Partial { out: out2.clone(), lse: lse2.clone() };
+            let rest = worker_partial(q2.clone(), &held[r], &ring[1..], Some(start), scale, mask).unwrap();
+            let out = finish(rest, skr.clone());
+            let whole = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask).unwrap();
+            assert_eq!(values(out.clone()), values(whole), "{what}: worker {r}: in two pieces, the same bits");
             let wr = weights.clone().detach().select(1, index_of(&positions[r]));
             let grads = (out.clone() * wr).sum().backward();
+            let (gout, glse) = (out2.grad(&grads).unwrap(), lse2.grad(&grads).unwrap());
+            let firsts = ((first.out * Tensor::from_inner(gout)).sum() + (first.lse * Tensor::from_inner(glse)).sum())
+                .backward();
+            let mut gq = values(q2.grad(&grads).unwrap());
+            gq.iter_mut().zip(values(qr.grad(&firsts).unwrap())).for_each(|(a, x)| *a += x);
             place(&mut got_out, &values(out), b, s, &positions[r], h * e);
-            place(&mut got[0], &values(qr.grad(&grads).unwrap()), b, s, &positions[r], h * d);
+            place(&mut got[0], &gq, b, s, &positions[r], h * d);
             for (i, block) in ring.iter().enumerate() {
                 let o = (r + c - i) % c;
-                let gk = block.k.grad(&grads).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * d]);
-                let gv = block.v.grad(&grads).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * e]);
+                let from = if i == 0 { &firsts } else { &grads };
+                let gk = block.k.grad(from).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * d]);
+                let gv = block.v.grad(from).map(values).unwrap_or_else(|| vec![0.0; b * positions[o].len() * g * e]);
                 back[o].push((gk, gv));
             }
             if let (Some(acc), Some(skr)) = (got_sinks.as_mut(), skr) {
@@ -312,4 +330,11 @@ fn a_worker_outside_the_ring_and_blocks_that_do_not_fit_are_refused() {
     let e = attend(3, &[block(3, [0..3, 3..3])], &[0..3, 3..3]);
     assert!(e.contains("two non-empty chunks"), "{e}");
     assert!(worker_attention(rand([1, 5, 2, 4], 3), &held, &[block(5, held.clone())], None, 0.5, mask).is_ok());
+    // Onto a start: the other blocks only, the start the shape of the queries'.
+    let start = |t: usize| Partial { out: rand([1, t, 2, 4], 4), lse: rand([1, 2, t, 1], 5) };
+    let onto =
+        |t: usize| worker_partial(rand([1, 5, 2, 4], 3), &held, &[block(5, [0..3, 8..10])], Some(start(t)), 0.5, mask);
+    assert!(onto(5).is_ok());
+    let e = onto(4).map(|_| ()).unwrap_err();
+    assert!(e.contains("a start of outputs [1, 4, 2, 4]") && e.contains("queries [1, 5, 2, 4]"), "{e}");
 }

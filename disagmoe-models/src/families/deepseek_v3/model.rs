@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use disagmoe_kernels::ring::Partial;
 use disagmoe_core::model_shape::{AttentionShape as ShapeOfAttention, ModelShape, MoeShape};
 
 use super::config::DeepseekV3Config;
@@ -36,14 +37,24 @@ impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
     fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         Some(self.ring_project(x, cos, sin))
     }
+    fn ring_own(
+        &self,
+        q: Tensor<B, 4>,
+        kv: Tensor<B, 3>,
+        held: &[Range<usize>; 2],
+        docs: Option<&disagmoe_kernels::documents::Documents>,
+    ) -> Option<Partial<B>> {
+        Some(self.ring_own(q, kv, held, docs))
+    }
     fn ring_attend(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
+        own: Partial<B>,
         blocks: Vec<RingBlock<B>>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
     ) -> Option<Tensor<B, 3>> {
-        Some(self.ring_attend(q, held, blocks, docs))
+        Some(self.ring_attend(q, held, own, blocks, docs))
     }
     fn attend_cached(
         &self,

@@ -4,37 +4,41 @@
 //! - **Projection half** (`AttnFwd`): the unit's input (its two chunks of the sequence,
 //!   `disagmoe_kernels::ring::chunks`), the input norm, the queries and the block of keys and
 //!   values at the unit's positions ([`AttentionStage::ring_project`]); the block goes to the
-//!   `C - 1` other units of the ring ([`Msg::Kv`]).
-//! - **Ring half** (`RingFwd`): with every block here, the attention of the unit's queries over
-//!   the blocks in ring order, the output projection, the norm and the router
-//!   ([`AttentionStage::ring_finish`]), on leaves of a graph of its own: the queries, the unit's
-//!   block, the received blocks and the input. Then the stage hands on as without context
-//!   parallelism (`Worker::hand_on`).
+//!   `C - 1` other units of the ring ([`Msg::Kv`]). Then, while it travels, the attention of the
+//!   unit's queries over its own block ([`AttentionStage::ring_own`]: on the diagonal, the
+//!   largest of the ring's blocks under the causal mask).
+//! - **Ring half** (`RingFwd`): with every other block here, the attention of the unit's queries
+//!   over them in ring order merged onto the own block's, the output projection, the norm and the
+//!   router ([`AttentionStage::ring_finish`]), on leaves of a graph of its own: the queries, the
+//!   own block's output and log-sum-exp, the received blocks and the input. Then the stage hands
+//!   on as without context parallelism (`Worker::hand_on`).
 //! - **Backward of the ring half** (`AttnBwd`): the stage's objective as without context
 //!   parallelism; the gradients of the received blocks go back to their owners
-//!   ([`Msg::GradKv`]); those of the queries, the unit's block and the input wait.
+//!   ([`Msg::GradKv`]); those of the queries, the own block's attention and the input wait.
 //! - **Backward of the projection half** (`RingBwd`): with the ring's gradients of the unit's
-//!   block here (added in unit order after the unit's own), the projection's backward, and the
-//!   input's gradient sent back as without context parallelism.
+//!   block here (added in unit order), the projection's and the own block's backward (while the
+//!   gradients travel back, the other units' projection halves can run), and the input's
+//!   gradient sent back as without context parallelism.
 //!
 //! Under `--recompute attention|full` neither half keeps its graph: the projection half keeps its
 //! input (the token ids at layer 0) and the values of its queries, block and input, the ring half
-//! the blocks it received; the ring half's backward computes its graph again from those, and the
-//! projection half's backward its own from the input.
+//! the blocks it received; the ring half's backward computes the own block's attention and its
+//! graph again from those, and the projection half's backward its own from the input.
 //!
-//! The two halves' graphs hold disjoint parameters (the input norm and the projections of the
-//! queries, keys and values or the latent; the output projection, the sinks, MLA's expansion of
-//! the latent, the post-attention norm and the router), each added to the step's gradients in
-//! unit order, so a run stays bit-reproducible.
+//! The projection half's parameter gradients go to a sum of their own
+//! (`Worker::ring_grads`), added to the step's at its end: MLA's expansion of the latent is in
+//! both halves' graphs (the own block's keys and values, the received ones), and each sum is in
+//! unit order, so a run stays bit-reproducible whichever half of which unit runs first.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use burn::module::Module;
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use disagmoe_kernels::ring::chunks;
+use disagmoe_kernels::ring::{chunks, Partial};
 use disagmoe_models::decoder::{AttentionLayer, RingBlock, RingProjection};
 use disagmoe_models::moe::{Experts, Router};
 use disagmoe_models::nn::Embedding;
@@ -69,6 +73,9 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     input: Option<Option<Packed>>,
     /// A recomputed ring half's received blocks, by unit.
     blocks: Vec<(usize, Packed)>,
+    /// The own block's attention, in the projection half's graph (recomputed: its values, until
+    /// the ring half runs; both halves' backwards compute it again).
+    own: Option<Partial<B>>,
     /// The input's balance sums and who sent its rows, until the ring half runs.
     aux: Option<(AuxSums, Vec<Share>)>,
 }
@@ -76,7 +83,8 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
 /// The leaves of a ring half's graph besides its input.
 pub(super) struct RingLeaves<B: AutodiffBackend> {
     q: Tensor<B, 4>,
-    kv: Tensor<B, 3>,
+    /// The own block's attention.
+    own: Partial<B>,
     /// The other units' blocks, by unit.
     peers: Vec<(usize, Tensor<B, 3>)>,
 }
@@ -84,7 +92,8 @@ pub(super) struct RingLeaves<B: AutodiffBackend> {
 /// A ring half's backward, waiting for the ring's gradients of the unit's block.
 pub(super) struct RingPending<B: AutodiffBackend> {
     gq: Tensor<B::InnerBackend, 4>,
-    gkv: Tensor<B::InnerBackend, 3>,
+    gout: Tensor<B::InnerBackend, 4>,
+    glse: Tensor<B::InnerBackend, 4>,
     gh: Tensor<B::InnerBackend, 3>,
     from: Vec<Share>,
     aux_coef: Vec<LayerCoefficients>,
@@ -180,6 +189,14 @@ where
         Ok(Projection { stage, embed, h, q, kv })
     }
 
+    /// The attention of a projection half's queries over its own block (in its graph when it
+    /// has one).
+    fn own_block(&self, unit: usize, half: &Projection<B, A, R>) -> Partial<B> {
+        let docs = self.documents.get(&self.layout.unit_of(unit).0);
+        let held = self.held(self.layout.unit_of(unit).1);
+        half.stage.ring_own(half.q.clone(), half.kv.clone(), &held, docs).expect("its projection had one")
+    }
+
     /// The projection half of `layer` for unit `unit` (see [`Worker::project`]); its block goes
     /// to the ring.
     pub(super) fn ring_project(
@@ -197,26 +214,44 @@ where
             let block = self.emit(half.kv.clone().inner().reshape([b * t, w]));
             self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
         }
+        // While the block travels: the attention over the unit's own block.
+        let own = Some(self.own_block(unit, &half));
         let input = recompute.then_some(input);
-        let kept = RingHalf { half, input, blocks: Vec::new(), aux: Some((aux, from)) };
+        let kept = RingHalf { half, input, blocks: Vec::new(), own, aux: Some((aux, from)) };
         self.ring.halves.insert((unit, layer), kept);
         Ok(())
     }
 
-    /// The ring half's graph (leaves: the queries, the unit's block, the received blocks and the
-    /// input), or its values only (`track: false`).
-    fn ring_graph(&self, unit: usize, layer: usize, blocks: &[(usize, Packed)], track: bool) -> AttnGraph<B, A, R> {
+    /// The ring half's graph (leaves: the queries, the own block's attention, the received blocks
+    /// and the input), or its values only (`track: false`). `own`: the own block's attention
+    /// (`None`: computed again from the projection half's values).
+    fn ring_graph(
+        &self,
+        unit: usize,
+        layer: usize,
+        own: Option<Partial<B>>,
+        blocks: &[(usize, Packed)],
+        track: bool,
+    ) -> AttnGraph<B, A, R> {
         let half = &self.ring.halves[&(unit, layer)].half;
-        let q = Tensor::<B, 4>::from_inner(half.q.clone().inner());
-        let kv = Tensor::<B, 3>::from_inner(half.kv.clone().inner());
+        let Partial { out, lse } = own.unwrap_or_else(|| self.own_block(unit, half));
+        let leaf = |t: Tensor<B, 4>| {
+            let t = Tensor::<B, 4>::from_inner(t.inner());
+            if track {
+                t.require_grad()
+            } else {
+                t
+            }
+        };
+        let (q, own) = (leaf(half.q.clone()), Partial { out: leaf(out), lse: leaf(lse) });
         let h = Tensor::<B, 3>::from_inner(half.h.clone().inner());
-        let (q, kv, h) = if track { (q.require_grad(), kv.require_grad(), h.require_grad()) } else { (q, kv, h) };
-        let [b, t, w] = kv.dims();
+        let h = if track { h.require_grad() } else { h };
+        let [b, t, w] = half.kv.dims();
         let peers: Vec<(usize, Tensor<B, 3>)> =
             blocks.iter().map(|(v, block)| (*v, self.take(block, [b, t, w], track))).collect();
-        // Ring order: the unit's own block, then those of ring ranks r - 1, r - 2, ...
+        // Ring order after the unit's own block: those of ring ranks r - 1, r - 2, ...
         let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
-        let mut ring = vec![RingBlock { kv: kv.clone(), held: self.held(r) }];
+        let mut ring = Vec::with_capacity(c - 1);
         for i in 1..c {
             let rv = (r + c - i) % c;
             let v = unit - r + rv;
@@ -226,8 +261,9 @@ where
         let device = self.device.clone();
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track });
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
-        let out =
-            stage.ring_finish(h.clone(), q.clone(), &self.held(r), ring, docs).expect("its projection half had one");
+        let out = stage
+            .ring_finish(h.clone(), q.clone(), &self.held(r), own.clone(), ring, docs)
+            .expect("its projection half had one");
         let routed = self.route(out.route, stage.top_k());
         AttnGraph {
             stage,
@@ -236,7 +272,7 @@ where
             residual: out.residual,
             normed: out.normed,
             routed,
-            ring: Some(RingLeaves { q, kv, peers }),
+            ring: Some(RingLeaves { q, own, peers }),
         }
     }
 
@@ -244,11 +280,13 @@ where
     pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
         let blocks = self.inbox.ring_blocks(unit, layer);
         let recompute = self.settings.recompute.attention();
-        let graph = self.ring_graph(unit, layer, &blocks, !recompute);
+        let own = self.ring.halves[&(unit, layer)].own.clone().expect("the projection half runs first");
+        let graph = self.ring_graph(unit, layer, Some(own), &blocks, !recompute);
         let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
         let (aux, from) = kept.aux.take().expect("one ring half per projection half");
         if recompute {
             kept.blocks = blocks;
+            kept.own = None;
         }
         self.hand_on(unit, layer, graph, aux, from, None)
     }
@@ -256,7 +294,7 @@ where
     /// A recomputed ring half's graph, for its backward.
     pub(super) fn ring_recompute(&self, unit: usize, layer: usize) -> AttnGraph<B, A, R> {
         let blocks = &self.ring.halves[&(unit, layer)].blocks;
-        self.ring_graph(unit, layer, blocks, true)
+        self.ring_graph(unit, layer, None, blocks, true)
     }
 
     /// The end of the ring half's backward (its objective's gradients in `grads`, its parameters'
@@ -275,7 +313,8 @@ where
     ) -> Result<()> {
         let device = self.device.clone();
         let gq = grad_of(&Some(ring.q.clone()), grads, ring.q.dims(), &device);
-        let gkv = grad_of(&Some(ring.kv.clone()), grads, ring.kv.dims(), &device);
+        let gout = grad_of(&Some(ring.own.out.clone()), grads, ring.own.out.dims(), &device);
+        let glse = grad_of(&Some(ring.own.lse.clone()), grads, ring.own.lse.dims(), &device);
         let gh = grad_of(&Some(h.clone()), grads, h.dims(), &device);
         for (v, block) in ring.peers {
             let [b, t, w] = block.dims();
@@ -283,34 +322,48 @@ where
             let g = self.emit(g);
             self.comm.send(self.layout.attn_worker(v, layer), Msg::GradKv { mb: v, layer, from: unit, g })?;
         }
-        self.ring.pending.insert((unit, layer), RingPending { gq, gkv, gh, from, aux_coef });
+        self.ring.pending.insert((unit, layer), RingPending { gq, gout, glse, gh, from, aux_coef });
         Ok(())
     }
 
-    /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
-    /// block here; the input's gradient goes back.
+    /// The projection half's backward of `layer` for unit `unit` (its own block's attention
+    /// included), the ring's gradients of its block here; the input's gradient goes back.
     pub(super) fn ring_backward(&mut self, unit: usize, layer: usize) -> Result<()> {
         let kept = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
-        let half = match kept.input {
-            Some(input) => self.project(unit, layer, input.as_ref(), true)?,
-            None => kept.half,
+        let (half, own) = match kept.input {
+            Some(input) => {
+                let half = self.project(unit, layer, input.as_ref(), true)?;
+                let own = self.own_block(unit, &half);
+                (half, own)
+            }
+            None => (kept.half, kept.own.expect("kept with its graph")),
         };
-        let RingPending { gq, mut gkv, gh, from, aux_coef } =
+        let RingPending { gq, gout, glse, gh, from, aux_coef } =
             self.ring.pending.remove(&(unit, layer)).expect("the ring half's backward ran");
-        let [b, t, w] = gkv.dims();
-        // The unit's own attention's gradient, then the ring's in unit order.
+        let [b, t, w] = half.kv.dims();
+        // The ring's gradients of the unit's block, in unit order.
+        let mut gkv: Option<Tensor<B::InnerBackend, 3>> = None;
         for (_, g) in self.inbox.ring_grads(unit, layer) {
-            gkv = gkv + self.take::<3>(&g, [b, t, w], false).inner();
+            let g = self.take::<3>(&g, [b, t, w], false).inner();
+            gkv = Some(match gkv {
+                None => g,
+                Some(sum) => sum + g,
+            });
         }
-        let constant = Tensor::<B, 4>::from_inner;
-        let objective = (half.q.clone() * constant(gq)).sum()
+        let gkv = gkv.expect("a ring of two or more units");
+        let objective = (half.q.clone() * Tensor::from_inner(gq)).sum()
+            + (own.out * Tensor::from_inner(gout)).sum()
+            + (own.lse * Tensor::from_inner(glse)).sum()
             + (half.kv.clone() * Tensor::from_inner(gkv)).sum()
             + (half.h.clone() * Tensor::from_inner(gh)).sum();
         let mut grads = objective.backward();
         let gh = (layer > 0).then(|| grad_of(&Some(half.h.clone()), &mut grads, half.h.dims(), &self.device));
-        self.accumulate(&mut grads, &half.stage);
+        let part = self.part.as_ref().expect("part");
+        let params = crate::optim::grads_in_f32(&half.stage, GradientsParams::from_module(&mut grads, &half.stage));
+        self.ring_grads.accumulate(part, params);
         if let Some(embed) = &half.embed {
-            self.accumulate(&mut grads, embed);
+            let params = crate::optim::grads_in_f32(embed, GradientsParams::from_module(&mut grads, embed));
+            self.ring_grads.accumulate(part, params);
         }
         match gh {
             Some(gh) => self.send_input_grad(unit, layer, gh, &from, aux_coef),
