@@ -1234,16 +1234,16 @@ const CP_TOLERANCE: f64 = 3e-5;
 /// at seq 96 after 5 steps, one device with the reference attention against one with the fused
 /// attention: tiny-qwen3-moe 9.6e-6 (`layers.3.self_attn.o_proj`), tiny-gpt-oss 6.8e-6,
 /// tiny-deepseek-v3 7.0e-6 (an expert's `down_proj`); context parallelism (the fused CPU block,
-/// the own block's attention in the projection half) against one device: tiny-qwen3-moe 7.2e-6
-/// with C = 2 and 1.18e-5 with C = 4 (`layers.2.self_attn.k_proj`), tiny-gpt-oss 4.9e-6 and
-/// 9.6e-6, tiny-deepseek-v3 1.5e-5 and 6.7e-6 (`layers.2.mlp.experts.5.down_proj`: one element of
+/// the own block's attention a graph of its own) against one device: tiny-qwen3-moe 7.2e-6 with
+/// C = 2 and 1.16e-5 with C = 4 (`layers.2.self_attn.k_proj`), tiny-gpt-oss 4.9e-6 and 9.6e-6,
+/// tiny-deepseek-v3 1.5e-5 and 6.6e-6 (`layers.2.mlp.experts.5.down_proj`: one element of
 /// its 8192 differs by more than 1e-6, by 2.8e-5 of its 0.019). With the ring's blocks composed of
 /// Burn's operations instead, tiny-gpt-oss was at 1.37e-5 (`layers.3.self_attn.o_proj`, one
 /// element of 16384). Losses stay within 1e-5 (measured: within 5e-8).
 ///
 /// A run with context parallelism is bit-reproducible: the layout with two units in flight per
-/// worker runs twice, the same bits
-/// (MLA's `kv_b_proj` gets gradients from both halves of the ring, summed apart).
+/// worker runs twice, the same bits (MLA's `kv_b_proj` gets gradients from the own block's graph
+/// and the ring's).
 #[test]
 fn context_parallelism_reproduces_the_run_without_it() {
     let dir = tempfile::tempdir().unwrap();

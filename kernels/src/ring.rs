@@ -8,9 +8,9 @@
 //!
 //! [`partial`] and [`merge`] are the steps a worker takes, [`worker_attention`] one worker's whole
 //! computation over the [`Block`]s in ring order ([`worker_partial`] the same in pieces: its own
-//! block first, while the others travel, then the rest onto that); [`ring_attention`] runs the `C` workers one after
-//! the other over a whole sequence (the schedule, not the transport), equal to
-//! [`crate::reference::attention`] up to rounding, forward and backward.
+//! block first, while the others travel, then the rest onto that); [`ring_attention`] runs the
+//! `C` workers one after the other over a whole sequence (the schedule, not the transport), equal
+//! to [`crate::reference::attention`] up to rounding, forward and backward.
 
 use std::ops::Range;
 
@@ -72,6 +72,7 @@ impl Mask<'_> {
 /// sequences of `seq` tokens), with `window` and `docs` over `[B, seq]`, make a block the fused
 /// block operations take (`crate::fused::attention_block`): grouped-query heads, no empty side,
 /// both inside the sequence, a window of at least one token.
+#[cfg_attr(not(any(feature = "flex", feature = "wgpu", feature = "cuda")), allow(dead_code))]
 pub(crate) fn block_fits(
     [q, k, v]: [[usize; 4]; 3],
     window: Option<usize>,
@@ -236,7 +237,8 @@ pub fn worker_attention<B: Backend>(
 ///
 /// # Errors
 /// An empty chunk, queries or a block whose length is not that of its chunks, a start of another
-/// shape than the queries', or (without a start) no block of this worker's own chunks.
+/// shape than the queries', or (without a start) no block of this worker's own chunks, or (with
+/// one) a block of them again.
 pub fn worker_partial<B: Backend>(
     q: Tensor<B, 4>,
     held: &[Range<usize>; 2],
@@ -263,6 +265,11 @@ pub fn worker_partial<B: Backend>(
         }
     }
     match &start {
+        Some(_) if blocks.iter().any(|b| &b.held == held) => {
+            return Err(format!(
+                "a block of this worker's own chunks {held:?} onto a start: the start already holds it"
+            ));
+        }
         Some(Partial { out, lse }) => {
             let [ob, ot, oh, _] = out.dims();
             if [ob, ot, oh] != [b, t, h] || lse.dims() != [b, h, t, 1] {

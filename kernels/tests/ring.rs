@@ -337,4 +337,7 @@ fn a_worker_outside_the_ring_and_blocks_that_do_not_fit_are_refused() {
     assert!(onto(5).is_ok());
     let e = onto(4).map(|_| ()).unwrap_err();
     assert!(e.contains("a start of outputs [1, 4, 2, 4]") && e.contains("queries [1, 5, 2, 4]"), "{e}");
+    let twice = worker_partial(rand([1, 5, 2, 4], 3), &held, &[block(5, held.clone())], Some(start(5)), 0.5, mask);
+    let e = twice.map(|_| ()).unwrap_err();
+    assert!(e.contains("the start already holds it"), "{e}");
 }

@@ -30,7 +30,8 @@
 //! With context parallelism (`Layout::context_parallel` `C > 1`) the attention tasks work on
 //! units (a ring worker's tokens of a micro-batch, `Layout::units`) and each attention stage is two
 //! tasks each way, because a unit's attention needs the keys and values of the `C - 1` other units
-//! of its ring:
+//! of its ring (the attention over its own block is computed in the first task each way, while
+//! the blocks or their gradients travel: `worker/ring.rs`):
 //!
 //! | task              | ready when                                              | sends                               |
 //! |-------------------|---------------------------------------------------------|-------------------------------------|
@@ -87,7 +88,8 @@ pub enum Task {
         layer: usize,
     },
     /// Context parallelism: the ring half of attention stage `layer` of unit `mb` (the attention
-    /// over the ring's keys and values, the output projection, the norm and the router).
+    /// over the other units' keys and values merged onto that over its own, the output
+    /// projection, the norm and the router).
     RingFwd {
         /// Unit.
         mb: usize,

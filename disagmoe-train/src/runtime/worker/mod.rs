@@ -164,9 +164,6 @@ pub struct Worker<B: AutodiffBackend, A: Module<B>, R: Module<B>, X: Module<B>> 
     /// The head's gradients apart (a tied embedding also gets the first layer's: two sums, each in
     /// micro-batch order, added at the end).
     head_grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
-    /// Context parallelism's projection halves' gradients apart (MLA's expansion of the latent
-    /// is in both halves' graphs: two sums, each in unit order, added at the end; `ring`).
-    ring_grads: GradientsAccumulator<WorkerPart<B, A, R, X>>,
     stats: StepStats,
     tasks_run: usize,
     /// This step's loss scale (f16; 1 otherwise).
@@ -250,7 +247,6 @@ where
             ffn_saved: HashMap::new(),
             grads: GradientsAccumulator::new(),
             head_grads: GradientsAccumulator::new(),
-            ring_grads: GradientsAccumulator::new(),
             stats: StepStats::default(),
             tasks_run: 0,
             loss_scale: 1.0,

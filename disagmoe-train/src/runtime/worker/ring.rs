@@ -6,7 +6,8 @@
 //!   values at the unit's positions ([`AttentionStage::ring_project`]); the block goes to the
 //!   `C - 1` other units of the ring ([`Msg::Kv`]). Then, while it travels, the attention of the
 //!   unit's queries over its own block ([`AttentionStage::ring_own`]: on the diagonal, the
-//!   largest of the ring's blocks under the causal mask).
+//!   largest of the ring's blocks under the causal mask), on leaves of a graph of its own (the
+//!   queries' and the block's values).
 //! - **Ring half** (`RingFwd`): with every other block here, the attention of the unit's queries
 //!   over them in ring order merged onto the own block's, the output projection, the norm and the
 //!   router ([`AttentionStage::ring_finish`]), on leaves of a graph of its own: the queries, the
@@ -14,27 +15,29 @@
 //!   on as without context parallelism (`Worker::hand_on`).
 //! - **Backward of the ring half** (`AttnBwd`): the stage's objective as without context
 //!   parallelism; the gradients of the received blocks go back to their owners
-//!   ([`Msg::GradKv`]); those of the queries, the own block's attention and the input wait.
+//!   ([`Msg::GradKv`]); then, while they travel, the own block's backward. The gradients of the
+//!   queries, the unit's block and the input wait.
 //! - **Backward of the projection half** (`RingBwd`): with the ring's gradients of the unit's
-//!   block here (added in unit order), the projection's and the own block's backward (while the
-//!   gradients travel back, the other units' projection halves can run), and the input's
-//!   gradient sent back as without context parallelism.
+//!   block here (added in unit order after the own block's), the projection's backward, and the
+//!   input's gradient sent back as without context parallelism.
 //!
-//! Under `--recompute attention|full` neither half keeps its graph: the projection half keeps its
-//! input (the token ids at layer 0) and the values of its queries, block and input, the ring half
-//! the blocks it received; the ring half's backward computes the own block's attention and its
-//! graph again from those, and the projection half's backward its own from the input.
+//! Under `--recompute attention|full` no graph is kept: the projection half keeps its input (the
+//! token ids at layer 0) and the values of its queries, block and input, the ring half the blocks
+//! it received. The ring half's backward computes the own block's attention again (values), its
+//! graph, and after its backward the own block's graph; the projection half's backward computes
+//! its own from the input. The own block is then computed three times, and no two of those
+//! graphs are held at once.
 //!
-//! The projection half's parameter gradients go to a sum of their own
-//! (`Worker::ring_grads`), added to the step's at its end: MLA's expansion of the latent is in
-//! both halves' graphs (the own block's keys and values, the received ones), and each sum is in
-//! unit order, so a run stays bit-reproducible whichever half of which unit runs first.
+//! The parameters of the two backward tasks are disjoint (the input norm and the projections of
+//! the queries, keys and values or the latent; the output projection, the sinks, MLA's expansion
+//! of the latent in both the own block's and the ring's graphs, the post-attention norm and the
+//! router), each task's added to the step's gradients in unit order, so a run stays
+//! bit-reproducible.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -65,6 +68,19 @@ struct Projection<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     kv: Tensor<B, 3>,
 }
 
+/// The attention over a unit's own block, on leaves of a graph of its own (the values of the
+/// projection half's queries and block): computed while the block travels; its backward runs in
+/// the ring half's, after the received blocks' gradients are sent.
+struct OwnBlock<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    /// The stage's parameters for it (MLA's expansion of the latent).
+    stage: AttentionStage<B, A, R>,
+    /// `[B, T, H, D]`
+    q: Tensor<B, 4>,
+    /// `[B, T, W]`
+    kv: Tensor<B, 3>,
+    partial: Partial<B>,
+}
+
 /// The projection half of a unit's attention stage, kept for its backward.
 pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     /// The half's graph (without one when recomputed: its values).
@@ -73,9 +89,9 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     input: Option<Option<Packed>>,
     /// A recomputed ring half's received blocks, by unit.
     blocks: Vec<(usize, Packed)>,
-    /// The own block's attention, in the projection half's graph (recomputed: its values, until
-    /// the ring half runs; both halves' backwards compute it again).
-    own: Option<Partial<B>>,
+    /// The attention over the unit's own block, with its graph until the ring half's backward
+    /// (recomputed: its values until the ring half runs).
+    own: Option<OwnBlock<B, A, R>>,
     /// The input's balance sums and who sent its rows, until the ring half runs.
     aux: Option<(AuxSums, Vec<Share>)>,
 }
@@ -92,8 +108,8 @@ pub(super) struct RingLeaves<B: AutodiffBackend> {
 /// A ring half's backward, waiting for the ring's gradients of the unit's block.
 pub(super) struct RingPending<B: AutodiffBackend> {
     gq: Tensor<B::InnerBackend, 4>,
-    gout: Tensor<B::InnerBackend, 4>,
-    glse: Tensor<B::InnerBackend, 4>,
+    /// The own block's attention's gradient of the unit's block.
+    gkv: Tensor<B::InnerBackend, 3>,
     gh: Tensor<B::InnerBackend, 3>,
     from: Vec<Share>,
     aux_coef: Vec<LayerCoefficients>,
@@ -189,12 +205,16 @@ where
         Ok(Projection { stage, embed, h, q, kv })
     }
 
-    /// The attention of a projection half's queries over its own block (in its graph when it
-    /// has one).
-    fn own_block(&self, unit: usize, half: &Projection<B, A, R>) -> Partial<B> {
+    /// The attention of a projection half's queries over its own block, on leaves of a graph of
+    /// its own (`track`) or values only.
+    fn own_block(&self, unit: usize, layer: usize, half: &Projection<B, A, R>, track: bool) -> OwnBlock<B, A, R> {
+        let device = self.device.clone();
+        let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track });
+        let (q, kv) = (leaf(half.q.clone(), track), leaf(half.kv.clone(), track));
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
         let held = self.held(self.layout.unit_of(unit).1);
-        half.stage.ring_own(half.q.clone(), half.kv.clone(), &held, docs).expect("its projection had one")
+        let partial = stage.ring_own(q.clone(), kv.clone(), &held, docs).expect("its projection had one");
+        OwnBlock { stage, q, kv, partial }
     }
 
     /// The projection half of `layer` for unit `unit` (see [`Worker::project`]); its block goes
@@ -215,7 +235,7 @@ where
             self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
         }
         // While the block travels: the attention over the unit's own block.
-        let own = Some(self.own_block(unit, &half));
+        let own = Some(self.own_block(unit, layer, &half, !recompute));
         let input = recompute.then_some(input);
         let kept = RingHalf { half, input, blocks: Vec::new(), own, aux: Some((aux, from)) };
         self.ring.halves.insert((unit, layer), kept);
@@ -234,18 +254,9 @@ where
         track: bool,
     ) -> AttnGraph<B, A, R> {
         let half = &self.ring.halves[&(unit, layer)].half;
-        let Partial { out, lse } = own.unwrap_or_else(|| self.own_block(unit, half));
-        let leaf = |t: Tensor<B, 4>| {
-            let t = Tensor::<B, 4>::from_inner(t.inner());
-            if track {
-                t.require_grad()
-            } else {
-                t
-            }
-        };
-        let (q, own) = (leaf(half.q.clone()), Partial { out: leaf(out), lse: leaf(lse) });
-        let h = Tensor::<B, 3>::from_inner(half.h.clone().inner());
-        let h = if track { h.require_grad() } else { h };
+        let Partial { out, lse } = own.unwrap_or_else(|| self.own_block(unit, layer, half, false).partial);
+        let (q, own) = (leaf(half.q.clone(), track), Partial { out: leaf(out, track), lse: leaf(lse, track) });
+        let h = leaf(half.h.clone(), track);
         let [b, t, w] = half.kv.dims();
         let peers: Vec<(usize, Tensor<B, 3>)> =
             blocks.iter().map(|(v, block)| (*v, self.take(block, [b, t, w], track))).collect();
@@ -280,8 +291,8 @@ where
     pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
         let blocks = self.inbox.ring_blocks(unit, layer);
         let recompute = self.settings.recompute.attention();
-        let own = self.ring.halves[&(unit, layer)].own.clone().expect("the projection half runs first");
-        let graph = self.ring_graph(unit, layer, Some(own), &blocks, !recompute);
+        let own = self.ring.halves[&(unit, layer)].own.as_ref().expect("the projection half runs first");
+        let graph = self.ring_graph(unit, layer, Some(own.partial.clone()), &blocks, !recompute);
         let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
         let (aux, from) = kept.aux.take().expect("one ring half per projection half");
         if recompute {
@@ -298,8 +309,10 @@ where
     }
 
     /// The end of the ring half's backward (its objective's gradients in `grads`, its parameters'
-    /// taken): the received blocks' gradients go back to their owners; the rest waits for the
-    /// projection half's backward.
+    /// taken): the received blocks' gradients go back to their owners; then the backward of the
+    /// attention over the unit's own block (computed again when recomputed) while they travel;
+    /// the gradients of the queries, the unit's block and the input wait for the projection
+    /// half's backward.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn ring_half_backward(
         &mut self,
@@ -322,52 +335,59 @@ where
             let g = self.emit(g);
             self.comm.send(self.layout.attn_worker(v, layer), Msg::GradKv { mb: v, layer, from: unit, g })?;
         }
-        self.ring.pending.insert((unit, layer), RingPending { gq, gout, glse, gh, from, aux_coef });
+        let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half ran");
+        let own = match kept.own.take() {
+            Some(own) => own,
+            None => self.own_block(unit, layer, &self.ring.halves[&(unit, layer)].half, true),
+        };
+        let OwnBlock { stage, q, kv, partial } = own;
+        let objective = (partial.out * Tensor::from_inner(gout)).sum() + (partial.lse * Tensor::from_inner(glse)).sum();
+        let mut own_grads = objective.backward();
+        let gq = gq + grad_of(&Some(q.clone()), &mut own_grads, q.dims(), &device);
+        let gkv = grad_of(&Some(kv.clone()), &mut own_grads, kv.dims(), &device);
+        self.accumulate(&mut own_grads, &stage);
+        self.ring.pending.insert((unit, layer), RingPending { gq, gkv, gh, from, aux_coef });
         Ok(())
     }
 
-    /// The projection half's backward of `layer` for unit `unit` (its own block's attention
-    /// included), the ring's gradients of its block here; the input's gradient goes back.
+    /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
+    /// block here; the input's gradient goes back.
     pub(super) fn ring_backward(&mut self, unit: usize, layer: usize) -> Result<()> {
         let kept = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
-        let (half, own) = match kept.input {
-            Some(input) => {
-                let half = self.project(unit, layer, input.as_ref(), true)?;
-                let own = self.own_block(unit, &half);
-                (half, own)
-            }
-            None => (kept.half, kept.own.expect("kept with its graph")),
+        let half = match kept.input {
+            Some(input) => self.project(unit, layer, input.as_ref(), true)?,
+            None => kept.half,
         };
-        let RingPending { gq, gout, glse, gh, from, aux_coef } =
+        let RingPending { gq, mut gkv, gh, from, aux_coef } =
             self.ring.pending.remove(&(unit, layer)).expect("the ring half's backward ran");
-        let [b, t, w] = half.kv.dims();
-        // The ring's gradients of the unit's block, in unit order.
-        let mut gkv: Option<Tensor<B::InnerBackend, 3>> = None;
+        let [b, t, w] = gkv.dims();
+        // The unit's own attention's gradient, then the ring's in unit order.
         for (_, g) in self.inbox.ring_grads(unit, layer) {
-            let g = self.take::<3>(&g, [b, t, w], false).inner();
-            gkv = Some(match gkv {
-                None => g,
-                Some(sum) => sum + g,
-            });
+            gkv = gkv + self.take::<3>(&g, [b, t, w], false).inner();
         }
-        let gkv = gkv.expect("a ring of two or more units");
-        let objective = (half.q.clone() * Tensor::from_inner(gq)).sum()
-            + (own.out * Tensor::from_inner(gout)).sum()
-            + (own.lse * Tensor::from_inner(glse)).sum()
+        let constant = Tensor::<B, 4>::from_inner;
+        let objective = (half.q.clone() * constant(gq)).sum()
             + (half.kv.clone() * Tensor::from_inner(gkv)).sum()
             + (half.h.clone() * Tensor::from_inner(gh)).sum();
         let mut grads = objective.backward();
         let gh = (layer > 0).then(|| grad_of(&Some(half.h.clone()), &mut grads, half.h.dims(), &self.device));
-        let part = self.part.as_ref().expect("part");
-        let params = crate::optim::grads_in_f32(&half.stage, GradientsParams::from_module(&mut grads, &half.stage));
-        self.ring_grads.accumulate(part, params);
+        self.accumulate(&mut grads, &half.stage);
         if let Some(embed) = &half.embed {
-            let params = crate::optim::grads_in_f32(embed, GradientsParams::from_module(&mut grads, embed));
-            self.ring_grads.accumulate(part, params);
+            self.accumulate(&mut grads, embed);
         }
         match gh {
             Some(gh) => self.send_input_grad(unit, layer, gh, &from, aux_coef),
             None => Ok(()),
         }
+    }
+}
+
+/// `t`'s values as a leaf of a new graph (requiring its gradient when `track`).
+fn leaf<B: AutodiffBackend, const D: usize>(t: Tensor<B, D>, track: bool) -> Tensor<B, D> {
+    let t = Tensor::<B, D>::from_inner(t.inner());
+    if track {
+        t.require_grad()
+    } else {
+        t
     }
 }

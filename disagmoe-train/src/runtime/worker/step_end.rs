@@ -355,10 +355,9 @@ where
         self.comm.working_on(format!("the end of {} (all-reduces, optimizer step)", super::pass_name(step)));
         let mut grads = {
             let part = self.part.as_ref().expect("part");
-            let (body, ring, head) = (self.grads.grads(), self.ring_grads.grads(), self.head_grads.grads());
+            let (body, head) = (self.grads.grads(), self.head_grads.grads());
             let mut sum = GradientsAccumulator::<WorkerPart<B, A, R, X>>::new();
             sum.accumulate(part, body);
-            sum.accumulate(part, ring);
             sum.accumulate(part, head);
             sum.grads()
         };
