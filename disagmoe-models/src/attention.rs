@@ -223,8 +223,9 @@ impl<B: Backend> GqaAttention<B> {
         Block { k, v, held }
     }
 
-    /// The attention of `q` over `blocks` onto `start` ([`worker_partial`]), windowed as the layer is.
-    fn ring_partial(
+    /// Context parallelism's merge ([`crate::decoder::AttentionLayer::ring_merge`]): the attention
+    /// of `q` over `blocks` onto `start` ([`worker_partial`]), windowed as the layer is.
+    pub fn ring_merge(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
@@ -239,31 +240,10 @@ impl<B: Backend> GqaAttention<B> {
             .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
     }
 
-    /// Context parallelism's own block ([`crate::decoder::AttentionLayer::ring_own`]): the
-    /// attention of `q` over the worker's own keys and values `kv`, before the sinks.
-    pub fn ring_own(
-        &self,
-        q: Tensor<B, 4>,
-        kv: Tensor<B, 3>,
-        held: &[Range<usize>; 2],
-        docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Partial<B> {
-        self.ring_partial(q, held, vec![RingBlock { kv, held: held.clone() }], None, docs)
-    }
-
-    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]): the
-    /// ring attention of `q` over the other workers' blocks onto its own block's, `own` (windows
-    /// and sinks as the layer has them), projected.
-    pub fn ring_attend(
-        &self,
-        q: Tensor<B, 4>,
-        held: &[Range<usize>; 2],
-        own: Partial<B>,
-        blocks: Vec<RingBlock<B>>,
-        docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Tensor<B, 3> {
-        let [b, t, _, _] = q.dims();
-        let all = self.ring_partial(q, held, blocks, Some(own), docs);
+    /// Context parallelism's output ([`crate::decoder::AttentionLayer::ring_out`]): the attention
+    /// over every block of the ring, `all`, with the sinks the layer has, projected.
+    pub fn ring_out(&self, all: Partial<B>) -> Tensor<B, 3> {
+        let [b, t, _, _] = all.out.dims();
         let out = finish(all, self.sinks.as_ref().map(|p| p.val()));
         self.o_proj.forward(out.reshape([b, t, self.heads * self.head_dim]))
     }

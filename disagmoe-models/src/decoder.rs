@@ -89,32 +89,26 @@ pub trait AttentionLayer<B: Backend> {
     fn ring_project(&self, _x: Tensor<B, 3>, _cos: Tensor<B, 4>, _sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         None
     }
-    /// Context parallelism's own block, computed while the block travels: the attention of `q` (of
-    /// [`AttentionLayer::ring_project`], at the positions `held`) over the worker's own block `kv`,
-    /// before any sinks (`disagmoe_kernels::ring::worker_partial`). Within each document of `docs`
-    /// (over the whole `[B, S]` sequence) when given. `None` as for
-    /// [`AttentionLayer::ring_project`].
-    fn ring_own(
+    /// Context parallelism's attention over blocks of the ring, one or more at a time: that of `q`
+    /// (of [`AttentionLayer::ring_project`], at the positions `held`) over `blocks` (the worker's
+    /// own first, computed while it travels; then the others' in ring order, those of ring ranks
+    /// `r - 1`, `r - 2`, ..., each as it comes), merged onto `start` (the blocks so far), before
+    /// any sinks (`disagmoe_kernels::ring::worker_partial`: merging block by block gives the
+    /// bits of one call over them all). Within each document of `docs` (over the whole `[B, S]`
+    /// sequence) when given. `None`: the attention type has no ring attention.
+    fn ring_merge(
         &self,
         _q: Tensor<B, 4>,
-        _kv: Tensor<B, 3>,
         _held: &[Range<usize>; 2],
+        _blocks: Vec<RingBlock<B>>,
+        _start: Option<Partial<B>>,
         _docs: Option<&Documents>,
     ) -> Option<Partial<B>> {
         None
     }
-    /// Context parallelism's second half: the attention of `q` over the other workers' blocks in
-    /// ring order (those of ring ranks `r - 1`, `r - 2`, ...), merged onto `own`
-    /// ([`AttentionLayer::ring_own`]), the sinks added, projected out: `[B, T, M]`. `None` as for
-    /// [`AttentionLayer::ring_project`].
-    fn ring_attend(
-        &self,
-        _q: Tensor<B, 4>,
-        _held: &[Range<usize>; 2],
-        _own: Partial<B>,
-        _blocks: Vec<RingBlock<B>>,
-        _docs: Option<&Documents>,
-    ) -> Option<Tensor<B, 3>> {
+    /// Context parallelism's output once every block is merged ([`AttentionLayer::ring_merge`]):
+    /// the sinks added, projected out, `[B, T, M]`. `None` as for [`AttentionLayer::ring_merge`].
+    fn ring_out(&self, _all: Partial<B>) -> Option<Tensor<B, 3>> {
         None
     }
     /// Loads the layer's weights under `prefix` (e.g. `model.layers.3.self_attn`).
@@ -130,24 +124,18 @@ impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         Some(self.ring_project(x, cos, sin))
     }
-    fn ring_own(
+    fn ring_merge(
         &self,
         q: Tensor<B, 4>,
-        kv: Tensor<B, 3>,
         held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        start: Option<Partial<B>>,
         docs: Option<&Documents>,
     ) -> Option<Partial<B>> {
-        Some(self.ring_own(q, kv, held, docs))
+        Some(self.ring_merge(q, held, blocks, start, docs))
     }
-    fn ring_attend(
-        &self,
-        q: Tensor<B, 4>,
-        held: &[Range<usize>; 2],
-        own: Partial<B>,
-        blocks: Vec<RingBlock<B>>,
-        docs: Option<&Documents>,
-    ) -> Option<Tensor<B, 3>> {
-        Some(self.ring_attend(q, held, own, blocks, docs))
+    fn ring_out(&self, all: Partial<B>) -> Option<Tensor<B, 3>> {
+        Some(self.ring_out(all))
     }
     fn attend_cached(
         &self,

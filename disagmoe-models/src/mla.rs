@@ -219,8 +219,9 @@ impl<B: Backend> MlaAttention<B> {
         RingProjection { q, kv: Tensor::cat(vec![latent, k_rot], 2) }
     }
 
-    /// The attention of `q` over `blocks` (each expanded per head) onto `start` ([`worker_partial`]).
-    fn ring_partial(
+    /// Context parallelism's merge ([`crate::decoder::AttentionLayer::ring_merge`]): the attention
+    /// of `q` over `blocks` (each expanded per head) onto `start` ([`worker_partial`]).
+    pub fn ring_merge(
         &self,
         q: Tensor<B, 4>,
         held: &[Range<usize>; 2],
@@ -241,30 +242,11 @@ impl<B: Backend> MlaAttention<B> {
             .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
     }
 
-    /// Context parallelism's own block ([`crate::decoder::AttentionLayer::ring_own`]).
-    pub fn ring_own(
-        &self,
-        q: Tensor<B, 4>,
-        kv: Tensor<B, 3>,
-        held: &[Range<usize>; 2],
-        docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Partial<B> {
-        self.ring_partial(q, held, vec![RingBlock { kv, held: held.clone() }], None, docs)
-    }
-
-    /// Context parallelism's second half ([`crate::decoder::AttentionLayer::ring_attend`]).
-    pub fn ring_attend(
-        &self,
-        q: Tensor<B, 4>,
-        held: &[Range<usize>; 2],
-        own: Partial<B>,
-        blocks: Vec<RingBlock<B>>,
-        docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Tensor<B, 3> {
-        let [b, t, _, _] = q.dims();
+    /// Context parallelism's output ([`crate::decoder::AttentionLayer::ring_out`]).
+    pub fn ring_out(&self, all: Partial<B>) -> Tensor<B, 3> {
+        let [b, t, _, _] = all.out.dims();
         let MlaShape { heads: h, v_head_dim: dv, .. } = self.shape;
-        let out = finish(self.ring_partial(q, held, blocks, Some(own), docs), None);
-        self.o_proj.forward(out.reshape([b, t, h * dv]))
+        self.o_proj.forward(finish(all, None).reshape([b, t, h * dv]))
     }
 
     /// [`MlaAttention::forward`] of new tokens at positions `past..past + S` over them and every

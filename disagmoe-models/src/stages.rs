@@ -240,34 +240,26 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
         self.self_attn.ring_project(self.input_layernorm.forward(h), cos, sin)
     }
 
-    /// Context parallelism's own block: the attention of the queries of
-    /// [`AttentionStage::ring_project`] over this worker's own block `kv`
-    /// ([`AttentionLayer::ring_own`]), computed while the block travels round the ring.
-    pub fn ring_own(
+    /// Context parallelism's attention of the queries of [`AttentionStage::ring_project`] over
+    /// `blocks` of the ring merged onto `start` ([`AttentionLayer::ring_merge`]): the worker's
+    /// own block first, while it travels round the ring, then the others' as they come.
+    pub fn ring_merge(
         &self,
         q: Tensor<B, 4>,
-        kv: Tensor<B, 3>,
         held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        start: Option<Partial<B>>,
         docs: Option<&Documents>,
     ) -> Option<Partial<B>> {
-        self.self_attn.ring_own(q, kv, held, docs)
+        self.self_attn.ring_merge(q, held, blocks, start, docs)
     }
 
-    /// Context parallelism's second half: with the queries of [`AttentionStage::ring_project`],
-    /// their attention over this worker's own block (`own`, [`AttentionStage::ring_own`]) and the
-    /// other workers' blocks in ring order, what [`AttentionStage::forward`] hands on for this
-    /// worker's tokens `h` (their order: `[T, M]` rows of `[B, T]`).
-    pub fn ring_finish(
-        &self,
-        h: Tensor<B, 3>,
-        q: Tensor<B, 4>,
-        held: &[Range<usize>; 2],
-        own: Partial<B>,
-        blocks: Vec<RingBlock<B>>,
-        docs: Option<&Documents>,
-    ) -> Option<AttentionStageOutput<B>> {
+    /// Context parallelism's second half: with the attention over every block of the ring
+    /// merged (`all`, [`AttentionStage::ring_merge`]), what [`AttentionStage::forward`] hands on
+    /// for this worker's tokens `h` (their order: `[T, M]` rows of `[B, T]`).
+    pub fn ring_finish(&self, h: Tensor<B, 3>, all: Partial<B>) -> Option<AttentionStageOutput<B>> {
         let [b, t, m] = h.dims();
-        let x = h + self.self_attn.ring_attend(q, held, own, blocks, docs)?; // [B, T, M]
+        let x = h + self.self_attn.ring_out(all)?; // [B, T, M]
         let residual = x.reshape([b * t, m]); // [T, M]
         let normed = self.post_attention_layernorm.forward(residual.clone()); // [T, M]
         let route = self.router.as_ref().map(|r| r.route(normed.clone()));

@@ -28,15 +28,17 @@
 //!   head's backward is part of the head task and is not counted).
 //!
 //! With context parallelism (`Layout::context_parallel` `C > 1`) the attention tasks work on
-//! units (a ring worker's tokens of a micro-batch, `Layout::units`) and each attention stage is two
-//! tasks each way, because a unit's attention needs the keys and values of the `C - 1` other units
-//! of its ring (the attention over its own block is computed in the first task each way, while
-//! the blocks or their gradients travel: `worker/ring.rs`):
+//! units (a ring worker's tokens of a micro-batch, `Layout::units`) and each attention stage is
+//! `C` tasks forward and two backward, because a unit's attention needs the keys and values of
+//! the `C - 1` other units of its ring (the attention over its own block is computed in the
+//! first task each way, while the blocks or their gradients travel; each other block's is merged
+//! on in a task of its own as soon as it and the blocks before it in ring order are in, while
+//! the later ones travel: `worker/ring.rs`):
 //!
 //! | task              | ready when                                              | sends                               |
 //! |-------------------|---------------------------------------------------------|-------------------------------------|
 //! | attention fwd l   | as above, for the unit                                  | its keys and values to the ring     |
-//! | ring fwd l        | attention fwd l ran and the ring's `C - 1` blocks are here | as attention fwd l above         |
+//! | ring fwd l, block i (`1..C`) | the stage's task before it ran (attention fwd l, or block i - 1) and ring rank r - i's block is here | the last (i = C - 1): as attention fwd l above |
 //! | head              | every unit of the micro-batch has its inputs            | loss; grads to each unit's layer    |
 //! | attention bwd l   | as above, for the unit                                  | the blocks' gradients to their owners |
 //! | ring bwd l        | attention bwd l ran and the `C - 1` gradients of its block are here | grads to l-1's attention and holders |
@@ -87,14 +89,17 @@ pub enum Task {
         /// Layer.
         layer: usize,
     },
-    /// Context parallelism: the ring half of attention stage `layer` of unit `mb` (the attention
-    /// over the other units' keys and values merged onto that over its own, the output
-    /// projection, the norm and the router).
+    /// Context parallelism: the ring half of attention stage `layer` of unit `mb`, one task per
+    /// block of the other units' keys and values, in ring order: block `i` (`1..C`) is ring rank
+    /// `r - i`'s, its attention merged onto that over the blocks before it (the own block's
+    /// first); the last also computes the output projection, the norm and the router.
     RingFwd {
         /// Unit.
         mb: usize,
         /// Layer.
         layer: usize,
+        /// The block's distance back along the ring, `1..C`.
+        block: usize,
     },
     /// Context parallelism: the backward of the projection half of attention stage `layer` of
     /// unit `mb`, once the gradients of its keys and values are back from the ring.
@@ -175,7 +180,7 @@ impl Task {
             Task::Head { mb } => format!("head mb{mb}"),
             Task::FfnBwd { mb, layer } => format!("bwd experts L{layer} mb{mb}"),
             Task::AttnBwd { mb, layer } => format!("bwd attn L{layer} mb{mb}"),
-            Task::RingFwd { mb, layer } => format!("fwd ring L{layer} unit{mb}"),
+            Task::RingFwd { mb, layer, block } => format!("fwd ring{block} L{layer} unit{mb}"),
             Task::RingBwd { mb, layer } => format!("bwd ring L{layer} unit{mb}"),
         }
     }
@@ -236,12 +241,15 @@ pub enum Arrival {
         /// Layer.
         layer: usize,
     },
-    /// Context parallelism: a block of keys and values of `layer` for unit `mb`'s attention.
+    /// Context parallelism: unit `from`'s block of keys and values of `layer` for unit `mb`'s
+    /// attention.
     Kv {
         /// The receiving unit.
         mb: usize,
         /// Layer.
         layer: usize,
+        /// The sending unit.
+        from: usize,
     },
     /// Context parallelism: a gradient of unit `mb`'s block of keys and values of `layer`.
     GradKv {
@@ -262,7 +270,7 @@ impl Arrival {
             Msg::GradCombine { mb, layer, .. } => Arrival::GradCombine { mb, layer },
             Msg::GradResidual { mb, layer, .. } => Arrival::GradResidual { mb, layer },
             Msg::GradDispatch { mb, layer, .. } => Arrival::GradDispatch { mb, layer },
-            Msg::Kv { to, layer, .. } => Arrival::Kv { mb: to, layer },
+            Msg::Kv { mb, layer, to, .. } => Arrival::Kv { mb: to, layer, from: mb },
             Msg::GradKv { mb, layer, .. } => Arrival::GradKv { mb, layer },
             _ => return None,
         })
@@ -339,12 +347,22 @@ impl Gathered {
     }
 }
 
-/// A context-parallel half's inputs: whether the unit's other half ran, and the ring's messages
-/// (blocks of keys and values, or their gradients) received so far.
+/// The backward of a context-parallel projection half: whether the ring half's backward ran,
+/// and the gradients of the unit's block received so far.
 #[derive(Debug, Clone, Copy, Default)]
 struct RingInputs {
     ran: bool,
     got: usize,
+}
+
+/// A context-parallel ring half's progress: the blocks here (bit `i` for the block `i` back
+/// along the ring), the stage's tasks that ran (the projection half's first: 0 until it ran)
+/// and whether the next one is ready.
+#[derive(Debug, Clone, Copy, Default)]
+struct RingBlocks {
+    here: u64,
+    ran: usize,
+    issued: bool,
 }
 
 /// One worker's schedule of one step (see the module doc).
@@ -366,14 +384,15 @@ pub struct Scheduler {
     grad_inputs: HashMap<(usize, usize), Gathered>,
     /// Per micro-batch, its units whose head inputs are all here.
     head_units: HashMap<usize, usize>,
-    /// Per (unit, layer), the ring half's inputs: forward, and backward.
-    ring_fwd: HashMap<(usize, usize), RingInputs>,
+    /// Per (unit, layer), the ring half's blocks, and its backward's inputs.
+    ring_fwd: HashMap<(usize, usize), RingBlocks>,
     ring_bwd: HashMap<(usize, usize), RingInputs>,
 }
 
 impl Scheduler {
     /// Worker `rank`'s schedule of a step of `layout`, `in_flight` of its micro-batches started.
     pub fn new(layout: &Layout, rank: usize, in_flight: usize) -> Self {
+        // Backward: the ring half's and the projection half's with context parallelism.
         let halves = if layout.context_parallel > 1 { 2 } else { 1 };
         let attn: usize = layout.attn_layers(rank).iter().map(|&l| layout.attn_units(rank, l).len() * halves).sum();
         let mut waiting: VecDeque<usize> = layout.own_units(rank).into();
@@ -434,25 +453,53 @@ impl Scheduler {
                     self.ready(Task::AttnBwd { mb, layer });
                 }
             }
-            Arrival::Kv { mb, layer } => self.ring_input(false, mb, layer, false),
-            Arrival::GradKv { mb, layer } => self.ring_input(true, mb, layer, false),
+            Arrival::Kv { mb, layer, from } => {
+                let c = self.ring;
+                let back = (mb % c + c - from % c) % c;
+                self.ring_fwd.entry((mb, layer)).or_default().here |= 1 << back;
+                self.ring_next(mb, layer);
+            }
+            Arrival::GradKv { mb, layer } => self.ring_grad(mb, layer, false),
         }
     }
 
-    /// A ring half's input: the other half ran (`ran`), or a message of the ring came; the half
-    /// is ready once both are complete.
-    fn ring_input(&mut self, backward: bool, mb: usize, layer: usize, ran: bool) {
-        let peers = self.ring - 1;
-        let map = if backward { &mut self.ring_bwd } else { &mut self.ring_fwd };
-        let got = map.entry((mb, layer)).or_default();
+    /// The ring half's next task is ready once the stage's task before it ran (the projection
+    /// half, or the block before) and its block is here: blocks are merged in ring order,
+    /// whatever order they arrive in, so a run has the same bits.
+    fn ring_next(&mut self, mb: usize, layer: usize) {
+        let blocks = self.ring_fwd.entry((mb, layer)).or_default();
+        let next = blocks.ran;
+        if next == 0 || blocks.issued || blocks.here & (1 << next) == 0 {
+            return;
+        }
+        blocks.issued = true;
+        self.ready(Task::RingFwd { mb, layer, block: next });
+    }
+
+    /// A task of a context-parallel attention stage's forward ran.
+    fn ring_ran(&mut self, mb: usize, layer: usize) {
+        let blocks = self.ring_fwd.entry((mb, layer)).or_default();
+        blocks.ran += 1;
+        blocks.issued = false;
+        if blocks.ran == self.ring {
+            self.ring_fwd.remove(&(mb, layer));
+        } else {
+            self.ring_next(mb, layer);
+        }
+    }
+
+    /// The projection half's backward input: the ring half's backward ran (`ran`), or a gradient
+    /// of the unit's block came; it is ready once both are complete.
+    fn ring_grad(&mut self, mb: usize, layer: usize, ran: bool) {
+        let got = self.ring_bwd.entry((mb, layer)).or_default();
         if ran {
             got.ran = true;
         } else {
             got.got += 1;
         }
-        if got.ran && got.got == peers {
-            map.remove(&(mb, layer));
-            self.ready(if backward { Task::RingBwd { mb, layer } } else { Task::RingFwd { mb, layer } });
+        if got.ran && got.got == self.ring - 1 {
+            self.ring_bwd.remove(&(mb, layer));
+            self.ready(Task::RingBwd { mb, layer });
         }
     }
 
@@ -481,8 +528,8 @@ impl Scheduler {
         }
         if self.ring > 1 {
             match task {
-                Task::AttnFwd { mb, layer } => self.ring_input(false, mb, layer, true),
-                Task::AttnBwd { mb, layer } => self.ring_input(true, mb, layer, true),
+                Task::AttnFwd { mb, layer } | Task::RingFwd { mb, layer, .. } => self.ring_ran(mb, layer),
+                Task::AttnBwd { mb, layer } => self.ring_grad(mb, layer, true),
                 _ => {}
             }
         }
@@ -540,10 +587,11 @@ mod tests {
                 match task {
                     Task::AttnFwd { mb, layer } if c > 1 => {
                         for v in layout.ring_units(mb).filter(|&v| v != mb) {
-                            sent.push((layout.attn_worker(v, layer), Arrival::Kv { mb: v, layer }));
+                            sent.push((layout.attn_worker(v, layer), Arrival::Kv { mb: v, layer, from: mb }));
                         }
                     }
-                    Task::AttnFwd { mb, layer } | Task::RingFwd { mb, layer } => {
+                    Task::RingFwd { block, .. } if block + 1 < c => {}
+                    Task::AttnFwd { mb, layer } | Task::RingFwd { mb, layer, .. } => {
                         for h in layout.ffn_holders(layer) {
                             sent.push((h, Arrival::Dispatch { mb, layer, src: r }));
                         }
@@ -624,13 +672,15 @@ mod tests {
                 }
                 // Every forward task of the worker ran, once.
                 let fwd = tasks.iter().filter(|t| t.backward_key().is_none()).count();
-                let halves = if layout.context_parallel > 1 { 2 } else { 1 };
+                let halves = layout.context_parallel; // the projection half, then a task per other block
                 let attn: usize = layout.attn_layers(r).iter().map(|&l| layout.attn_units(r, l).len() * halves).sum();
                 assert_eq!(fwd, attn + layout.units() * layout.ffn_layers(r).len(), "worker {r}");
-                // A ring half runs after its projection half (forward) or its ring half (backward).
+                // A ring half's task runs after the stage's task before it: the projection half or
+                // the block before (forward), the ring half (backward).
                 for (i, t) in tasks.iter().enumerate() {
                     let before = match *t {
-                        Task::RingFwd { mb, layer } => Task::AttnFwd { mb, layer },
+                        Task::RingFwd { mb, layer, block: 1 } => Task::AttnFwd { mb, layer },
+                        Task::RingFwd { mb, layer, block } => Task::RingFwd { mb, layer, block: block - 1 },
                         Task::RingBwd { mb, layer } => Task::AttnBwd { mb, layer },
                         _ => continue,
                     };

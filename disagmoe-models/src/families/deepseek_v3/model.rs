@@ -37,24 +37,18 @@ impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
     fn ring_project(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         Some(self.ring_project(x, cos, sin))
     }
-    fn ring_own(
+    fn ring_merge(
         &self,
         q: Tensor<B, 4>,
-        kv: Tensor<B, 3>,
         held: &[Range<usize>; 2],
+        blocks: Vec<RingBlock<B>>,
+        start: Option<Partial<B>>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
     ) -> Option<Partial<B>> {
-        Some(self.ring_own(q, kv, held, docs))
+        Some(self.ring_merge(q, held, blocks, start, docs))
     }
-    fn ring_attend(
-        &self,
-        q: Tensor<B, 4>,
-        held: &[Range<usize>; 2],
-        own: Partial<B>,
-        blocks: Vec<RingBlock<B>>,
-        docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Option<Tensor<B, 3>> {
-        Some(self.ring_attend(q, held, own, blocks, docs))
+    fn ring_out(&self, all: Partial<B>) -> Option<Tensor<B, 3>> {
+        Some(self.ring_out(all))
     }
     fn attend_cached(
         &self,

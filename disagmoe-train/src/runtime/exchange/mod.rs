@@ -527,10 +527,16 @@ impl Inbox {
         None
     }
 
-    /// The ring's blocks of keys and values of `layer` for unit `unit`'s attention, by sending
-    /// unit, ascending (context parallelism); its task is ready, so every one is here.
-    pub fn ring_blocks(&mut self, unit: usize, layer: usize) -> Vec<(usize, Packed)> {
-        by_unit(&mut self.ring_blocks, (unit, layer))
+    /// Unit `from`'s block of keys and values of `layer` for unit `unit`'s attention (context
+    /// parallelism); its task is ready, so it is here.
+    pub fn ring_block(&mut self, unit: usize, layer: usize, from: usize) -> Packed {
+        let blocks = self.ring_blocks.get_mut(&(unit, layer)).expect("a ready task's block");
+        let at = blocks.iter().position(|(u, _)| *u == from).expect("a ready task's block");
+        let (_, block) = blocks.swap_remove(at);
+        if blocks.is_empty() {
+            self.ring_blocks.remove(&(unit, layer));
+        }
+        block
     }
 
     /// The gradients of unit `unit`'s block of keys and values of `layer` from the other units of

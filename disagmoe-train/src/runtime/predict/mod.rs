@@ -17,7 +17,8 @@
 //! - with context parallelism (`Layout::context_parallel` `C > 1`), units instead of micro-batches
 //!   for the attention and expert tasks, and each attention stage in two halves each way, as the
 //!   scheduler runs them: the projection half sends its block of keys and values to the ring's
-//!   other units (`keys-values`, a [`Transfer::Ring`] send) and the ring half waits for them; in
+//!   other units (`keys-values`, a [`Transfer::Ring`] send, to ring rank `r + 1` first) and the
+//!   ring half is a task per other block, each after the one before and its block; in
 //!   the backward the ring half's backward sends the blocks' gradients back (`grad-keys-values`)
 //!   and the projection half's backward waits for them; the head waits for every unit of its
 //!   micro-batch, the window counts each embedding worker's units;
@@ -113,7 +114,7 @@ impl Build<'_> {
             Task::AttnBwd { .. } | Task::RingBwd { .. } => OpKind::AttentionBackward,
         };
         let (mb, layer) = match task {
-            Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } | Task::RingFwd { mb, layer } => {
+            Task::AttnFwd { mb, layer } | Task::FfnFwd { mb, layer, .. } | Task::RingFwd { mb, layer, .. } => {
                 (mb, layer as u32)
             }
             Task::FfnBwd { mb, layer } | Task::AttnBwd { mb, layer } | Task::RingBwd { mb, layer } => {
@@ -121,8 +122,13 @@ impl Build<'_> {
             }
             Task::Head { mb } => (mb, NO_LAYER),
         };
-        // The ring halves of a context-parallel attention stage are its chunk 1.
-        let chunk = u16::from(matches!(task, Task::RingFwd { .. } | Task::RingBwd { .. }));
+        // A context-parallel attention stage's ring half is its chunk 1 backward, and chunk `i`
+        // forward for its block `i` back along the ring.
+        let chunk = match task {
+            Task::RingFwd { block, .. } => block as u16,
+            Task::RingBwd { .. } => 1,
+            _ => 0,
+        };
         let name = task.name();
         let secs = *self.cal.tasks.get(&(w, name.clone())).ok_or_else(|| {
             TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
@@ -220,19 +226,23 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
                 x.after(af, std::mem::take(&mut inputs[i]));
                 fwd.push(af);
             }
+            // Each unit's block round the ring, to ring rank r + 1 first (the scheduler's order).
+            let mut blocks: HashMap<(usize, usize), OpId> = HashMap::new();
+            for (j, &v) in ring.iter().enumerate().filter(|_| c > 1) {
+                for d in 1..c {
+                    let (i, a) = ((j + d) % c, layout.attn_worker(ring[(j + d) % c], l));
+                    blocks.insert((i, d), x.message("keys-values", v, l, layout.attn_worker(v, l), a, fwd[j])?);
+                }
+            }
             for (i, &u) in ring.iter().enumerate() {
                 let a = layout.attn_worker(u, l);
-                let out = if c > 1 {
-                    let mut deps = vec![fwd[i]];
-                    for (j, &v) in ring.iter().enumerate().filter(|&(j, _)| j != i) {
-                        deps.push(x.message("keys-values", v, l, layout.attn_worker(v, l), a, fwd[j])?);
-                    }
-                    let rf = x.task(a, Task::RingFwd { mb: u, layer: l })?;
-                    x.after(rf, deps);
-                    rf
-                } else {
-                    fwd[i]
-                };
+                // The ring half: a task per other block, in ring order (r - 1, r - 2, ...).
+                let mut out = fwd[i];
+                for d in 1..c {
+                    let rf = x.task(a, Task::RingFwd { mb: u, layer: l, block: d })?;
+                    x.after(rf, [out, blocks[&(i, d)]]);
+                    out = rf;
+                }
                 let next = if l + 1 < layers { layout.attn_worker(u, l + 1) } else { head_w };
                 for h in layout.ffn_holders(l) {
                     let d = x.message("dispatch", u, l, a, h, out)?;
@@ -466,10 +476,12 @@ mod tests {
                         Task::FfnFwd { mb, layer, src: 0 },
                         Task::FfnBwd { mb, layer },
                         Task::AttnBwd { mb, layer },
-                        Task::RingFwd { mb, layer },
                         Task::RingBwd { mb, layer },
                     ] {
                         cal.tasks.insert((worker, t.name()), 1.0);
+                    }
+                    for block in 1..layout.context_parallel {
+                        cal.tasks.insert((worker, Task::RingFwd { mb, layer, block }.name()), 1.0);
                     }
                     for to in 0..w {
                         for kind in [
@@ -506,12 +518,13 @@ mod tests {
             (Layout::ep(3, 4, 4, 2).unwrap(), 1),
             (cp(Layout::disagg(2, 4, 4, 2, 2, 1).unwrap(), 2), 2),
             (cp(Layout::disagg(3, 8, 3, 4, 2, 2).unwrap(), 2), 1),
+            (cp(Layout::disagg(3, 8, 6, 8, 4, 2).unwrap(), 4), 2),
         ] {
             let sched = schedule(&layout, &uniform(&layout), window, None).unwrap();
             let task_of = |op: &disagmoe_core::schedule::Op| {
-                let (mb, layer, ring) = (op.micro_batch as usize, op.layer as usize, op.chunk == 1);
+                let (mb, layer, ring) = (op.micro_batch as usize, op.layer as usize, op.chunk >= 1);
                 match op.kind {
-                    OpKind::AttentionForward if ring => Some(Task::RingFwd { mb, layer }),
+                    OpKind::AttentionForward if ring => Some(Task::RingFwd { mb, layer, block: op.chunk as usize }),
                     OpKind::AttentionForward => Some(Task::AttnFwd { mb, layer }),
                     OpKind::HeadBackward => Some(Task::Head { mb }),
                     OpKind::ExpertBackward => Some(Task::FfnBwd { mb, layer }),
@@ -546,6 +559,25 @@ mod tests {
                     let released = op_of(Task::AttnBwd { mb: own[i - window], layer: 0 });
                     let start = op_of(Task::AttnFwd { mb, layer: 0 });
                     assert!(sched.ops[start].deps.contains(&released), "worker {w}: the window before mb {mb}");
+                }
+                // A ring half's task per other block, each after the stage's task before it and
+                // the block's arrival from ring rank r - i.
+                let c = layout.context_parallel;
+                for &(i, t) in &mine {
+                    let Task::RingFwd { mb, layer, block } = t else { continue };
+                    let before = if block == 1 {
+                        Task::AttnFwd { mb, layer }
+                    } else {
+                        Task::RingFwd { mb, layer, block: block - 1 }
+                    };
+                    let deps = &sched.ops[i].deps;
+                    assert!(deps.contains(&op_of(before)), "worker {w}: {t:?} after {before:?}");
+                    let sender = layout.attn_worker(mb - mb % c + (mb % c + c - block) % c, layer);
+                    let from_sender = |d: &OpId| {
+                        matches!(sched.ops[*d].kind, OpKind::Recv { from } if from == sender)
+                            || (sender == w && sched.ops[*d].kind == OpKind::AttentionForward)
+                    };
+                    assert!(deps.len() == 2 && deps.iter().any(from_sender), "worker {w}: {t:?} waits for its block");
                 }
             }
         }

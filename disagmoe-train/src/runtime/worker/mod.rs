@@ -401,7 +401,7 @@ where
             Task::AttnFwd { mb, layer } => self.attention_forward(mb, layer)?,
             Task::Head { mb } => self.head(mb)?,
             Task::AttnBwd { mb, layer } => self.attention_backward(mb, layer)?,
-            Task::RingFwd { mb, layer } => self.ring_forward(mb, layer)?,
+            Task::RingFwd { mb, layer, block } => self.ring_forward(mb, layer, block)?,
             Task::RingBwd { mb, layer } => self.ring_backward(mb, layer)?,
             Task::FfnFwd { mb, layer, src } => self.ffn_forward(src, mb, layer)?,
             Task::FfnBwd { mb, layer } => self.ffn_backward(mb, layer)?,

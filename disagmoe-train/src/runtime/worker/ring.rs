@@ -5,14 +5,17 @@
 //!   `disagmoe_kernels::ring::chunks`), the input norm, the queries and the block of keys and
 //!   values at the unit's positions ([`AttentionStage::ring_project`]); the block goes to the
 //!   `C - 1` other units of the ring ([`Msg::Kv`]). Then, while it travels, the attention of the
-//!   unit's queries over its own block ([`AttentionStage::ring_own`]: on the diagonal, the
+//!   unit's queries over its own block ([`AttentionStage::ring_merge`]: on the diagonal, the
 //!   largest of the ring's blocks under the causal mask), on leaves of a graph of its own (the
 //!   queries' and the block's values).
-//! - **Ring half** (`RingFwd`): with every other block here, the attention of the unit's queries
-//!   over them in ring order merged onto the own block's, the output projection, the norm and the
-//!   router ([`AttentionStage::ring_finish`]), on leaves of a graph of its own: the queries, the
-//!   own block's output and log-sum-exp, the received blocks and the input. Then the stage hands
-//!   on as without context parallelism (`Worker::hand_on`).
+//! - **Ring half** (`RingFwd`, one task per other block): the attention of the unit's queries
+//!   over the other units' blocks in ring order (those of ring ranks `r - 1`, `r - 2`, ...),
+//!   each merged onto the blocks' before it as soon as it is here and they are merged
+//!   ([`AttentionStage::ring_merge`]), so that it is computed while the later ones travel (each
+//!   unit sends its block round the ring in that order: to `r + 1` first); after the last, the
+//!   output projection, the norm and the router ([`AttentionStage::ring_finish`]). Its graph is
+//!   its own: leaves the queries, the own block's output and log-sum-exp, the received blocks
+//!   and the input. Then the stage hands on as without context parallelism (`Worker::hand_on`).
 //! - **Backward of the ring half** (`AttnBwd`): the stage's objective as without context
 //!   parallelism; the gradients of the received blocks go back to their owners
 //!   ([`Msg::GradKv`]); then, while they travel, the own block's backward. The gradients of the
@@ -89,11 +92,23 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     input: Option<Option<Packed>>,
     /// A recomputed ring half's received blocks, by unit.
     blocks: Vec<(usize, Packed)>,
+    /// The ring half's graph between its tasks.
+    merging: Option<Merging<B, A, R>>,
     /// The attention over the unit's own block, with its graph until the ring half's backward
     /// (recomputed: its values until the ring half runs).
     own: Option<OwnBlock<B, A, R>>,
     /// The input's balance sums and who sent its rows, until the ring half runs.
     aux: Option<(AuxSums, Vec<Share>)>,
+}
+
+/// A ring half's graph while its blocks come in (or its values, recomputed).
+struct Merging<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
+    stage: AttentionStage<B, A, R>,
+    /// The leaves: the queries, the own block's attention, the input and the blocks so far.
+    leaves: RingLeaves<B>,
+    h: Tensor<B, 3>,
+    /// The attention over the blocks so far.
+    all: Partial<B>,
 }
 
 /// The leaves of a ring half's graph besides its input.
@@ -213,7 +228,8 @@ where
         let (q, kv) = (leaf(half.q.clone(), track), leaf(half.kv.clone(), track));
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
         let held = self.held(self.layout.unit_of(unit).1);
-        let partial = stage.ring_own(q.clone(), kv.clone(), &held, docs).expect("its projection had one");
+        let own = vec![RingBlock { kv: kv.clone(), held: held.clone() }];
+        let partial = stage.ring_merge(q.clone(), &held, own, None, docs).expect("its projection had one");
         OwnBlock { stage, q, kv, partial }
     }
 
@@ -230,82 +246,117 @@ where
         let recompute = self.settings.recompute.attention();
         let half = self.project(unit, layer, input.as_ref(), !recompute)?;
         let [b, t, w] = half.kv.dims();
-        for v in self.layout.ring_units(unit).filter(|&v| v != unit) {
+        // Round the ring: to ring rank r + 1 first, whose attention merges it first.
+        let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
+        for d in 1..c {
+            let v = unit - r + (r + d) % c;
             let block = self.emit(half.kv.clone().inner().reshape([b * t, w]));
             self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
         }
         // While the block travels: the attention over the unit's own block.
         let own = Some(self.own_block(unit, layer, &half, !recompute));
         let input = recompute.then_some(input);
-        let kept = RingHalf { half, input, blocks: Vec::new(), own, aux: Some((aux, from)) };
+        let kept = RingHalf { half, input, blocks: Vec::new(), merging: None, own, aux: Some((aux, from)) };
         self.ring.halves.insert((unit, layer), kept);
         Ok(())
     }
 
-    /// The ring half's graph (leaves: the queries, the own block's attention, the received blocks
-    /// and the input), or its values only (`track: false`). `own`: the own block's attention
+    /// The unit and ring rank whose block is `back` places back along unit `unit`'s ring.
+    fn ring_peer(&self, unit: usize, back: usize) -> (usize, usize) {
+        let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
+        let rv = (r + c - back) % c;
+        (unit - r + rv, rv)
+    }
+
+    /// The start of the ring half's graph (leaves: the queries, the own block's attention and
+    /// the input), or its values only (`track: false`). `own`: the own block's attention
     /// (`None`: computed again from the projection half's values).
-    fn ring_graph(
-        &self,
-        unit: usize,
-        layer: usize,
-        own: Option<Partial<B>>,
-        blocks: &[(usize, Packed)],
-        track: bool,
-    ) -> AttnGraph<B, A, R> {
+    fn ring_start(&self, unit: usize, layer: usize, own: Option<Partial<B>>, track: bool) -> Merging<B, A, R> {
         let half = &self.ring.halves[&(unit, layer)].half;
         let Partial { out, lse } = own.unwrap_or_else(|| self.own_block(unit, layer, half, false).partial);
         let (q, own) = (leaf(half.q.clone(), track), Partial { out: leaf(out, track), lse: leaf(lse, track) });
-        let h = leaf(half.h.clone(), track);
-        let [b, t, w] = half.kv.dims();
-        let peers: Vec<(usize, Tensor<B, 3>)> =
-            blocks.iter().map(|(v, block)| (*v, self.take(block, [b, t, w], track))).collect();
-        // Ring order after the unit's own block: those of ring ranks r - 1, r - 2, ...
-        let (c, r) = (self.layout.context_parallel, self.layout.unit_of(unit).1);
-        let mut ring = Vec::with_capacity(c - 1);
-        for i in 1..c {
-            let rv = (r + c - i) % c;
-            let v = unit - r + rv;
-            let (_, block) = peers.iter().find(|(u, _)| *u == v).expect("every block of the ring is here");
-            ring.push(RingBlock { kv: block.clone(), held: self.held(rv) });
-        }
         let device = self.device.clone();
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track });
+        let all = own.clone();
+        Merging { stage, leaves: RingLeaves { q, own, peers: Vec::new() }, h: leaf(half.h.clone(), track), all }
+    }
+
+    /// The attention over the block `back` places back along the ring (`block`, a leaf when
+    /// `track`) merged on.
+    fn ring_merge(
+        &self,
+        m: &mut Merging<B, A, R>,
+        unit: usize,
+        layer: usize,
+        back: usize,
+        block: &Packed,
+        track: bool,
+    ) {
+        let [b, t, w] = self.ring.halves[&(unit, layer)].half.kv.dims();
+        let (v, rv) = self.ring_peer(unit, back);
+        let kv = self.take(block, [b, t, w], track);
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
-        let out = stage
-            .ring_finish(h.clone(), q.clone(), &self.held(r), own.clone(), ring, docs)
-            .expect("its projection half had one");
-        let routed = self.route(out.route, stage.top_k());
+        let held = self.held(self.layout.unit_of(unit).1);
+        let blocks = vec![RingBlock { kv: kv.clone(), held: self.held(rv) }];
+        let all = m.all.clone();
+        m.all = m.stage.ring_merge(m.leaves.q.clone(), &held, blocks, Some(all), docs).expect("its projection had one");
+        m.leaves.peers.push((v, kv));
+    }
+
+    /// The ring half's graph once every block is merged: the output projection, the norm and the
+    /// router.
+    fn ring_end(&self, m: Merging<B, A, R>) -> AttnGraph<B, A, R> {
+        let out = m.stage.ring_finish(m.h.clone(), m.all).expect("its projection half had one");
+        let routed = self.route(out.route, m.stage.top_k());
         AttnGraph {
-            stage,
+            stage: m.stage,
             embed: None,
-            h: Some(h),
+            h: Some(m.h),
             residual: out.residual,
             normed: out.normed,
             routed,
-            ring: Some(RingLeaves { q, own, peers }),
+            ring: Some(m.leaves),
         }
     }
 
-    /// The ring half of `layer` for unit `unit`, every block of the ring here.
-    pub(super) fn ring_forward(&mut self, unit: usize, layer: usize) -> Result<()> {
-        let blocks = self.inbox.ring_blocks(unit, layer);
+    /// Task `back` (`1..C`) of the ring half of `layer` for unit `unit`: the block `back` places
+    /// back along the ring merged on; after the last, the stage hands on.
+    pub(super) fn ring_forward(&mut self, unit: usize, layer: usize, back: usize) -> Result<()> {
         let recompute = self.settings.recompute.attention();
-        let own = self.ring.halves[&(unit, layer)].own.as_ref().expect("the projection half runs first");
-        let graph = self.ring_graph(unit, layer, Some(own.partial.clone()), &blocks, !recompute);
+        let (v, _) = self.ring_peer(unit, back);
+        let block = self.inbox.ring_block(unit, layer, v);
         let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
+        let mut m = match kept.merging.take() {
+            Some(m) => m,
+            None => {
+                let own = kept.own.as_ref().expect("the projection half runs first").partial.clone();
+                self.ring_start(unit, layer, Some(own), !recompute)
+            }
+        };
+        self.ring_merge(&mut m, unit, layer, back, &block, !recompute);
+        let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half runs first");
+        if recompute {
+            kept.blocks.push((v, block));
+        }
+        if back + 1 < self.layout.context_parallel {
+            kept.merging = Some(m);
+            return Ok(());
+        }
         let (aux, from) = kept.aux.take().expect("one ring half per projection half");
         if recompute {
-            kept.blocks = blocks;
             kept.own = None;
         }
+        let graph = self.ring_end(m);
         self.hand_on(unit, layer, graph, aux, from, None)
     }
 
-    /// A recomputed ring half's graph, for its backward.
+    /// A recomputed ring half's graph, for its backward: as its tasks computed it.
     pub(super) fn ring_recompute(&self, unit: usize, layer: usize) -> AttnGraph<B, A, R> {
-        let blocks = &self.ring.halves[&(unit, layer)].blocks;
-        self.ring_graph(unit, layer, None, blocks, true)
+        let mut m = self.ring_start(unit, layer, None, true);
+        for (back, (_, block)) in self.ring.halves[&(unit, layer)].blocks.iter().enumerate() {
+            self.ring_merge(&mut m, unit, layer, back + 1, block, true);
+        }
+        self.ring_end(m)
     }
 
     /// The end of the ring half's backward (its objective's gradients in `grads`, its parameters'
