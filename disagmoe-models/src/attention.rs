@@ -12,7 +12,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use disagmoe_kernels::ring::{finish, worker_partial, Block, Mask, Partial};
+use disagmoe_kernels::ring::{chunk_partials, finish, Block, Mask, Partial};
 
 use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
@@ -224,19 +224,20 @@ impl<B: Backend> GqaAttention<B> {
     }
 
     /// Context parallelism's merge ([`crate::decoder::AttentionLayer::ring_merge`]): the attention
-    /// of `q` over `blocks` onto `start` ([`worker_partial`]), windowed as the layer is.
+    /// of the queries of the worker's two chunks `q` over `blocks` onto `start`
+    /// ([`chunk_partials`]), windowed as the layer is.
     pub fn ring_merge(
         &self,
-        q: Tensor<B, 4>,
+        q: &[Tensor<B, 4>; 2],
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
-        start: Option<Partial<B>>,
+        start: Option<[Partial<B>; 2]>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Partial<B> {
+    ) -> [Partial<B>; 2] {
         let blocks: Vec<Block<B>> = blocks.into_iter().map(|b| self.ring_block(b)).collect();
         let scale = (self.head_dim as f64).powf(-0.5);
         let mask = Mask { window: self.window, docs };
-        worker_partial(q, held, &blocks, start, scale, mask)
+        chunk_partials(q, held, &blocks, start, scale, mask)
             .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
     }
 

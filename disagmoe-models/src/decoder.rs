@@ -89,21 +89,22 @@ pub trait AttentionLayer<B: Backend> {
     fn ring_project(&self, _x: Tensor<B, 3>, _cos: Tensor<B, 4>, _sin: Tensor<B, 4>) -> Option<RingProjection<B>> {
         None
     }
-    /// Context parallelism's attention over blocks of the ring, one or more at a time: that of `q`
-    /// (of [`AttentionLayer::ring_project`], at the positions `held`) over `blocks` (the worker's
-    /// own first, computed while it travels; then the others' in ring order, those of ring ranks
-    /// `r - 1`, `r - 2`, ..., each as it comes), merged onto `start` (the blocks so far), before
-    /// any sinks (`disagmoe_kernels::ring::worker_partial`: merging block by block gives the
-    /// bits of one call over them all). Within each document of `docs` (over the whole `[B, S]`
-    /// sequence) when given. `None`: the attention type has no ring attention.
+    /// Context parallelism's attention over blocks of the ring, one or more at a time: that of the
+    /// queries of [`AttentionLayer::ring_project`] at the worker's two chunks `held` (`q`, front
+    /// and back: `disagmoe_kernels::ring::split_queries`) over `blocks` (the worker's own first,
+    /// computed while it travels; then the others' in ring order, those of ring ranks `r - 1`,
+    /// `r - 2`, ..., each as it comes), merged onto `start` (each chunk's attention over the
+    /// blocks so far), before any sinks (`disagmoe_kernels::ring::chunk_partials`: merging block
+    /// by block gives the bits of one call over them all). Within each document of `docs` (over
+    /// the whole `[B, S]` sequence) when given. `None`: the attention type has no ring attention.
     fn ring_merge(
         &self,
-        _q: Tensor<B, 4>,
+        _q: &[Tensor<B, 4>; 2],
         _held: &[Range<usize>; 2],
         _blocks: Vec<RingBlock<B>>,
-        _start: Option<Partial<B>>,
+        _start: Option<[Partial<B>; 2]>,
         _docs: Option<&Documents>,
-    ) -> Option<Partial<B>> {
+    ) -> Option<[Partial<B>; 2]> {
         None
     }
     /// Context parallelism's output once every block is merged ([`AttentionLayer::ring_merge`]):
@@ -126,12 +127,12 @@ impl<B: Backend> AttentionLayer<B> for GqaAttention<B> {
     }
     fn ring_merge(
         &self,
-        q: Tensor<B, 4>,
+        q: &[Tensor<B, 4>; 2],
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
-        start: Option<Partial<B>>,
+        start: Option<[Partial<B>; 2]>,
         docs: Option<&Documents>,
-    ) -> Option<Partial<B>> {
+    ) -> Option<[Partial<B>; 2]> {
         Some(self.ring_merge(q, held, blocks, start, docs))
     }
     fn ring_out(&self, all: Partial<B>) -> Option<Tensor<B, 3>> {

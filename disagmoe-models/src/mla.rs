@@ -16,7 +16,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use disagmoe_kernels::ring::{finish, worker_partial, Block, Mask, Partial};
+use disagmoe_kernels::ring::{chunk_partials, finish, Block, Mask, Partial};
 
 use crate::decoder::{RingBlock, RingProjection};
 use crate::error::Result;
@@ -220,15 +220,16 @@ impl<B: Backend> MlaAttention<B> {
     }
 
     /// Context parallelism's merge ([`crate::decoder::AttentionLayer::ring_merge`]): the attention
-    /// of `q` over `blocks` (each expanded per head) onto `start` ([`worker_partial`]).
+    /// of the queries of the worker's two chunks `q` over `blocks` (each expanded per
+    /// head) onto `start` ([`chunk_partials`]).
     pub fn ring_merge(
         &self,
-        q: Tensor<B, 4>,
+        q: &[Tensor<B, 4>; 2],
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
-        start: Option<Partial<B>>,
+        start: Option<[Partial<B>; 2]>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Partial<B> {
+    ) -> [Partial<B>; 2] {
         let MlaShape { kv_lora_rank: r, qk_rope_head_dim: dr, .. } = self.shape;
         let blocks: Vec<Block<B>> = blocks
             .into_iter()
@@ -238,7 +239,7 @@ impl<B: Backend> MlaAttention<B> {
             })
             .collect();
         let mask = Mask { window: None, docs };
-        worker_partial(q, held, &blocks, start, self.shape.softmax_scale, mask)
+        chunk_partials(q, held, &blocks, start, self.shape.softmax_scale, mask)
             .unwrap_or_else(|e| panic!("the runtime hands ring attention its own chunks and blocks: {e}"))
     }
 

@@ -240,17 +240,17 @@ impl<B: Backend, A: Module<B> + AttentionLayer<B>, R: Module<B> + Router<B>> Att
         self.self_attn.ring_project(self.input_layernorm.forward(h), cos, sin)
     }
 
-    /// Context parallelism's attention of the queries of [`AttentionStage::ring_project`] over
-    /// `blocks` of the ring merged onto `start` ([`AttentionLayer::ring_merge`]): the worker's
-    /// own block first, while it travels round the ring, then the others' as they come.
+    /// Context parallelism's attention of the queries of [`AttentionStage::ring_project`] (per
+    /// chunk) over `blocks` of the ring merged onto `start` ([`AttentionLayer::ring_merge`]): the
+    /// worker's own block first, while it travels round the ring, then the others' as they come.
     pub fn ring_merge(
         &self,
-        q: Tensor<B, 4>,
+        q: &[Tensor<B, 4>; 2],
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
-        start: Option<Partial<B>>,
+        start: Option<[Partial<B>; 2]>,
         docs: Option<&Documents>,
-    ) -> Option<Partial<B>> {
+    ) -> Option<[Partial<B>; 2]> {
         self.self_attn.ring_merge(q, held, blocks, start, docs)
     }
 

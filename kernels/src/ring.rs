@@ -233,12 +233,10 @@ pub fn worker_attention<B: Backend>(
 /// A worker's attention over `blocks` (in ring order), merged in f32 onto `start` when given
 /// (the attention over the blocks before them: a worker computes its own block's while the
 /// others are on their way, then the rest as they arrive). The result is the same, bit for bit,
-/// as one call over all the blocks.
+/// as one call over all the blocks: [`chunk_partials`] on the queries' two chunks, joined.
 ///
 /// # Errors
-/// An empty chunk, queries or a block whose length is not that of its chunks, a start of another
-/// shape than the queries', or (without a start) no block of this worker's own chunks, or (with
-/// one) a block of them again.
+/// As [`chunk_partials`], or queries whose length is not that of the chunks.
 pub fn worker_partial<B: Backend>(
     q: Tensor<B, 4>,
     held: &[Range<usize>; 2],
@@ -247,13 +245,79 @@ pub fn worker_partial<B: Backend>(
     scale: f64,
     mask: Mask<'_>,
 ) -> Result<Partial<B>, String> {
+    let t = q.dims()[1];
+    if held.iter().any(|r| r.is_empty()) {
+        return Err(format!("a worker of the ring holds two non-empty chunks, got {held:?}"));
+    }
+    if t != held[0].len() + held[1].len() {
+        return Err(format!(
+            "queries over {t} positions for the chunks {held:?} ({} positions)",
+            held[0].len() + held[1].len()
+        ));
+    }
+    if let Some(Partial { out, lse }) = &start {
+        let [b, _, h, _] = q.dims();
+        let [ob, ot, oh, _] = out.dims();
+        if [ob, ot, oh] != [b, t, h] || lse.dims() != [b, h, t, 1] {
+            return Err(format!(
+                "a start of outputs {:?} and log-sum-exp {:?} for queries {:?}",
+                out.dims(),
+                lse.dims(),
+                q.dims()
+            ));
+        }
+    }
+    let start = start.map(|p| p.chunks(held));
+    Ok(Partial::join(chunk_partials(&split_queries(q, held), held, blocks, start, scale, mask)?))
+}
+
+/// A worker's queries `[B, T, H, D]` as its two chunks `held`, front then back.
+pub fn split_queries<B: Backend>(q: Tensor<B, 4>, held: &[Range<usize>; 2]) -> [Tensor<B, 4>; 2] {
+    [q.clone().narrow(1, 0, held[0].len()), q.narrow(1, held[0].len(), held[1].len())]
+}
+
+impl<B: Backend> Partial<B> {
+    /// The attention of each of the worker's two chunks `held` (front, back).
+    pub fn chunks(self, held: &[Range<usize>; 2]) -> [Partial<B>; 2] {
+        let (a, b) = (held[0].len(), held[1].len());
+        let Partial { out, lse } = self;
+        [
+            Partial { out: out.clone().narrow(1, 0, a), lse: lse.clone().narrow(2, 0, a) },
+            Partial { out: out.narrow(1, a, b), lse: lse.narrow(2, a, b) },
+        ]
+    }
+
+    /// The attention of both chunks, front then back, from each one's ([`Partial::chunks`]).
+    pub fn join([front, back]: [Partial<B>; 2]) -> Partial<B> {
+        Partial { out: Tensor::cat(vec![front.out, back.out], 1), lse: Tensor::cat(vec![front.lse, back.lse], 2) }
+    }
+}
+
+/// [`worker_partial`] on the queries of the worker's two chunks, `q` (front, back:
+/// [`split_queries`]), onto a start of each one's ([`Partial::chunks`]): a worker that merges
+/// block by block keeps its attention so far per chunk, so that a block costs its attention and
+/// its merge, and no copy of the whole.
+///
+/// # Errors
+/// An empty chunk, queries of a chunk or a block whose length is not that of its chunks, a
+/// start of another shape than the queries', or (without a start) no block of this worker's own
+/// chunks, or (with one) a block of them again.
+pub fn chunk_partials<B: Backend>(
+    q: &[Tensor<B, 4>; 2],
+    held: &[Range<usize>; 2],
+    blocks: &[Block<B>],
+    start: Option<[Partial<B>; 2]>,
+    scale: f64,
+    mask: Mask<'_>,
+) -> Result<[Partial<B>; 2], String> {
     let len = |h: &[Range<usize>; 2]| h[0].len() + h[1].len();
     if held.iter().any(|r| r.is_empty()) {
         return Err(format!("a worker of the ring holds two non-empty chunks, got {held:?}"));
     }
-    let [b, t, h, _] = q.dims();
-    if t != len(held) {
-        return Err(format!("queries over {t} positions for the chunks {held:?} ({} positions)", len(held)));
+    for (qc, r) in q.iter().zip(held) {
+        if qc.dims()[1] != r.len() {
+            return Err(format!("queries over {} positions for the chunk {r:?}", qc.dims()[1]));
+        }
     }
     for block in blocks {
         let (k, v) = (block.k.dims()[1], block.v.dims()[1]);
@@ -270,15 +334,18 @@ pub fn worker_partial<B: Backend>(
                 "a block of this worker's own chunks {held:?} onto a start: the start already holds it"
             ));
         }
-        Some(Partial { out, lse }) => {
-            let [ob, ot, oh, _] = out.dims();
-            if [ob, ot, oh] != [b, t, h] || lse.dims() != [b, h, t, 1] {
-                return Err(format!(
-                    "a start of outputs {:?} and log-sum-exp {:?} for queries {:?}",
-                    out.dims(),
-                    lse.dims(),
-                    q.dims()
-                ));
+        Some(parts) => {
+            for (p, qc) in parts.iter().zip(q) {
+                let [b, t, h, _] = qc.dims();
+                let [ob, ot, oh, _] = p.out.dims();
+                if [ob, ot, oh] != [b, t, h] || p.lse.dims() != [b, h, t, 1] {
+                    return Err(format!(
+                        "a start of outputs {:?} and log-sum-exp {:?} for queries {:?}",
+                        p.out.dims(),
+                        p.lse.dims(),
+                        qc.dims()
+                    ));
+                }
             }
         }
         None if !blocks.iter().any(|b| &b.held == held) => {
@@ -286,14 +353,11 @@ pub fn worker_partial<B: Backend>(
         }
         None => {}
     }
-    let (mut outs, mut lses) = (Vec::with_capacity(2), Vec::with_capacity(2));
-    let mut q_at = 0;
-    for qr in held {
+    let mut start = start.map(|[a, b]| [Some(a), Some(b)]).unwrap_or([None, None]);
+    let mut parts = Vec::with_capacity(2);
+    for ((qr, qc), begin) in held.iter().zip(q).zip(&mut start) {
         let qpos: Vec<usize> = qr.clone().collect();
-        let qc = q.clone().narrow(1, q_at, qr.len());
-        let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> =
-            start.as_ref().map(|p| (p.out.clone().narrow(1, q_at, qr.len()), p.lse.clone().narrow(2, q_at, qr.len())));
-        q_at += qr.len();
+        let mut acc: Option<(Tensor<B, 4>, Tensor<B, 4>)> = begin.take().map(|p| (p.out, p.lse));
         for block in blocks {
             let mut k_at = 0;
             for kr in &block.held {
@@ -314,10 +378,10 @@ pub fn worker_partial<B: Backend>(
         // Every query sees at least itself: its own chunk (in its own block, checked above, or
         // in the start) is never skipped.
         let (out, lse) = acc.expect("a chunk attends to itself");
-        outs.push(out);
-        lses.push(lse);
+        parts.push(Partial { out, lse });
     }
-    Ok(Partial { out: Tensor::cat(outs, 1), lse: Tensor::cat(lses, 2) })
+    let [front, back]: [Partial<B>; 2] = parts.try_into().unwrap_or_else(|_| unreachable!("two chunks"));
+    Ok([front, back])
 }
 
 /// A worker's output once every block is in: the sinks, when given, join the softmax.

@@ -39,12 +39,12 @@ impl<B: Backend> AttentionLayer<B> for MlaAttention<B> {
     }
     fn ring_merge(
         &self,
-        q: Tensor<B, 4>,
+        q: &[Tensor<B, 4>; 2],
         held: &[Range<usize>; 2],
         blocks: Vec<RingBlock<B>>,
-        start: Option<Partial<B>>,
+        start: Option<[Partial<B>; 2]>,
         docs: Option<&disagmoe_kernels::documents::Documents>,
-    ) -> Option<Partial<B>> {
+    ) -> Option<[Partial<B>; 2]> {
         Some(self.ring_merge(q, held, blocks, start, docs))
     }
     fn ring_out(&self, all: Partial<B>) -> Option<Tensor<B, 3>> {

@@ -44,7 +44,7 @@ use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use disagmoe_kernels::ring::{chunks, Partial};
+use disagmoe_kernels::ring::{chunks, split_queries, Partial};
 use disagmoe_models::decoder::{AttentionLayer, RingBlock, RingProjection};
 use disagmoe_models::moe::{Experts, Router};
 use disagmoe_models::nn::Embedding;
@@ -107,8 +107,10 @@ struct Merging<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     /// The leaves: the queries, the own block's attention, the input and the blocks so far.
     leaves: RingLeaves<B>,
     h: Tensor<B, 3>,
-    /// The attention over the blocks so far.
-    all: Partial<B>,
+    /// The queries of the unit's two chunks (front, back).
+    q: [Tensor<B, 4>; 2],
+    /// Each chunk's attention over the blocks so far.
+    all: [Partial<B>; 2],
 }
 
 /// The leaves of a ring half's graph besides its input.
@@ -229,7 +231,8 @@ where
         let docs = self.documents.get(&self.layout.unit_of(unit).0);
         let held = self.held(self.layout.unit_of(unit).1);
         let own = vec![RingBlock { kv: kv.clone(), held: held.clone() }];
-        let partial = stage.ring_merge(q.clone(), &held, own, None, docs).expect("its projection had one");
+        let chunks = split_queries(q.clone(), &held);
+        let partial = Partial::join(stage.ring_merge(&chunks, &held, own, None, docs).expect("its projection had one"));
         OwnBlock { stage, q, kv, partial }
     }
 
@@ -277,8 +280,15 @@ where
         let (q, own) = (leaf(half.q.clone(), track), Partial { out: leaf(out, track), lse: leaf(lse, track) });
         let device = self.device.clone();
         let stage = self.part().attention[self.attn_index[&layer]].clone().map(&mut Fork { device: &device, track });
-        let all = own.clone();
-        Merging { stage, leaves: RingLeaves { q, own, peers: Vec::new() }, h: leaf(half.h.clone(), track), all }
+        let held = self.held(self.layout.unit_of(unit).1);
+        let (chunks, all) = (split_queries(q.clone(), &held), own.clone().chunks(&held));
+        Merging {
+            stage,
+            leaves: RingLeaves { q, own, peers: Vec::new() },
+            h: leaf(half.h.clone(), track),
+            q: chunks,
+            all,
+        }
     }
 
     /// The attention over the block `back` places back along the ring (`block`, a leaf when
@@ -299,14 +309,14 @@ where
         let held = self.held(self.layout.unit_of(unit).1);
         let blocks = vec![RingBlock { kv: kv.clone(), held: self.held(rv) }];
         let all = m.all.clone();
-        m.all = m.stage.ring_merge(m.leaves.q.clone(), &held, blocks, Some(all), docs).expect("its projection had one");
+        m.all = m.stage.ring_merge(&m.q, &held, blocks, Some(all), docs).expect("its projection had one");
         m.leaves.peers.push((v, kv));
     }
 
     /// The ring half's graph once every block is merged: the output projection, the norm and the
     /// router.
     fn ring_end(&self, m: Merging<B, A, R>) -> AttnGraph<B, A, R> {
-        let out = m.stage.ring_finish(m.h.clone(), m.all).expect("its projection half had one");
+        let out = m.stage.ring_finish(m.h.clone(), Partial::join(m.all)).expect("its projection half had one");
         let routed = self.route(out.route, m.stage.top_k());
         AttnGraph {
             stage: m.stage,
