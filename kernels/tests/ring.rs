@@ -11,7 +11,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use disagmoe_kernels::documents::Documents;
 use disagmoe_kernels::reference;
 use disagmoe_kernels::ring::{
-    chunks, finish, held_positions, partial, ring_attention, worker_attention, worker_partial, Block, Mask, Partial,
+    chunk_partials, chunks, finish, held_positions, partial, ring_attention, split_queries, worker_attention,
+    worker_partial, Block, Mask, Partial,
 };
 
 type B = Autodiff<Flex>;
@@ -181,7 +182,8 @@ fn place(full: &mut [f32], part: &[f32], b: usize, s: usize, positions: &[usize]
 /// block first (while the block travels); it receives a copy of every other worker's block, and
 /// attends over those onto its own block's result in a second graph (leaves: copies of the
 /// queries and of that result, and the received blocks), its output the same bits as one call
-/// over every block. After the second graph's backward, the gradient of each received copy goes
+/// over every block (and block by block, as the runtime's tasks merge them). After the second
+/// graph's backward, the gradient of each received copy goes
 /// back to the block's owner, which adds them to its own from the first graph's backward. The
 /// queries', keys' and values' gradients so gathered, and the sinks' summed over the workers (a
 /// parameter each holds), are the whole attention's.
@@ -246,8 +248,17 @@ fn workers_with_graphs_of_their_own_get_the_whole_attention_gradients_from_the_b
             let start = Partial { out: out2.clone(), lse: lse2.clone() };
             let rest = worker_partial(q2.clone(), &held[r], &ring[1..], Some(start), scale, mask).unwrap();
             let out = finish(rest, skr.clone());
-            let whole = worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask).unwrap();
-            assert_eq!(values(out.clone()), values(whole), "{what}: worker {r}: in two pieces, the same bits");
+            let whole = values(worker_attention(qr.clone(), &held[r], &ring, skr.clone(), scale, mask).unwrap());
+            assert_eq!(values(out.clone()), whole, "{what}: worker {r}: in two pieces, the same bits");
+            // Block by block, as the runtime's tasks merge them (each chunk's attention so far
+            // kept): the same bits again.
+            let qs = split_queries(qr.clone(), &held[r]);
+            let mut acc = chunk_partials(&qs, &held[r], &ring[..1], None, scale, mask).unwrap();
+            for block in &ring[1..] {
+                acc = chunk_partials(&qs, &held[r], std::slice::from_ref(block), Some(acc), scale, mask).unwrap();
+            }
+            let by_block = values(finish(Partial::join(acc), skr.clone()));
+            assert_eq!(by_block, whole, "{what}: worker {r}: block by block, the same bits");
             let wr = weights.clone().detach().select(1, index_of(&positions[r]));
             let grads = (out.clone() * wr).sum().backward();
             let (gout, glse) = (out2.grad(&grads).unwrap(), lse2.grad(&grads).unwrap());
