@@ -185,6 +185,18 @@ impl Task {
         }
     }
 
+    /// Context parallelism: the name in traces and calibrations of the part of this task (the
+    /// projection half forward, the ring half backward) that computes the attention over the
+    /// unit's own block, after its block or the received blocks' gradients are sent
+    /// (`fwd own L0 unit3`); `None` for other tasks.
+    pub fn own_block_name(&self) -> Option<String> {
+        match *self {
+            Task::AttnFwd { mb, layer } => Some(format!("fwd own L{layer} unit{mb}")),
+            Task::AttnBwd { mb, layer } => Some(format!("bwd own L{layer} unit{mb}")),
+            _ => None,
+        }
+    }
+
     /// The trace category: `forward` or `backward` (the head's task ends in its backward).
     pub fn category(&self) -> &'static str {
         match self {

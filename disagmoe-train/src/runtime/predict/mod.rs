@@ -93,6 +93,9 @@ pub fn predict(layout: &Layout, cal: &Calibration, in_flight: usize, link: Optio
     })
 }
 
+/// The chunk of the op that computes the attention over a unit's own block ([`Build::split_task`]).
+const OWN_CHUNK: u16 = u16::MAX;
+
 /// Adds ops to a [`ScheduleBuilder`] from calibrated durations and sizes.
 struct Build<'a> {
     b: ScheduleBuilder,
@@ -134,6 +137,22 @@ impl Build<'_> {
             TrainError::option("placement", format!("the calibration run has no task `{name}` on worker {w}"))
         })?;
         Ok(self.b.op(w, stream(task.queue()), kind, mb, layer, chunk, Vec::new(), secs, 0.0, 0.0))
+    }
+
+    /// Worker `w`'s `task` (an attention task of a context-parallel stage) split where the
+    /// runtime sends: the task up to its sends, and the attention over the unit's own block after
+    /// them (its own op, after the first, [`OWN_CHUNK`]), each with its calibrated duration.
+    /// `None` for the second where the calibration has no span of it (a trace from before it was
+    /// traced apart): the task is then one op.
+    fn split_task(&mut self, w: usize, task: Task) -> Result<(OpId, Option<OpId>)> {
+        let op = self.task(w, task)?;
+        let Some(secs) = task.own_block_name().and_then(|n| self.cal.tasks.get(&(w, n)).copied()) else {
+            return Ok((op, None));
+        };
+        let first = &mut self.b.schedule.ops[op];
+        first.duration_s = (first.duration_s - secs).max(0.0);
+        let (kind, mb, layer) = (first.kind, first.micro_batch as usize, first.layer);
+        Ok((op, Some(self.b.op(w, stream(task.queue()), kind, mb, layer, OWN_CHUNK, vec![op], secs, 0.0, 0.0))))
     }
 
     fn after(&mut self, op: OpId, deps: impl IntoIterator<Item = OpId>) {
@@ -219,12 +238,15 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             })
             .collect();
         for l in 0..layers {
-            let mut fwd = Vec::with_capacity(c);
+            // With context parallelism the projection half's sends, then its own block's attention.
+            let (mut fwd, mut own) = (Vec::with_capacity(c), Vec::with_capacity(c));
             for (i, &u) in ring.iter().enumerate() {
                 let a = layout.attn_worker(u, l);
-                let af = x.task(a, Task::AttnFwd { mb: u, layer: l })?;
+                let task = Task::AttnFwd { mb: u, layer: l };
+                let (af, own_op) = if c > 1 { x.split_task(a, task)? } else { (x.task(a, task)?, None) };
                 x.after(af, std::mem::take(&mut inputs[i]));
                 fwd.push(af);
+                own.push(own_op.unwrap_or(af));
             }
             // Each unit's block round the ring, to ring rank r + 1 first (the scheduler's order).
             let mut blocks: HashMap<(usize, usize), OpId> = HashMap::new();
@@ -237,7 +259,7 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
             for (i, &u) in ring.iter().enumerate() {
                 let a = layout.attn_worker(u, l);
                 // The ring half: a task per other block, in ring order (r - 1, r - 2, ...).
-                let mut out = fwd[i];
+                let mut out = own[i];
                 for d in 1..c {
                     let rf = x.task(a, Task::RingFwd { mb: u, layer: l, block: d })?;
                     x.after(rf, [out, blocks[&(i, d)]]);
@@ -255,13 +277,14 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
         }
         let head = x.task(head_w, Task::Head { mb: m })?;
         x.after(head, inputs.concat());
-        let mut ordered = |x: &mut Build, op: OpId, w: usize, task: Task| {
+        // `op` after the key's op before it; the next after `end` (the task's last op).
+        let mut ordered = |x: &mut Build, op: OpId, end: OpId, w: usize, task: Task| {
             let (key, _) = task.backward_key().expect("a backward task");
-            if let Some(prev) = last_bwd.insert((w, key), op) {
+            if let Some(prev) = last_bwd.insert((w, key), end) {
                 x.after(op, [prev]);
             }
         };
-        ordered(&mut x, head, head_w, Task::Head { mb: m });
+        ordered(&mut x, head, head, head_w, Task::Head { mb: m });
         all_bwd.push(head);
         // Backward: the gradient of each layer's output goes to its attention worker (residual)
         // and to its holders (their rows); their input gradients back to the attention worker;
@@ -279,36 +302,40 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
                     let task = Task::FfnBwd { mb: u, layer: l };
                     let fb = x.task(h, task)?;
                     x.after(fb, [gc]);
-                    ordered(&mut x, fb, h, task);
+                    ordered(&mut x, fb, fb, h, task);
                     all_bwd.push(fb);
                     deps.push(x.message("grad-dispatch", u, l, h, a, fb)?);
                 }
                 let task = Task::AttnBwd { mb: u, layer: l };
-                let ab = x.task(a, task)?;
+                // With context parallelism the received blocks' gradients are sent, then the own
+                // block's backward runs (the task ends, and the next one of its key waits, after it).
+                let (ab, own_op) = if c > 1 { x.split_task(a, task)? } else { (x.task(a, task)?, None) };
                 x.after(ab, deps);
-                ordered(&mut x, ab, a, task);
+                let end = own_op.unwrap_or(ab);
+                ordered(&mut x, ab, end, a, task);
+                all_bwd.extend(own_op);
                 all_bwd.push(ab);
-                bwd.push(ab);
+                bwd.push((ab, end));
                 src[i] = (ab, a);
             }
             if c > 1 {
                 for (i, &u) in ring.iter().enumerate() {
                     let a = layout.attn_worker(u, l);
-                    let mut deps = vec![bwd[i]];
+                    let mut deps = vec![bwd[i].1];
                     for (j, &v) in ring.iter().enumerate().filter(|&(j, _)| j != i) {
-                        deps.push(x.message("grad-keys-values", u, l, layout.attn_worker(v, l), a, bwd[j])?);
+                        deps.push(x.message("grad-keys-values", u, l, layout.attn_worker(v, l), a, bwd[j].0)?);
                     }
                     let task = Task::RingBwd { mb: u, layer: l };
                     let rb = x.task(a, task)?;
                     x.after(rb, deps);
-                    ordered(&mut x, rb, a, task);
+                    ordered(&mut x, rb, rb, a, task);
                     all_bwd.push(rb);
                     src[i] = (rb, a);
                 }
             }
             if l == 0 {
                 for (i, &u) in ring.iter().enumerate() {
-                    layer0_bwd.insert(u, bwd[i]);
+                    layer0_bwd.insert(u, bwd[i].1);
                 }
             }
         }
@@ -483,6 +510,9 @@ mod tests {
                     for block in 1..layout.context_parallel {
                         cal.tasks.insert((worker, Task::RingFwd { mb, layer, block }.name()), 1.0);
                     }
+                    for t in [Task::AttnFwd { mb, layer }, Task::AttnBwd { mb, layer }] {
+                        cal.tasks.insert((worker, t.own_block_name().unwrap()), 0.5);
+                    }
                     for to in 0..w {
                         for kind in [
                             "dispatch",
@@ -524,6 +554,7 @@ mod tests {
             let task_of = |op: &disagmoe_core::schedule::Op| {
                 let (mb, layer, ring) = (op.micro_batch as usize, op.layer as usize, op.chunk >= 1);
                 match op.kind {
+                    _ if op.chunk == OWN_CHUNK => None,
                     OpKind::AttentionForward if ring => Some(Task::RingFwd { mb, layer, block: op.chunk as usize }),
                     OpKind::AttentionForward => Some(Task::AttnFwd { mb, layer }),
                     OpKind::HeadBackward => Some(Task::Head { mb }),
@@ -533,6 +564,17 @@ mod tests {
                     _ => None,
                 }
             };
+            // `op` waits for `prev`, or for the own block's op after it.
+            let waits = |op: usize, prev: usize| {
+                let deps = &sched.ops[op].deps;
+                deps.contains(&prev)
+                    || deps.iter().any(|&d| sched.ops[d].chunk == OWN_CHUNK && sched.ops[d].deps.contains(&prev))
+            };
+            let c = layout.context_parallel;
+            if c > 1 {
+                let own = sched.ops.iter().filter(|op| op.chunk == OWN_CHUNK).count();
+                assert_eq!(own, 2 * layout.units() * layout.layers, "the own block's op of every attention task");
+            }
             for w in 0..layout.workers {
                 let order = BackwardOrder::of(&layout, w);
                 let mine: Vec<(usize, Task)> = (sched.ops.iter().enumerate())
@@ -550,7 +592,7 @@ mod tests {
                     let mbs: Vec<usize> = ops.iter().map(|&(mb, _)| mb).collect();
                     assert_eq!(mbs, order.queue(key), "worker {w} {key:?}: the scheduler's micro-batches");
                     for pair in ops.windows(2) {
-                        assert!(sched.ops[pair[1].1].deps.contains(&pair[0].1), "worker {w} {key:?}: {pair:?} chained");
+                        assert!(waits(pair[1].1, pair[0].1), "worker {w} {key:?}: {pair:?} chained");
                     }
                 }
                 let own = layout.own_units(w);
@@ -558,11 +600,10 @@ mod tests {
                 for (i, &mb) in own.iter().enumerate().skip(window) {
                     let released = op_of(Task::AttnBwd { mb: own[i - window], layer: 0 });
                     let start = op_of(Task::AttnFwd { mb, layer: 0 });
-                    assert!(sched.ops[start].deps.contains(&released), "worker {w}: the window before mb {mb}");
+                    assert!(waits(start, released), "worker {w}: the window before mb {mb}");
                 }
                 // A ring half's task per other block, each after the stage's task before it and
                 // the block's arrival from ring rank r - i.
-                let c = layout.context_parallel;
                 for &(i, t) in &mine {
                     let Task::RingFwd { mb, layer, block } = t else { continue };
                     let before = if block == 1 {
@@ -571,11 +612,13 @@ mod tests {
                         Task::RingFwd { mb, layer, block: block - 1 }
                     };
                     let deps = &sched.ops[i].deps;
-                    assert!(deps.contains(&op_of(before)), "worker {w}: {t:?} after {before:?}");
+                    assert!(waits(i, op_of(before)), "worker {w}: {t:?} after {before:?}");
                     let sender = layout.attn_worker(mb - mb % c + (mb % c + c - block) % c, layer);
                     let from_sender = |d: &OpId| {
                         matches!(sched.ops[*d].kind, OpKind::Recv { from } if from == sender)
-                            || (sender == w && sched.ops[*d].kind == OpKind::AttentionForward)
+                            || (sender == w
+                                && sched.ops[*d].kind == OpKind::AttentionForward
+                                && sched.ops[*d].chunk == 0)
                     };
                     assert!(deps.len() == 2 && deps.iter().any(from_sender), "worker {w}: {t:?} waits for its block");
                 }

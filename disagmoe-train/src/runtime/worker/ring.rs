@@ -57,6 +57,9 @@ use super::Worker;
 use crate::error::{Result, TrainError};
 use crate::runtime::exchange::Share;
 use crate::runtime::msg::{AuxSums, LayerCoefficients, Msg, Packed};
+use crate::runtime::scheduler::Task;
+use crate::runtime::trace::COMPUTE;
+use crate::runtime::transport::now_us;
 
 /// The projection half of a unit's attention stage: its graph, or (recomputed) none.
 struct Projection<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
@@ -256,8 +259,11 @@ where
             let block = self.emit(half.kv.clone().inner().reshape([b * t, w]));
             self.comm.send(self.layout.attn_worker(v, layer), Msg::Kv { mb: unit, layer, to: v, kv: block })?;
         }
-        // While the block travels: the attention over the unit's own block.
+        // While the block travels: the attention over the unit's own block (traced apart, for the
+        // prediction's calibration).
+        let t0 = now_us();
         let own = Some(self.own_block(unit, layer, &half, !recompute));
+        self.trace_own(Task::AttnFwd { mb: unit, layer }, t0);
         let input = recompute.then_some(input);
         let kept = RingHalf { half, input, blocks: Vec::new(), merging: None, own, aux: Some((aux, from)) };
         self.ring.halves.insert((unit, layer), kept);
@@ -396,6 +402,7 @@ where
             let g = self.emit(g);
             self.comm.send(self.layout.attn_worker(v, layer), Msg::GradKv { mb: v, layer, from: unit, g })?;
         }
+        let t0 = now_us();
         let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half ran");
         let own = match kept.own.take() {
             Some(own) => own,
@@ -407,8 +414,21 @@ where
         let gq = gq + grad_of(&Some(q.clone()), &mut own_grads, q.dims(), &device);
         let gkv = grad_of(&Some(kv.clone()), &mut own_grads, kv.dims(), &device);
         self.accumulate(&mut own_grads, &stage);
+        self.trace_own(Task::AttnBwd { mb: unit, layer }, t0);
         self.ring.pending.insert((unit, layer), RingPending { gq, gkv, gh, from, aux_coef });
         Ok(())
+    }
+
+    /// Traces the own block's part of `task`, from `start` to now (inside the task's own span).
+    fn trace_own(&mut self, task: Task, start: u64) {
+        let end = now_us();
+        self.comm.tracer.span(
+            || task.own_block_name().expect("an attention task"),
+            task.category(),
+            COMPUTE,
+            start,
+            end,
+        );
     }
 
     /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
