@@ -1,5 +1,6 @@
 //! Context parallelism's task bodies (`--context-parallel C`): a unit's attention stage in two
-//! halves each way (the scheduler's module doc has the tasks and when they are ready).
+//! halves each way, the ring half forward a task per other block (the scheduler's module doc has
+//! the tasks and when they are ready).
 //!
 //! - **Projection half** (`AttnFwd`): the unit's input (its two chunks of the sequence,
 //!   `disagmoe_kernels::ring::chunks`), the input norm, the queries and the block of keys and
