@@ -405,6 +405,8 @@ where
         }
         let t0 = now_us();
         let kept = self.ring.halves.get_mut(&(unit, layer)).expect("the projection half ran");
+        // A recomputed ring half's received blocks are not needed again.
+        drop(std::mem::take(&mut kept.blocks));
         let own = match kept.own.take() {
             Some(own) => own,
             None => self.own_block(unit, layer, &self.ring.halves[&(unit, layer)].half, true),
@@ -435,10 +437,13 @@ where
     /// The projection half's backward of `layer` for unit `unit`, the ring's gradients of its
     /// block here; the input's gradient goes back.
     pub(super) fn ring_backward(&mut self, unit: usize, layer: usize) -> Result<()> {
-        let kept = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
-        let half = match kept.input {
-            Some(input) => self.project(unit, layer, input.as_ref(), true)?,
-            None => kept.half,
+        let RingHalf { half, input, .. } = self.ring.halves.remove(&(unit, layer)).expect("the projection half ran");
+        let half = match input {
+            Some(input) => {
+                drop(half); // the forward's values, before the graph is computed again
+                self.project(unit, layer, input.as_ref(), true)?
+            }
+            None => half,
         };
         let RingPending { gq, mut gkv, gh, from, aux_coef } =
             self.ring.pending.remove(&(unit, layer)).expect("the ring half's backward ran");
