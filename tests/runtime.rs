@@ -946,7 +946,7 @@ fn predict_takes_a_trace_and_a_fitted_link_and_refuses_what_does_not_fit() {
 }
 
 #[test]
-fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
+fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours_also_with_context_parallelism() {
     let out = bin()
         .args(COMMON)
         .args(["--placement", "disagg", "--allocation", "auto", "--attn-workers", "2", "--ffn-workers", "2"])
@@ -961,6 +961,20 @@ fn auto_allocation_measures_the_planner_s_choice_and_its_neighbours() {
     let w = s["workers"].as_u64().unwrap();
     assert!((2..=4).contains(&w), "within the budget of 4 workers: {s}");
     assert_eq!(s["losses"].as_array().unwrap().len(), 5);
+
+    // With context parallelism the plan's attention groups are rings of it (whatever counts were
+    // given: 3 attention workers in 2 groups could not hold one), and the chosen run splits its
+    // sequences: its keys and values go round the ring.
+    let auto_cp = ["--placement", "disagg", "--allocation", "auto", "--attn-workers", "3", "--ffn-workers", "1"];
+    let out = bin().args(COMMON).args(auto_cp).args(["--groups", "2", "--context-parallel", "2"]).output().unwrap();
+    let s = summary(&out);
+    assert!(s["exchange_bytes_by_kind_per_worker"]["kv"].as_f64().unwrap() > 0.0, "{s}");
+    assert!((3..=4).contains(&s["workers"].as_u64().unwrap()), "two attention workers and one or two expert ones: {s}");
+    assert_eq!(s["losses"].as_array().unwrap().len(), 5);
+    // A ring the budget cannot hold is refused, naming it.
+    let out = bin().args(COMMON).args(auto_cp).args(["--context-parallel", "4"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("context parallelism 4") && err.contains("multiple of 4"), "{err}");
 }
 
 /// `train_on` and `train_family` resolve `allocation = auto` themselves: a library caller trains

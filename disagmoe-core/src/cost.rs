@@ -80,9 +80,9 @@ pub enum ContextParallel {
     /// must be multiples of it).
     Fixed(usize),
     /// Whole micro-batches dealt to an attention group's GPUs in turn, as `disagmoe train`'s
-    /// runtime does without `--context-parallel` (what `--allocation auto` plans for: it does not
-    /// choose a context-parallel size for the runtime): a GPU computes `T / a` of the group's
-    /// tokens on average and no sequence is split.
+    /// runtime does without `--context-parallel` (what `--allocation auto` plans for then; with
+    /// `--context-parallel C` it plans for [`ContextParallel::Fixed`]): a GPU computes `T / a` of
+    /// the group's tokens on average and no sequence is split.
     Dealt,
 }
 

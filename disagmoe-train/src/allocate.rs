@@ -176,9 +176,13 @@ pub fn choose<B: AutodiffBackend>(
     let mut cost =
         CostModel::new(shape, cluster, workload).map_err(|e| planner_error("the planner's cost model", e))?;
     cost.precision = runtime_precision(cfg);
-    // The runtime deals whole micro-batches to an attention group's workers in turn; it splits
-    // no sequence (no context parallelism yet).
-    cost.context_parallel = ContextParallel::Dealt;
+    // The runtime deals whole micro-batches to an attention group's workers in turn, or splits
+    // each sequence over rings of the `context_parallel` asked for (then the plan's groups are
+    // multiples of it; a neighbour the runtime refuses is not chosen).
+    cost.context_parallel = match cfg.parallel.context_parallel {
+        c if c > 1 => ContextParallel::Fixed(c),
+        _ => ContextParallel::Dealt,
+    };
     let problem = AllocationProblem::new(&cost, None).map_err(|e| planner_error("the allocation problem", e))?;
     let milp = solve_milp_pruned(&problem).map_err(|e| planner_error("the planner's MILP", e))?;
     tracing::info!(

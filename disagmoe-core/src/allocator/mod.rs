@@ -394,8 +394,8 @@ impl AllocationProblem {
                 detail: format!(
                     "context parallelism {c} needs an attention group size that is a multiple of {c} and \
                      sequences of at least {} tokens (two chunks per GPU); group sizes here: {sizes:?} \
-                     (divisors or multiples of the node's {node} GPUs), sequence {}; use --context-parallel auto \
-                     or one of those sizes",
+                     (divisors or multiples of the node's {node} GPUs), sequence {}; choose a size that divides one of \
+                     those (or, in `plan`, --context-parallel auto)",
                     c.saturating_mul(2),
                     cost.workload.seq
                 ),

@@ -381,17 +381,13 @@ impl ParallelOptions {
                 ),
             ));
         }
-        if c > 1 && self.allocation == AllocationMode::Auto {
-            return Err(TrainError::option(
-                "context_parallel",
-                format!("1 with allocation auto (the planner's split is refined without it), got {c}"),
-            ));
-        }
         let per_group = match self.attn_workers % self.groups.max(1) {
             0 => self.attn_workers / self.groups.max(1),
             _ => 0,
         };
-        if c > 1 && self.placement == Placement::Disagg && (per_group == 0 || per_group % c != 0) {
+        // Under allocation auto the planner chooses the counts (groups of multiples of `c`).
+        let manual = self.allocation == AllocationMode::Manual;
+        if c > 1 && self.placement == Placement::Disagg && manual && (per_group == 0 || per_group % c != 0) {
             return Err(TrainError::option(
                 "context_parallel",
                 format!(
