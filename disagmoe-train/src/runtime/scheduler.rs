@@ -367,12 +367,12 @@ struct RingInputs {
     got: usize,
 }
 
-/// A context-parallel ring half's progress: the blocks here (bit `i` for the block `i` back
-/// along the ring), the stage's tasks that ran (the projection half's first: 0 until it ran)
-/// and whether the next one is ready.
-#[derive(Debug, Clone, Copy, Default)]
+/// A context-parallel ring half's progress: the blocks here (by distance back along the ring),
+/// the stage's tasks that ran (the projection half's first: 0 until it ran) and whether the next
+/// one is ready.
+#[derive(Debug, Clone, Default)]
 struct RingBlocks {
-    here: u64,
+    here: std::collections::BTreeSet<usize>,
     ran: usize,
     issued: bool,
 }
@@ -468,7 +468,7 @@ impl Scheduler {
             Arrival::Kv { mb, layer, from } => {
                 let c = self.ring;
                 let back = (mb % c + c - from % c) % c;
-                self.ring_fwd.entry((mb, layer)).or_default().here |= 1 << back;
+                self.ring_fwd.entry((mb, layer)).or_default().here.insert(back);
                 self.ring_next(mb, layer);
             }
             Arrival::GradKv { mb, layer } => self.ring_grad(mb, layer, false),
@@ -481,7 +481,7 @@ impl Scheduler {
     fn ring_next(&mut self, mb: usize, layer: usize) {
         let blocks = self.ring_fwd.entry((mb, layer)).or_default();
         let next = blocks.ran;
-        if next == 0 || blocks.issued || blocks.here & (1 << next) == 0 {
+        if next == 0 || blocks.issued || !blocks.here.contains(&next) {
             return;
         }
         blocks.issued = true;
