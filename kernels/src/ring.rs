@@ -8,7 +8,9 @@
 //!
 //! [`partial`] and [`merge`] are the steps a worker takes, [`worker_attention`] one worker's whole
 //! computation over the [`Block`]s in ring order ([`worker_partial`] the same in pieces: its own
-//! block first, while the others travel, then the rest onto that); [`ring_attention`] runs the
+//! block first, while the others travel, then the rest onto that; [`chunk_partials`] the same per
+//! chunk of the worker's queries, [`split_queries`], so that merging block by block copies no
+//! whole result); [`ring_attention`] runs the
 //! `C` workers one after the other over a whole sequence (the schedule, not the transport), equal
 //! to [`crate::reference::attention`] up to rounding, forward and backward.
 

@@ -15,10 +15,13 @@
 //!   `--link-gbps`/`--link-latency-us`, or one fitted to a real network, [`network`], whose ports
 //!   may be half duplex); messages to oneself never leave;
 //! - with context parallelism (`Layout::context_parallel` `C > 1`), units instead of micro-batches
-//!   for the attention and expert tasks, and each attention stage in two halves each way, as the
-//!   scheduler runs them: the projection half sends its block of keys and values to the ring's
+//!   for the attention and expert tasks, and each attention stage's tasks as the scheduler runs
+//!   them (`C` forward, two backward): the projection half sends its block of keys and values to the ring's
 //!   other units (`keys-values`, a [`Transfer::Ring`] send, to ring rank `r + 1` first) and the
-//!   ring half is a task per other block, each after the one before and its block; in
+//!   ring half is a task per other block, each after the one before and its block; the own
+//!   block's attention is an op of its own after its task's sends (a span of its own in the
+//!   trace: [`Task::own_block_name`]; the simulator may run another ready op of the stream
+//!   between the two, where the runtime runs them as one task); in
 //!   the backward the ring half's backward sends the blocks' gradients back (`grad-keys-values`)
 //!   and the projection half's backward waits for them; the head waits for every unit of its
 //!   micro-batch, the window counts each embedding worker's units;
@@ -221,7 +224,8 @@ pub fn schedule(layout: &Layout, cal: &Calibration, in_flight: usize, link: Opti
         let ring: Vec<usize> = layout.ring_units(m * c).collect();
         // Forward, per layer and unit of the micro-batch (without context parallelism, the one
         // unit is the micro-batch): attention; with context parallelism its block of keys and
-        // values to the ring's other units and the ring half once they are all here; dispatch to
+        // values to the ring's other units, its own block's attention, and the ring half a task
+        // per other block as each is here; dispatch to
         // every holder, expert forward, combine and residual to the next layer's attention worker
         // (the head's after the last layer). A unit starts when the window of its embedding
         // worker has room.

@@ -94,7 +94,8 @@ pub(super) struct RingHalf<B: AutodiffBackend, A: Module<B>, R: Module<B>> {
     half: Projection<B, A, R>,
     /// A recomputed half's input (`None` at layer 0: the token ids).
     input: Option<Option<Packed>>,
-    /// A recomputed ring half's received blocks, by unit.
+    /// A recomputed ring half's received blocks, by unit, in ring order (the order they are
+    /// merged in: [`Worker::ring_recompute`] relies on it).
     blocks: Vec<(usize, Packed)>,
     /// The ring half's graph between its tasks.
     merging: Option<Merging<B, A, R>>,
@@ -122,7 +123,7 @@ pub(super) struct RingLeaves<B: AutodiffBackend> {
     q: Tensor<B, 4>,
     /// The own block's attention.
     own: Partial<B>,
-    /// The other units' blocks, by unit.
+    /// The other units' blocks, by unit, in ring order.
     peers: Vec<(usize, Tensor<B, 3>)>,
 }
 
