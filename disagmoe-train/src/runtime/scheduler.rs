@@ -367,14 +367,13 @@ struct RingInputs {
     got: usize,
 }
 
-/// A context-parallel ring half's progress: the blocks here (by distance back along the ring),
-/// the stage's tasks that ran (the projection half's first: 0 until it ran) and whether the next
-/// one is ready.
+/// A context-parallel ring half's progress: the blocks here whose task is not ready yet (by
+/// distance back along the ring), and the stage's tasks that ran (the projection half's first: 0
+/// until it ran).
 #[derive(Debug, Clone, Default)]
 struct RingBlocks {
     here: std::collections::BTreeSet<usize>,
     ran: usize,
-    issued: bool,
 }
 
 /// One worker's schedule of one step (see the module doc).
@@ -481,18 +480,15 @@ impl Scheduler {
     fn ring_next(&mut self, mb: usize, layer: usize) {
         let blocks = self.ring_fwd.entry((mb, layer)).or_default();
         let next = blocks.ran;
-        if next == 0 || blocks.issued || !blocks.here.contains(&next) {
-            return;
+        if next > 0 && blocks.here.remove(&next) {
+            self.ready(Task::RingFwd { mb, layer, block: next });
         }
-        blocks.issued = true;
-        self.ready(Task::RingFwd { mb, layer, block: next });
     }
 
     /// A task of a context-parallel attention stage's forward ran.
     fn ring_ran(&mut self, mb: usize, layer: usize) {
         let blocks = self.ring_fwd.entry((mb, layer)).or_default();
         blocks.ran += 1;
-        blocks.issued = false;
         if blocks.ran == self.ring {
             self.ring_fwd.remove(&(mb, layer));
         } else {
